@@ -1,0 +1,73 @@
+package token
+
+import (
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+)
+
+// MaxLength is the longest bearer token accepted, in bytes. Kubernetes
+// ServiceAccount tokens are around 1 KiB.
+const MaxLength = 16 << 10
+
+// ErrMalformed is wrapped by every error of CheckShape.
+var ErrMalformed = errors.New("bearer token is not a JWT")
+
+// CheckShape returns an error wrapping ErrMalformed when s cannot be a JWS
+// compact serialization: empty, longer than MaxLength, not three dot-separated
+// segments, or segments that are not unpadded base64url. The error never
+// contains s.
+func CheckShape(s string) error {
+	if s == "" {
+		return fmt.Errorf("%w: empty", ErrMalformed)
+	}
+	if len(s) > MaxLength {
+		return fmt.Errorf("%w: %d bytes is longer than %d", ErrMalformed, len(s), MaxLength)
+	}
+	parts := strings.Split(s, ".")
+	if len(parts) != 3 {
+		return fmt.Errorf("%w: %d segments, want 3", ErrMalformed, len(parts))
+	}
+	for i, p := range parts {
+		if p == "" && i != 2 {
+			return fmt.Errorf("%w: segment %d is empty", ErrMalformed, i+1)
+		}
+		if strings.IndexFunc(p, notBase64URL) >= 0 {
+			return fmt.Errorf("%w: segment %d is not base64url", ErrMalformed, i+1)
+		}
+	}
+	return nil
+}
+
+func notBase64URL(r rune) bool {
+	return !(r >= 'A' && r <= 'Z' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '_')
+}
+
+// Fingerprint is a short, stable, non-reversible name for a token, for logs.
+func Fingerprint(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return "sha256:" + hex.EncodeToString(sum[:8])
+}
+
+// ID returns the token's credential id as the Kubernetes audit log records it
+// ("JTI=<jti>") when the token carries a jti claim, and its Fingerprint
+// otherwise. It reads the claims without verifying them: use it only to name
+// a token that an API server has issued or accepted.
+func ID(s string) string {
+	if CheckShape(s) == nil {
+		payload := s[strings.IndexByte(s, '.')+1 : strings.LastIndexByte(s, '.')]
+		if raw, err := base64.RawURLEncoding.DecodeString(payload); err == nil {
+			var claims struct {
+				JTI string `json:"jti"`
+			}
+			if json.Unmarshal(raw, &claims) == nil && claims.JTI != "" && len(claims.JTI) <= 128 {
+				return "JTI=" + claims.JTI
+			}
+		}
+	}
+	return Fingerprint(s)
+}

@@ -1,0 +1,97 @@
+package token
+
+import (
+	"encoding/base64"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func jwt(payload string) string {
+	enc := base64.RawURLEncoding.EncodeToString
+	return enc([]byte(`{"alg":"RS256"}`)) + "." + enc([]byte(payload)) + "." + enc([]byte("signature"))
+}
+
+func TestCheckShape(t *testing.T) {
+	tests := []struct {
+		name    string
+		token   string
+		wantErr string
+	}{
+		{name: "jwt", token: jwt(`{"sub":"a"}`)},
+		{name: "unsigned jwt", token: "e30.e30."},
+		{name: "empty", token: "", wantErr: "bearer token is not a JWT: empty"},
+		{name: "opaque", token: "abcdef", wantErr: "bearer token is not a JWT: 1 segments, want 3"},
+		{name: "four segments", token: "a.b.c.d", wantErr: "bearer token is not a JWT: 4 segments, want 3"},
+		{name: "empty header", token: ".b.c", wantErr: "bearer token is not a JWT: segment 1 is empty"},
+		{name: "padding", token: "a.b=.c", wantErr: "bearer token is not a JWT: segment 2 is not base64url"},
+		{name: "space", token: "a.b.c d", wantErr: "bearer token is not a JWT: segment 3 is not base64url"},
+		{name: "too long", token: "a.b." + strings.Repeat("c", MaxLength), wantErr: "bearer token is not a JWT: 16388 bytes is longer than 16384"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := CheckShape(tt.token)
+			if tt.wantErr == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.EqualError(t, err, tt.wantErr)
+			assert.ErrorIs(t, err, ErrMalformed)
+		})
+	}
+}
+
+func TestID(t *testing.T) {
+	tests := []struct {
+		name  string
+		token string
+		want  string
+	}{
+		{name: "jti", token: jwt(`{"jti":"5b3d2c"}`), want: "JTI=5b3d2c"},
+		{name: "no jti", token: jwt(`{"sub":"a"}`), want: Fingerprint(jwt(`{"sub":"a"}`))},
+		{name: "payload not json", token: jwt(`not json`), want: Fingerprint(jwt(`not json`))},
+		{name: "not a jwt", token: "opaque", want: Fingerprint("opaque")},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			assert.Equal(t, tt.want, ID(tt.token))
+		})
+	}
+}
+
+func TestFingerprintHidesToken(t *testing.T) {
+	tok := jwt(`{"sub":"secret"}`)
+	fp := Fingerprint(tok)
+	assert.Regexp(t, `^sha256:[0-9a-f]{16}$`, fp)
+	assert.NotContains(t, fp, tok[:10])
+}
+
+func FuzzCheckShapeAndID(f *testing.F) {
+	f.Add(jwt(`{"jti":"x"}`))
+	f.Add("a.b.c")
+	f.Add("")
+	f.Add("..")
+	f.Fuzz(func(t *testing.T, s string) {
+		err := CheckShape(s)
+		if err != nil && len(s) > 0 && strings.Contains(err.Error(), s) && len(s) > 3 {
+			t.Fatalf("error %q repeats the token", err)
+		}
+		id := ID(s)
+		if id == "" {
+			t.Fatal("empty id")
+		}
+	})
+}
+
+func ExampleID() {
+	// The payload of this ServiceAccount token is {"jti":"b1f3"}.
+	tok := "eyJhbGciOiJSUzI1NiJ9.eyJqdGkiOiJiMWYzIn0.c2ln"
+	fmt.Println(CheckShape(tok))
+	fmt.Println(ID(tok))
+	// Output:
+	// <nil>
+	// JTI=b1f3
+}
