@@ -1,0 +1,206 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/golang-lru/v2/expirable"
+	"golang.org/x/sync/singleflight"
+)
+
+// Clock tells the time. k8s.io/utils/clock clocks satisfy it.
+type Clock interface {
+	Now() time.Time
+}
+
+type realClock struct{}
+
+func (realClock) Now() time.Time { return time.Now() }
+
+// minMaxTTL is the smallest MaxTTL the expirable LRU accepts: its cleaner
+// ticks every MaxTTL/100 and a zero tick panics.
+const minMaxTTL = 100 * time.Nanosecond
+
+// Config configures a Cache.
+type Config struct {
+	// Size is the maximum number of entries; the least recently used entry
+	// is evicted beyond it. Required, > 0.
+	Size int
+	// MaxTTL bounds how long, by the real clock, any entry is kept in memory
+	// after it was last stored, whatever its freshness. Required, at least
+	// 100ns.
+	MaxTTL time.Duration
+	// Clock decides freshness. Default: the real clock.
+	Clock Clock
+}
+
+// ErrFetchPanicked is wrapped by the error Do returns when fetch panicked.
+var ErrFetchPanicked = errors.New("store: fetch panicked")
+
+type entry[V any] struct {
+	v          V
+	freshUntil time.Time
+}
+
+// Cache is a bounded cache whose entries are each fresh until their own
+// time. It is safe for concurrent use.
+type Cache[V any] struct {
+	clock Clock
+	lru   *expirable.LRU[string, entry[V]]
+	group singleflight.Group
+
+	// mu makes Get's check-then-remove and Add atomic with respect to each
+	// other, so Get never removes a fresh entry that Add just stored.
+	mu sync.Mutex
+
+	// testHookJoined, when set, is called by Do after the caller has joined
+	// (or started) the fetch for key and before it waits.
+	testHookJoined func(key string)
+}
+
+// New returns an empty Cache.
+func New[V any](cfg Config) (*Cache[V], error) {
+	if cfg.Size <= 0 {
+		return nil, fmt.Errorf("store: Config.Size must be > 0, got %d", cfg.Size)
+	}
+	if cfg.MaxTTL < minMaxTTL {
+		return nil, fmt.Errorf("store: Config.MaxTTL must be at least %v, got %v", minMaxTTL, cfg.MaxTTL)
+	}
+	clk := cfg.Clock
+	if clk == nil {
+		clk = realClock{}
+	}
+	return &Cache[V]{
+		clock: clk,
+		lru:   expirable.NewLRU[string, entry[V]](cfg.Size, nil, cfg.MaxTTL),
+	}, nil
+}
+
+// Get returns the value stored for key if Clock.Now() is before its
+// freshUntil. A stale entry is removed and reported missing.
+func (c *Cache[V]) Get(key string) (V, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.lru.Get(key)
+	if !ok {
+		var zero V
+		return zero, false
+	}
+	if !c.clock.Now().Before(e.freshUntil) {
+		c.lru.Remove(key)
+		var zero V
+		return zero, false
+	}
+	return e.v, true
+}
+
+// Add stores v for key, fresh until freshUntil, replacing any entry for key.
+// It does nothing when freshUntil is not after Clock.Now().
+func (c *Cache[V]) Add(key string, v V, freshUntil time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !freshUntil.After(c.clock.Now()) {
+		return
+	}
+	c.lru.Add(key, entry[V]{v: v, freshUntil: freshUntil})
+}
+
+// Remove removes the entry for key, if any.
+func (c *Cache[V]) Remove(key string) {
+	c.lru.Remove(key)
+}
+
+// Len returns the number of entries held in memory, including stale entries
+// that no Get has looked at yet.
+func (c *Cache[V]) Len() int {
+	return c.lru.Len()
+}
+
+type flight[V any] struct {
+	v   V
+	hit bool
+}
+
+// Do returns the fresh cached value for key (hit=true), or calls fetch once
+// for all concurrent callers of the same key, caches its result until the
+// freshUntil it returns, and returns it (hit=false). A result whose
+// freshUntil is not after now is returned but not cached.
+//
+// fetch runs under context.WithoutCancel(ctx) of the caller that started it,
+// so one caller giving up does not fail the others; fetch must bound itself.
+// Each caller waits with its own ctx and returns an error wrapping ctx.Err()
+// if that ends first. Errors from fetch are returned as they are and not
+// cached. A panic in fetch is returned to every waiter as an error wrapping
+// ErrFetchPanicked.
+func (c *Cache[V]) Do(ctx context.Context, key string, fetch func(ctx context.Context) (V, time.Time, error)) (v V, hit bool, err error) {
+	if v, ok := c.Get(key); ok {
+		return v, true, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return v, false, fmt.Errorf("store: not waiting for fetch: %w", err)
+	}
+	fetchCtx := context.WithoutCancel(ctx)
+	ch := c.group.DoChan(key, func() (any, error) {
+		// A fetch for key may have finished between our Get and DoChan.
+		if v, ok := c.Get(key); ok {
+			return flight[V]{v: v, hit: true}, nil
+		}
+		v, freshUntil, err := safeFetch(fetchCtx, fetch)
+		if err != nil {
+			return nil, err
+		}
+		c.Add(key, v, freshUntil)
+		return flight[V]{v: v}, nil
+	})
+	if c.testHookJoined != nil {
+		c.testHookJoined(key)
+	}
+	select {
+	case <-ctx.Done():
+		return v, false, fmt.Errorf("store: waiting for fetch: %w", ctx.Err())
+	case res := <-ch:
+		if res.Err != nil {
+			return v, false, res.Err
+		}
+		f := res.Val.(flight[V])
+		return f.v, f.hit, nil
+	}
+}
+
+// safeFetch calls fetch and turns a panic into an error. The panic value is
+// dropped, since it may contain secrets; only its type is kept. singleflight
+// must never see the panic: with DoChan it would re-panic in a new goroutine
+// and crash the process.
+func safeFetch[V any](ctx context.Context, fetch func(context.Context) (V, time.Time, error)) (v V, freshUntil time.Time, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			var zero V
+			v, freshUntil, err = zero, time.Time{}, fmt.Errorf("%w (%T)", ErrFetchPanicked, r)
+		}
+	}()
+	return fetch(ctx)
+}
+
+// Halfway returns the instant when half of [issued, expires) has passed.
+// Tokens are reused only while at least half their lifetime remains, so
+// Halfway(issued, expires) is the freshUntil to cache a token with. When
+// expires is not after issued, it returns expires.
+func Halfway(issued, expires time.Time) time.Time {
+	d := expires.Sub(issued)
+	if d <= 0 {
+		return expires
+	}
+	if d < math.MaxInt64 {
+		return issued.Add(d / 2)
+	}
+	// The span does not fit in a Duration (such as a zero issued time):
+	// halve it in seconds and nanoseconds instead.
+	s := expires.Unix() - issued.Unix()
+	ns := int64(expires.Nanosecond()) - int64(issued.Nanosecond())
+	half := time.Duration(s%2)*time.Second/2 + time.Duration(ns/2)
+	return time.Unix(issued.Unix()+s/2, int64(issued.Nanosecond())).Add(half).In(issued.Location())
+}

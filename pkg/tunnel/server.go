@@ -1,0 +1,374 @@
+package tunnel
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/token"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// ClusterRef names one incarnation of a ClusterProfile: a profile deleted and
+// recreated under the same name has a new UID, and the sessions admitted for
+// the old one do not serve the new one.
+type ClusterRef struct {
+	types.NamespacedName
+	UID types.UID
+}
+
+func (c ClusterRef) String() string { return c.NamespacedName.String() }
+
+// admittedHeader is the header the broker sends when it admits a stream; its
+// value names the cluster the agent serves.
+const admittedHeader = "credbroker-cluster"
+
+// Resolver maps an agent's SPIFFE ID to the one ClusterProfile it may serve.
+type Resolver interface {
+	ResolveAgent(id spiffeid.ID) (ClusterRef, error)
+}
+
+// ServerConfig configures a Server.
+type ServerConfig struct {
+	// Resolver admits agents; required.
+	Resolver Resolver
+	// PeerID returns the authenticated SPIFFE ID of a stream's peer; required.
+	// The broker passes identity.PeerID.
+	PeerID func(ctx context.Context) (spiffeid.ID, error)
+	// MintTimeout bounds one mint request on the stream. Default 10s.
+	MintTimeout time.Duration
+	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
+	HelloTimeout time.Duration
+	// Log receives connection events. Default: discard.
+	Log logr.Logger
+}
+
+// Server is the broker side of AgentTunnel.
+type Server struct {
+	pb.UnsafeAgentTunnelServer
+
+	cfg  ServerConfig
+	next atomic.Uint64 // round robin over a cluster's sessions
+
+	mu       sync.RWMutex
+	sessions map[types.NamespacedName][]*session
+}
+
+var _ pb.AgentTunnelServer = (*Server)(nil)
+
+// NewServer returns a Server with no sessions.
+func NewServer(cfg ServerConfig) (*Server, error) {
+	if cfg.Resolver == nil || cfg.PeerID == nil {
+		return nil, errors.New("tunnel: Resolver and PeerID are required")
+	}
+	if cfg.MintTimeout <= 0 {
+		cfg.MintTimeout = 10 * time.Second
+	}
+	if cfg.HelloTimeout <= 0 {
+		cfg.HelloTimeout = 10 * time.Second
+	}
+	return &Server{cfg: cfg, sessions: map[types.NamespacedName][]*session{}}, nil
+}
+
+// session is one live Connect stream.
+type session struct {
+	agent   spiffeid.ID
+	cluster ClusterRef
+	hello   *pb.Hello
+	out     chan *pb.BrokerFrame
+	ctx     context.Context
+	cancel  context.CancelCauseFunc
+
+	mu      sync.Mutex
+	pending map[string]chan *pb.AgentFrame
+}
+
+// Connect serves one agent stream until the agent leaves, the stream breaks,
+// or the agent's ClusterProfile stops accepting it.
+func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame]) error {
+	ctx := stream.Context()
+	id, err := s.cfg.PeerID(ctx)
+	if err != nil {
+		return errdefs.ToStatus(fmt.Errorf("agent stream: %w", err)).Err()
+	}
+	log := s.cfg.Log.WithValues("agent", id.String())
+	cluster, err := s.cfg.Resolver.ResolveAgent(id)
+	if err != nil {
+		log.Info("agent refused", "reason", err.Error())
+		return errdefs.ToStatus(fmt.Errorf("agent %s: %w", id, err)).Err()
+	}
+	log = log.WithValues("cluster", cluster.String())
+
+	hello, err := recvHello(ctx, stream, s.cfg.HelloTimeout)
+	if err != nil {
+		log.Info("agent stream closed before hello", "reason", err.Error())
+		return errdefs.ToStatus(err).Err()
+	}
+	// Headers tell the agent it was admitted.
+	if err := stream.SendHeader(metadata.Pairs(admittedHeader, cluster.String())); err != nil {
+		return err
+	}
+
+	sctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	sess := &session{
+		agent: id, cluster: cluster, hello: hello,
+		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
+		pending: map[string]chan *pb.AgentFrame{},
+	}
+	s.add(sess)
+	defer s.remove(sess)
+	log.Info("agent connected", "agentVersion", hello.GetAgentVersion())
+	streamsGauge.Inc()
+	defer streamsGauge.Dec()
+
+	recvErr := make(chan error, 1)
+	go func() { recvErr <- sess.receive(stream, log) }()
+	for {
+		select {
+		case f := <-sess.out:
+			if err := stream.Send(f); err != nil {
+				log.Info("agent stream send failed", "err", err.Error())
+				return err
+			}
+		case err := <-recvErr:
+			log.Info("agent disconnected", "reason", errString(err))
+			return nil
+		case <-sctx.Done():
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			cause := context.Cause(sctx)
+			log.Info("agent stream closed by broker", "reason", cause.Error())
+			return errdefs.ToStatus(cause).Err()
+		}
+	}
+}
+
+func recvHello(ctx context.Context, stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame], timeout time.Duration) (*pb.Hello, error) {
+	type result struct {
+		f   *pb.AgentFrame
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		f, err := stream.Recv()
+		ch <- result{f, err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			return nil, r.err
+		}
+		if r.f.GetHello() == nil {
+			return nil, fmt.Errorf("agent stream: the first frame must be a hello: %w", errdefs.ErrInvalidArgument)
+		}
+		return r.f.GetHello(), nil
+	case <-time.After(timeout):
+		return nil, fmt.Errorf("agent stream: no hello within %s: %w", timeout, errdefs.ErrDeadlineExceeded)
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// receive delivers answers to their waiting Mint calls until the stream ends.
+func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame], log logr.Logger) error {
+	for {
+		f, err := stream.Recv()
+		if err != nil {
+			return err
+		}
+		sess.mu.Lock()
+		ch, ok := sess.pending[f.GetCorrelationId()]
+		delete(sess.pending, f.GetCorrelationId())
+		sess.mu.Unlock()
+		if !ok {
+			// A late answer to a request that timed out, or a stray frame.
+			log.V(1).Info("agent frame matches no request", "correlationID", f.GetCorrelationId())
+			continue
+		}
+		ch <- f // buffered; never blocks
+	}
+}
+
+func (s *Server) add(sess *session) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	key := sess.cluster.NamespacedName
+	s.sessions[key] = append(s.sessions[key], sess)
+}
+
+func (s *Server) remove(sess *session) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	key := sess.cluster.NamespacedName
+	list := s.sessions[key]
+	for i, x := range list {
+		if x == sess {
+			list = append(list[:i:i], list[i+1:]...)
+			break
+		}
+	}
+	if len(list) == 0 {
+		delete(s.sessions, key)
+	} else {
+		s.sessions[key] = list
+	}
+}
+
+// live returns the sessions that serve cluster.
+func (s *Server) live(cluster ClusterRef) []*session {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	var out []*session
+	for _, sess := range s.sessions[cluster.NamespacedName] {
+		if sess.cluster.UID == cluster.UID && sess.ctx.Err() == nil {
+			out = append(out, sess)
+		}
+	}
+	return out
+}
+
+// Connected reports how many live sessions serve cluster.
+func (s *Server) Connected(cluster ClusterRef) int { return len(s.live(cluster)) }
+
+// Hello returns the hello of one live session of cluster, if any; the broker
+// uses it to publish the spoke's server and CA.
+func (s *Server) Hello(cluster ClusterRef) (*pb.Hello, bool) {
+	for _, sess := range s.live(cluster) {
+		return sess.hello, true
+	}
+	return nil, false
+}
+
+// Revalidate re-resolves the agent of every session of the named cluster and
+// closes those that no longer map to the ClusterProfile they were admitted
+// for: it was deleted, recreated, or its agent ID annotation changed. The
+// broker calls it whenever a ClusterProfile changes.
+func (s *Server) Revalidate(key types.NamespacedName) {
+	s.mu.RLock()
+	list := append([]*session(nil), s.sessions[key]...)
+	s.mu.RUnlock()
+	for _, sess := range list {
+		got, err := s.cfg.Resolver.ResolveAgent(sess.agent)
+		switch {
+		case err != nil:
+			sess.cancel(fmt.Errorf("agent %s no longer serves %s: %w", sess.agent, sess.cluster, err))
+		case got != sess.cluster:
+			sess.cancel(fmt.Errorf("agent %s no longer serves %s: the ClusterProfile changed: %w",
+				sess.agent, sess.cluster, errdefs.ErrPermissionDenied))
+		}
+	}
+}
+
+// Mint sends req to one live agent session of cluster and returns its answer.
+// Errors wrap errdefs sentinels: ErrUnavailable when no agent is connected or
+// the stream breaks, ErrDeadlineExceeded when the agent does not answer within
+// MintTimeout, and the agent's own code when it refuses.
+func (s *Server) Mint(ctx context.Context, cluster ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
+	sessions := s.live(cluster)
+	if len(sessions) == 0 {
+		return nil, fmt.Errorf("no agent is connected for cluster %s: %w", cluster, errdefs.ErrUnavailable)
+	}
+	sess := sessions[s.next.Add(1)%uint64(len(sessions))]
+
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
+	defer cancel()
+	start := time.Now()
+	resp, err := sess.mint(ctx, req)
+	observeMint(start, err)
+	if err != nil {
+		return nil, fmt.Errorf("cluster %s: %w", cluster, err)
+	}
+	return resp, nil
+}
+
+func (sess *session) mint(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
+	id := newCorrelationID()
+	answer := make(chan *pb.AgentFrame, 1)
+	sess.mu.Lock()
+	sess.pending[id] = answer
+	sess.mu.Unlock()
+	defer func() {
+		sess.mu.Lock()
+		delete(sess.pending, id)
+		sess.mu.Unlock()
+	}()
+
+	frame := &pb.BrokerFrame{CorrelationId: id, Body: &pb.BrokerFrame_MintRequest{MintRequest: req}}
+	select {
+	case sess.out <- frame:
+	case <-sess.ctx.Done():
+		return nil, fmt.Errorf("agent stream closed: %w", errdefs.ErrUnavailable)
+	case <-ctx.Done():
+		return nil, waitErr(ctx)
+	}
+
+	select {
+	case f := <-answer:
+		return answerOf(f)
+	case <-sess.ctx.Done():
+		return nil, fmt.Errorf("agent stream closed before it answered: %w", errdefs.ErrUnavailable)
+	case <-ctx.Done():
+		return nil, waitErr(ctx)
+	}
+}
+
+func waitErr(ctx context.Context) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return fmt.Errorf("the agent did not answer in time: %w", errdefs.ErrDeadlineExceeded)
+	}
+	return ctx.Err()
+}
+
+func answerOf(f *pb.AgentFrame) (*pb.MintResponse, error) {
+	switch body := f.GetBody().(type) {
+	case *pb.AgentFrame_MintResponse:
+		r := body.MintResponse
+		if r.GetToken() == "" || r.GetExpirationTime() == nil {
+			return nil, errors.New("the agent answered without a token or an expiry")
+		}
+		if err := token.CheckShape(r.GetToken()); err != nil {
+			return nil, fmt.Errorf("the agent answered with a malformed token: %w", err)
+		}
+		return r, nil
+	case *pb.AgentFrame_Error:
+		code := codes.Code(body.Error.GetCode())
+		if code == codes.OK {
+			code = codes.Unknown
+		}
+		return nil, errdefs.FromCode(code, "agent: "+body.Error.GetMessage())
+	default:
+		return nil, fmt.Errorf("the agent answered with an unexpected frame %T", body)
+	}
+}
+
+func newCorrelationID() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	if st, ok := status.FromError(err); ok {
+		return st.Code().String() + ": " + st.Message()
+	}
+	return err.Error()
+}

@@ -1,0 +1,321 @@
+package tunnel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/test/bufconn"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+const testToken = "eyJhbGciOiJSUzI1NiJ9.eyJqdGkiOiJiMWYzIn0.c2ln"
+
+// fakeResolver admits the agents listed in clusters.
+type fakeResolver struct {
+	mu       sync.Mutex
+	clusters map[string]ClusterRef
+}
+
+func (r *fakeResolver) ResolveAgent(id spiffeid.ID) (ClusterRef, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c, ok := r.clusters[id.String()]
+	if !ok {
+		return ClusterRef{}, fmt.Errorf("no ClusterProfile accepts agent %s: %w", id, errdefs.ErrPermissionDenied)
+	}
+	return c, nil
+}
+
+func (r *fakeResolver) set(id string, c *ClusterRef) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if c == nil {
+		delete(r.clusters, id)
+	} else {
+		r.clusters[id] = *c
+	}
+}
+
+// peerFromMetadata stands in for the mTLS peer ID: the in-memory tests put
+// the agent's ID in metadata.
+func peerFromMetadata(ctx context.Context) (spiffeid.ID, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	if v := md.Get("test-agent-id"); len(v) == 1 {
+		return spiffeid.FromString(v[0])
+	}
+	return spiffeid.ID{}, fmt.Errorf("no peer: %w", errdefs.ErrUnauthenticated)
+}
+
+// fakeMinter answers with fn, or a fixed token.
+type fakeMinter struct {
+	calls atomic.Int32
+	fn    func(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error)
+}
+
+func (m *fakeMinter) Mint(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
+	m.calls.Add(1)
+	if m.fn != nil {
+		return m.fn(ctx, req)
+	}
+	return &pb.MintResponse{Token: testToken, ExpirationTime: timestamppb.New(time.Unix(2e9, 0))}, nil
+}
+
+var (
+	clusterA = ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "a"}, UID: "uid-a"}
+	agentA   = "spiffe://test.example/clusterprofile/fleet/a"
+)
+
+type harness struct {
+	srv      *Server
+	resolver *fakeResolver
+	lis      *bufconn.Listener
+}
+
+func newHarness(t *testing.T, mintTimeout time.Duration) *harness {
+	t.Helper()
+	r := &fakeResolver{clusters: map[string]ClusterRef{agentA: clusterA}}
+	srv, err := NewServer(ServerConfig{Resolver: r, PeerID: peerFromMetadata, MintTimeout: mintTimeout})
+	require.NoError(t, err)
+	lis := bufconn.Listen(1 << 20)
+	g := grpc.NewServer()
+	pb.RegisterAgentTunnelServer(g, srv)
+	go func() { _ = g.Serve(lis) }()
+	t.Cleanup(g.Stop)
+	return &harness{srv: srv, resolver: r, lis: lis}
+}
+
+// agent starts a Client that presents id, and returns it with a stop func.
+func (h *harness) agent(t *testing.T, id string, m Minter) (*Client, context.CancelFunc) {
+	t.Helper()
+	c, err := NewClient(ClientConfig{
+		Address:        "passthrough:///bufnet",
+		Credentials:    insecure.NewCredentials(),
+		Minter:         m,
+		Hello:          &pb.Hello{AgentVersion: "test"},
+		InitialBackoff: 10 * time.Millisecond,
+		MaxBackoff:     50 * time.Millisecond,
+		DialOptions: []grpc.DialOption{
+			grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return h.lis.DialContext(ctx) }),
+			grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+				return streamer(metadata.AppendToOutgoingContext(ctx, "test-agent-id", id), desc, cc, method, opts...)
+			}),
+		},
+	})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	stop := func() {
+		cancel()
+		require.NoError(t, <-done)
+	}
+	t.Cleanup(func() {
+		if ctx.Err() == nil {
+			stop()
+		}
+	})
+	return c, stop
+}
+
+func waitConnected(t *testing.T, h *harness, c ClusterRef, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool { return h.srv.Connected(c) == n }, 10*time.Second, 5*time.Millisecond)
+}
+
+func TestMintRoundTrip(t *testing.T) {
+	h := newHarness(t, 5*time.Second)
+	var got *pb.MintRequest
+	m := &fakeMinter{fn: func(_ context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
+		got = req
+		return &pb.MintResponse{Token: testToken, ExpirationTime: timestamppb.New(time.Unix(2e9, 0))}, nil
+	}}
+	h.agent(t, agentA, m)
+	waitConnected(t, h, clusterA, 1)
+
+	hello, ok := h.srv.Hello(clusterA)
+	require.True(t, ok)
+	assert.Equal(t, "test", hello.GetAgentVersion())
+
+	req := &pb.MintRequest{Subject: &pb.Subject{Username: "system:serviceaccount:hub:c"}, Audiences: []string{"x"}}
+	resp, err := h.srv.Mint(context.Background(), clusterA, req)
+	require.NoError(t, err)
+	assert.Equal(t, testToken, resp.GetToken())
+	assert.Equal(t, "system:serviceaccount:hub:c", got.GetSubject().GetUsername())
+	assert.Equal(t, []string{"x"}, got.GetAudiences())
+}
+
+func TestMintErrors(t *testing.T) {
+	tests := []struct {
+		name     string
+		minter   func(context.Context, *pb.MintRequest) (*pb.MintResponse, error)
+		cluster  ClusterRef
+		wantCode codes.Code
+		wantMsg  string
+	}{
+		{
+			name:     "no agent for cluster",
+			cluster:  ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"},
+			wantCode: codes.Unavailable,
+			wantMsg:  "no agent is connected for cluster fleet/b: unavailable",
+		},
+		{
+			name:     "recreated cluster is not served by the old agent",
+			cluster:  ClusterRef{NamespacedName: clusterA.NamespacedName, UID: "uid-a2"},
+			wantCode: codes.Unavailable,
+			wantMsg:  "no agent is connected for cluster fleet/a: unavailable",
+		},
+		{
+			name: "agent refuses",
+			minter: func(context.Context, *pb.MintRequest) (*pb.MintResponse, error) {
+				return nil, fmt.Errorf("spoke ServiceAccount x/y does not allow u: %w", errdefs.ErrPermissionDenied)
+			},
+			cluster:  clusterA,
+			wantCode: codes.PermissionDenied,
+			wantMsg:  "cluster fleet/a: agent: spoke ServiceAccount x/y does not allow u: permission denied",
+		},
+		{
+			name: "agent fails internally",
+			minter: func(context.Context, *pb.MintRequest) (*pb.MintResponse, error) {
+				return nil, errors.New("secret internal detail")
+			},
+			cluster:  clusterA,
+			wantCode: codes.Internal,
+			wantMsg:  "cluster fleet/a: agent: " + errdefs.InternalMessage,
+		},
+		{
+			name: "agent does not answer in time",
+			minter: func(ctx context.Context, _ *pb.MintRequest) (*pb.MintResponse, error) {
+				<-ctx.Done()
+				return nil, ctx.Err()
+			},
+			cluster:  clusterA,
+			wantCode: codes.DeadlineExceeded,
+			wantMsg:  "cluster fleet/a: the agent did not answer in time: deadline exceeded",
+		},
+		{
+			name: "agent answers with garbage",
+			minter: func(context.Context, *pb.MintRequest) (*pb.MintResponse, error) {
+				return &pb.MintResponse{Token: "not a jwt", ExpirationTime: timestamppb.Now()}, nil
+			},
+			cluster:  clusterA,
+			wantCode: codes.Internal,
+			wantMsg:  "cluster fleet/a: the agent answered with a malformed token: bearer token is not a JWT: 1 segments, want 3",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := newHarness(t, 300*time.Millisecond)
+			h.agent(t, agentA, &fakeMinter{fn: tt.minter})
+			waitConnected(t, h, clusterA, 1)
+			_, err := h.srv.Mint(context.Background(), tt.cluster, &pb.MintRequest{})
+			require.Error(t, err)
+			assert.Equal(t, tt.wantCode, errdefs.Code(err))
+			assert.EqualError(t, err, tt.wantMsg)
+		})
+	}
+}
+
+func TestUnknownAgentIsRefused(t *testing.T) {
+	h := newHarness(t, time.Second)
+	c, _ := h.agent(t, "spiffe://test.example/clusterprofile/fleet/unknown", &fakeMinter{})
+
+	// The refusal is a status on the stream; the client keeps retrying and
+	// never counts as connected.
+	conn, err := grpc.NewClient("passthrough:///bufnet",
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return h.lis.DialContext(ctx) }))
+	require.NoError(t, err)
+	defer conn.Close()
+	ctx := metadata.AppendToOutgoingContext(context.Background(), "test-agent-id", "spiffe://test.example/clusterprofile/fleet/unknown")
+	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
+	require.NoError(t, err)
+	_ = stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}) // io.EOF once refused
+	_, err = stream.Recv()
+	assert.Equal(t, codes.PermissionDenied, statusCode(err))
+	assert.Contains(t, err.Error(), "no ClusterProfile accepts agent spiffe://test.example/clusterprofile/fleet/unknown")
+
+	select {
+	case <-c.Connected():
+		t.Fatal("an unknown agent was admitted")
+	default:
+	}
+}
+
+func TestFirstFrameMustBeHello(t *testing.T) {
+	h := newHarness(t, time.Second)
+	conn, err := grpc.NewClient("passthrough:///bufnet",
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return h.lis.DialContext(ctx) }))
+	require.NoError(t, err)
+	defer conn.Close()
+	ctx := metadata.AppendToOutgoingContext(context.Background(), "test-agent-id", agentA)
+	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
+	require.NoError(t, err)
+	require.NoError(t, stream.Send(&pb.AgentFrame{CorrelationId: "x", Body: &pb.AgentFrame_Error{Error: &pb.Error{}}}))
+	_, err = stream.Recv()
+	assert.Equal(t, codes.InvalidArgument, statusCode(err))
+	assert.Equal(t, 0, h.srv.Connected(clusterA))
+}
+
+func TestRevalidateClosesStreamsOfChangedCluster(t *testing.T) {
+	h := newHarness(t, time.Second)
+	h.agent(t, agentA, &fakeMinter{})
+	waitConnected(t, h, clusterA, 1)
+
+	// The ClusterProfile is deleted: the stream closes and the agent is not
+	// admitted again.
+	h.resolver.set(agentA, nil)
+	h.srv.Revalidate(clusterA.NamespacedName)
+	waitConnected(t, h, clusterA, 0)
+
+	// Recreated under the same name with a new UID: the agent's reconnect is
+	// admitted for the new incarnation only.
+	recreated := ClusterRef{NamespacedName: clusterA.NamespacedName, UID: "uid-a2"}
+	h.resolver.set(agentA, &recreated)
+	waitConnected(t, h, recreated, 1)
+	assert.Equal(t, 0, h.srv.Connected(clusterA))
+}
+
+func TestMintSpreadsOverStreams(t *testing.T) {
+	h := newHarness(t, time.Second)
+	m1, m2 := &fakeMinter{}, &fakeMinter{}
+	h.agent(t, agentA, m1)
+	h.agent(t, agentA, m2)
+	waitConnected(t, h, clusterA, 2)
+	for range 10 {
+		_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+		require.NoError(t, err)
+	}
+	assert.Equal(t, int32(5), m1.calls.Load())
+	assert.Equal(t, int32(5), m2.calls.Load())
+}
+
+func TestStoppedAgentIsForgotten(t *testing.T) {
+	h := newHarness(t, time.Second)
+	_, stop := h.agent(t, agentA, &fakeMinter{})
+	waitConnected(t, h, clusterA, 1)
+	stop()
+	waitConnected(t, h, clusterA, 0)
+	_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+	assert.ErrorIs(t, err, errdefs.ErrUnavailable)
+}
+
+func statusCode(err error) codes.Code { return status.Code(err) }
