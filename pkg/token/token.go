@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 )
 
 // MaxLength is the longest bearer token accepted, in bytes. Kubernetes
@@ -53,21 +54,39 @@ func Fingerprint(s string) string {
 	return "sha256:" + hex.EncodeToString(sum[:8])
 }
 
+// claims decodes the payload of a JWT-shaped token without verifying it.
+func claims(s string) (c struct {
+	JTI string `json:"jti"`
+	Exp int64  `json:"exp"`
+}, ok bool) {
+	if CheckShape(s) != nil {
+		return c, false
+	}
+	payload := s[strings.IndexByte(s, '.')+1 : strings.LastIndexByte(s, '.')]
+	raw, err := base64.RawURLEncoding.DecodeString(payload)
+	if err != nil {
+		return c, false
+	}
+	return c, json.Unmarshal(raw, &c) == nil
+}
+
+// Expiry returns the token's exp claim, unverified. Use it only to shorten
+// how long a decision about an accepted token is cached, never to accept one.
+func Expiry(s string) (time.Time, bool) {
+	c, ok := claims(s)
+	if !ok || c.Exp <= 0 {
+		return time.Time{}, false
+	}
+	return time.Unix(c.Exp, 0), true
+}
+
 // ID returns the token's credential id as the Kubernetes audit log records it
 // ("JTI=<jti>") when the token carries a jti claim, and its Fingerprint
 // otherwise. It reads the claims without verifying them: use it only to name
 // a token that an API server has issued or accepted.
 func ID(s string) string {
-	if CheckShape(s) == nil {
-		payload := s[strings.IndexByte(s, '.')+1 : strings.LastIndexByte(s, '.')]
-		if raw, err := base64.RawURLEncoding.DecodeString(payload); err == nil {
-			var claims struct {
-				JTI string `json:"jti"`
-			}
-			if json.Unmarshal(raw, &claims) == nil && claims.JTI != "" && len(claims.JTI) <= 128 {
-				return "JTI=" + claims.JTI
-			}
-		}
+	if c, ok := claims(s); ok && c.JTI != "" && len(c.JTI) <= 128 {
+		return "JTI=" + c.JTI
 	}
 	return Fingerprint(s)
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -62,6 +63,28 @@ func TestID(t *testing.T) {
 	}
 }
 
+func TestExpiry(t *testing.T) {
+	tests := []struct {
+		name   string
+		token  string
+		want   time.Time
+		wantOK bool
+	}{
+		{name: "exp", token: jwt(`{"exp":2000000000}`), want: time.Unix(2000000000, 0), wantOK: true},
+		{name: "no exp", token: jwt(`{"sub":"a"}`)},
+		{name: "exp not a number", token: jwt(`{"exp":"soon"}`)},
+		{name: "negative exp", token: jwt(`{"exp":-1}`)},
+		{name: "not a jwt", token: "opaque"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, ok := Expiry(tt.token)
+			assert.Equal(t, tt.wantOK, ok)
+			assert.True(t, tt.want.Equal(got), "got %v", got)
+		})
+	}
+}
+
 func TestFingerprintHidesToken(t *testing.T) {
 	tok := jwt(`{"sub":"secret"}`)
 	fp := Fingerprint(tok)
@@ -79,6 +102,7 @@ func FuzzCheckShapeAndID(f *testing.F) {
 		if err != nil && len(s) > 0 && strings.Contains(err.Error(), s) && len(s) > 3 {
 			t.Fatalf("error %q repeats the token", err)
 		}
+		_, _ = Expiry(s)
 		id := ID(s)
 		if id == "" {
 			t.Fatal("empty id")

@@ -1,0 +1,52 @@
+package tokenexchange
+
+import (
+	"time"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// auditRecord collects what one exchange learned, for its audit line.
+type auditRecord struct {
+	user         *userInfo
+	cacheHit     bool
+	minted       *pb.MintResponse
+	credentialID string
+}
+
+// audit writes the exchange's one audit line and records its metrics. It
+// never writes a token; the minted token appears as its credential id.
+func (s *Service) audit(rec *auditRecord, req *pb.ExchangeRequest, err error, latency time.Duration) {
+	code := errdefs.Code(err)
+	kv := []any{
+		"cluster", refString(req.GetCluster()),
+		"requestedServiceAccount", refString(req.GetServiceAccount()),
+		"audiences", req.GetAudiences(),
+		"code", code.String(),
+		"cacheHit", rec.cacheHit,
+		"latency", latency.String(),
+	}
+	if rec.user != nil {
+		kv = append(kv, "user", rec.user.Username, "uid", rec.user.UID)
+	}
+	if rec.minted != nil {
+		kv = append(kv,
+			"serviceAccount", refString(rec.minted.GetServiceAccount()),
+			"expiration", rec.minted.GetExpirationTime().AsTime().UTC().Format(time.RFC3339),
+			"credentialID", rec.credentialID)
+	}
+	if err != nil {
+		kv = append(kv, "reason", err.Error())
+	}
+	s.cfg.Audit.Info("exchange", kv...)
+	exchanges.WithLabelValues(code.String(), cacheLabel(rec.cacheHit)).Inc()
+	exchangeDuration.WithLabelValues(code.String()).Observe(latency.Seconds())
+}
+
+func refString(r *pb.ObjectReference) string {
+	if r == nil {
+		return ""
+	}
+	return r.GetNamespace() + "/" + r.GetName()
+}

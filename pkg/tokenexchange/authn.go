@@ -1,0 +1,104 @@
+package tokenexchange
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc/metadata"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/token"
+)
+
+// userInfo is the hub identity a TokenReview returned.
+type userInfo struct {
+	Username string
+	UID      string
+	Groups   []string
+	Extra    map[string]authenticationv1.ExtraValue
+}
+
+// authnResult is a cached TokenReview outcome: a user, or why there is none.
+type authnResult struct {
+	user   userInfo
+	reason string
+}
+
+// bearerToken reads the "authorization: Bearer <token>" metadata and checks
+// that the token has the shape of a JWT.
+func bearerToken(ctx context.Context) (string, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	values := md.Get("authorization")
+	if len(values) != 1 {
+		return "", fmt.Errorf("send one 'authorization: Bearer <hub ServiceAccount token>' header, got %d: %w", len(values), errdefs.ErrUnauthenticated)
+	}
+	scheme, tok, ok := strings.Cut(values[0], " ")
+	if !ok || !strings.EqualFold(scheme, "bearer") {
+		return "", fmt.Errorf("the authorization header must use the Bearer scheme: %w", errdefs.ErrUnauthenticated)
+	}
+	if err := token.CheckShape(tok); err != nil {
+		return "", fmt.Errorf("%w: %w", err, errdefs.ErrUnauthenticated)
+	}
+	return tok, nil
+}
+
+// authenticate checks bearer with a hub TokenReview for the broker's
+// audience. Results are cached under an HMAC of the token: successes for
+// AuthnTTL but never past the token's exp claim, failures for DenyTTL.
+func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, error) {
+	mac := hmac.New(sha256.New, s.cfg.HMACKey)
+	mac.Write([]byte(bearer))
+	key := hex.EncodeToString(mac.Sum(nil))
+
+	res, hit, err := s.authn.Do(ctx, key, func(ctx context.Context) (authnResult, time.Time, error) {
+		return s.tokenReview(ctx, bearer)
+	})
+	cacheLookups.WithLabelValues("authn", cacheLabel(hit)).Inc()
+	if err != nil {
+		return userInfo{}, err
+	}
+	if res.reason != "" {
+		return userInfo{}, fmt.Errorf("the hub rejected the token for audience %q: %s: %w", s.cfg.Audience, res.reason, errdefs.ErrUnauthenticated)
+	}
+	return res.user, nil
+}
+
+func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, time.Time, error) {
+	now := s.cfg.Clock.Now()
+	review, err := s.cfg.TokenReviews.Create(ctx, &authenticationv1.TokenReview{
+		Spec: authenticationv1.TokenReviewSpec{Token: bearer, Audiences: []string{s.cfg.Audience}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		return authnResult{}, time.Time{}, fmt.Errorf("hub TokenReview failed: %s: %w", apiReason(err), errdefs.ErrUnavailable)
+	}
+	st := review.Status
+	switch {
+	case !st.Authenticated:
+		reason := st.Error
+		if reason == "" {
+			reason = "not authenticated"
+		}
+		return authnResult{reason: reason}, now.Add(s.cfg.DenyTTL), nil
+	case !slices.Contains(st.Audiences, s.cfg.Audience):
+		// An authenticator that ignores audiences would accept any token.
+		return authnResult{reason: "the hub did not confirm the audience"}, now.Add(s.cfg.DenyTTL), nil
+	}
+	until := now.Add(s.cfg.AuthnTTL)
+	if exp, ok := token.Expiry(bearer); ok && exp.Before(until) {
+		until = exp
+	}
+	return authnResult{user: userInfo{
+		Username: st.User.Username,
+		UID:      st.User.UID,
+		Groups:   st.User.Groups,
+		Extra:    st.User.Extra,
+	}}, until, nil
+}

@@ -1,0 +1,28 @@
+// Package tokenexchange is the consumer-facing TokenExchange service of the
+// broker.
+//
+// Exchange runs five steps, each of which can end the call with the gRPC code
+// from package errdefs:
+//
+//  1. authenticate the caller's bearer token with a hub TokenReview for the
+//     broker's audience (cached by an HMAC of the token, never past the
+//     token's own expiry);
+//  2. authorize it with a hub SubjectAccessReview for create on
+//     multicluster.x-k8s.io clusterprofiles/token, for the named
+//     ClusterProfile (allowed and denied decisions cached separately);
+//  3. look up the ClusterProfile;
+//  4. reuse a minted token for the same cluster incarnation, consumer, spoke
+//     ServiceAccount and audiences while at least half its lifetime remains,
+//     with one mint for concurrent misses;
+//  5. mint through the agent tunnel.
+//
+// Every call writes one audit line. Tokens never reach a log, an error or a
+// metric; the audit line names the minted token by its credential id.
+//
+//	svc, err := tokenexchange.New(tokenexchange.Config{
+//		TokenReviews: hub.AuthenticationV1().TokenReviews(),
+//		AccessReviews: hub.AuthorizationV1().SubjectAccessReviews(),
+//		Clusters: clusters, Minter: tunnelServer,
+//	})
+//	credbrokerv1alpha1.RegisterTokenExchangeServer(grpcServer, svc)
+package tokenexchange

@@ -1,0 +1,97 @@
+package tokenexchange
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// Bounds on a request's audiences.
+const (
+	maxAudiences      = 16
+	maxAudienceLength = 256
+)
+
+// request is a validated ExchangeRequest.
+type request struct {
+	cluster        types.NamespacedName
+	serviceAccount types.NamespacedName // zero when the agent should pick
+	audiences      []string             // sorted, without duplicates
+	expiration     time.Duration
+}
+
+// parseRequest validates req and clamps its expiration to [minExp, maxExp];
+// zero means maxExp. Errors wrap errdefs.ErrInvalidArgument.
+func parseRequest(req *pb.ExchangeRequest, minExp, maxExp time.Duration) (request, error) {
+	var r request
+	var err error
+	if r.cluster, err = parseRef("cluster", req.GetCluster(), validation.IsDNS1123Subdomain); err != nil {
+		return r, err
+	}
+	if req.GetServiceAccount() != nil {
+		if r.serviceAccount, err = parseRef("service_account", req.GetServiceAccount(), validation.IsDNS1123Subdomain); err != nil {
+			return r, err
+		}
+	}
+	if len(req.GetAudiences()) > maxAudiences {
+		return r, fmt.Errorf("audiences: %d given, at most %d allowed: %w", len(req.GetAudiences()), maxAudiences, errdefs.ErrInvalidArgument)
+	}
+	for i, a := range req.GetAudiences() {
+		if a == "" || len(a) > maxAudienceLength || strings.ContainsFunc(a, isControl) {
+			return r, fmt.Errorf("audiences[%d]: want 1 to %d printable characters: %w", i, maxAudienceLength, errdefs.ErrInvalidArgument)
+		}
+	}
+	r.audiences = slices.Compact(slices.Sorted(slices.Values(req.GetAudiences())))
+
+	switch secs := req.GetExpirationSeconds(); {
+	case secs < 0:
+		return r, fmt.Errorf("expiration_seconds: %d is negative; send 0 for the maximum (%s): %w", secs, maxExp, errdefs.ErrInvalidArgument)
+	case secs == 0 || secs > int64(maxExp/time.Second):
+		r.expiration = maxExp
+	default:
+		r.expiration = max(time.Duration(secs)*time.Second, minExp)
+	}
+	return r, nil
+}
+
+func parseRef(field string, ref *pb.ObjectReference, isName func(string) []string) (types.NamespacedName, error) {
+	if ref == nil {
+		return types.NamespacedName{}, fmt.Errorf("%s is required: %w", field, errdefs.ErrInvalidArgument)
+	}
+	if errs := validation.IsDNS1123Label(ref.GetNamespace()); len(errs) > 0 {
+		return types.NamespacedName{}, fmt.Errorf("%s.namespace %q: %s: %w", field, clip(ref.GetNamespace()), errs[0], errdefs.ErrInvalidArgument)
+	}
+	if errs := isName(ref.GetName()); len(errs) > 0 {
+		return types.NamespacedName{}, fmt.Errorf("%s.name %q: %s: %w", field, clip(ref.GetName()), errs[0], errdefs.ErrInvalidArgument)
+	}
+	return types.NamespacedName{Namespace: ref.GetNamespace(), Name: ref.GetName()}, nil
+}
+
+// clip keeps error messages short when a caller sends a huge name.
+func clip(s string) string {
+	if len(s) > 64 {
+		return s[:64] + "..."
+	}
+	return s
+}
+
+func isControl(r rune) bool { return r < 0x20 || r == 0x7f }
+
+// tokenKey identifies the minted tokens that one request may reuse: the same
+// ClusterProfile incarnation, consumer, spoke ServiceAccount and audiences.
+func tokenKey(cluster tunnel.ClusterRef, user userInfo, r request) string {
+	b, _ := json.Marshal([]any{cluster.UID, cluster.Namespace, cluster.Name, user.UID, user.Username, r.serviceAccount, r.audiences})
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
+}

@@ -1,0 +1,220 @@
+package tokenexchange
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/go-logr/logr"
+	"golang.org/x/time/rate"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	authenticationv1client "k8s.io/client-go/kubernetes/typed/authentication/v1"
+	authorizationv1client "k8s.io/client-go/kubernetes/typed/authorization/v1"
+	"k8s.io/utils/clock"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/store"
+	"github.com/credbroker/credbroker/pkg/token"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// Cluster is what the exchange needs to know of a ClusterProfile.
+type Cluster struct {
+	// Ref names the ClusterProfile incarnation; its UID is part of the token
+	// cache key.
+	Ref tunnel.ClusterRef
+	// Server and CAData tell the consumer how to reach the spoke.
+	Server string
+	CAData []byte
+}
+
+// Clusters looks up ClusterProfiles. Errors wrap errdefs.ErrNotFound when
+// the profile is absent or being deleted.
+type Clusters interface {
+	Cluster(namespace, name string) (Cluster, error)
+}
+
+// Minter mints a token on a cluster; the broker passes the tunnel server.
+type Minter interface {
+	Mint(ctx context.Context, cluster tunnel.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error)
+}
+
+// Config configures the service. Durations left zero take their defaults.
+type Config struct {
+	// TokenReviews and AccessReviews are the hub's review APIs; required.
+	TokenReviews  authenticationv1client.TokenReviewInterface
+	AccessReviews authorizationv1client.SubjectAccessReviewInterface
+	// Clusters and Minter are required.
+	Clusters Clusters
+	Minter   Minter
+
+	// Audience a consumer's hub token must carry. Default "credbroker".
+	Audience string
+	// MaxExpiration caps the lifetime of minted tokens; requests are clamped
+	// to [MinExpiration, MaxExpiration]. Defaults 1h and 10m.
+	MaxExpiration, MinExpiration time.Duration
+	// AuthnTTL is how long a successful TokenReview is reused (never past the
+	// token's expiry). Default 10s.
+	AuthnTTL time.Duration
+	// AllowTTL and DenyTTL are how long SubjectAccessReview decisions, and
+	// failed TokenReviews, are reused. Defaults 10s and 2s.
+	AllowTTL, DenyTTL time.Duration
+	// CacheSize bounds each cache. Default 10000.
+	CacheSize int
+	// RateLimit and RateBurst limit exchanges per consumer. Defaults 20/s
+	// and 40.
+	RateLimit rate.Limit
+	RateBurst int
+	// HMACKey keys the authentication cache. Default: 32 random bytes.
+	HMACKey []byte
+	// Clock is injected for tests. Default: the real clock.
+	Clock clock.PassiveClock
+	// Log receives operational messages; Audit receives one line per
+	// exchange. Default: discard.
+	Log, Audit logr.Logger
+}
+
+// Service implements credbrokerv1alpha1.TokenExchangeServer.
+type Service struct {
+	pb.UnsafeTokenExchangeServer
+
+	cfg      Config
+	authn    *store.Cache[authnResult]
+	authz    *store.Cache[bool]
+	tokens   *store.Cache[*pb.MintResponse]
+	limiters *store.Cache[*rate.Limiter]
+}
+
+var _ pb.TokenExchangeServer = (*Service)(nil)
+
+// New validates cfg, applies defaults and returns a Service.
+func New(cfg Config) (*Service, error) {
+	if cfg.TokenReviews == nil || cfg.AccessReviews == nil || cfg.Clusters == nil || cfg.Minter == nil {
+		return nil, errors.New("tokenexchange: TokenReviews, AccessReviews, Clusters and Minter are required")
+	}
+	setDefault(&cfg.Audience, "credbroker")
+	setDefault(&cfg.MaxExpiration, time.Hour)
+	setDefault(&cfg.MinExpiration, 10*time.Minute)
+	setDefault(&cfg.AuthnTTL, 10*time.Second)
+	setDefault(&cfg.AllowTTL, 10*time.Second)
+	setDefault(&cfg.DenyTTL, 2*time.Second)
+	setDefault(&cfg.CacheSize, 10000)
+	setDefault(&cfg.RateLimit, 20)
+	setDefault(&cfg.RateBurst, 40)
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	if cfg.MinExpiration < 10*time.Minute || cfg.MaxExpiration < cfg.MinExpiration {
+		return nil, fmt.Errorf("tokenexchange: want 10m <= MinExpiration (%s) <= MaxExpiration (%s)", cfg.MinExpiration, cfg.MaxExpiration)
+	}
+	if cfg.DenyTTL > cfg.AllowTTL {
+		return nil, fmt.Errorf("tokenexchange: DenyTTL (%s) must not exceed AllowTTL (%s)", cfg.DenyTTL, cfg.AllowTTL)
+	}
+	if len(cfg.HMACKey) == 0 {
+		cfg.HMACKey = make([]byte, 32)
+		if _, err := rand.Read(cfg.HMACKey); err != nil {
+			return nil, fmt.Errorf("tokenexchange: hmac key: %w", err)
+		}
+	}
+	s := &Service{cfg: cfg}
+	var err error
+	decisions := store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AuthnTTL, cfg.AllowTTL), Clock: cfg.Clock}
+	if s.authn, err = store.New[authnResult](decisions); err != nil {
+		return nil, fmt.Errorf("tokenexchange: %w", err)
+	}
+	if s.authz, err = store.New[bool](decisions); err != nil {
+		return nil, fmt.Errorf("tokenexchange: %w", err)
+	}
+	if s.tokens, err = store.New[*pb.MintResponse](store.Config{Size: cfg.CacheSize, MaxTTL: cfg.MaxExpiration, Clock: cfg.Clock}); err != nil {
+		return nil, fmt.Errorf("tokenexchange: %w", err)
+	}
+	if s.limiters, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
+		return nil, fmt.Errorf("tokenexchange: %w", err)
+	}
+	return s, nil
+}
+
+func setDefault[T comparable](v *T, def T) {
+	var zero T
+	if *v == zero {
+		*v = def
+	}
+}
+
+// Exchange implements TokenExchange.Exchange.
+func (s *Service) Exchange(ctx context.Context, req *pb.ExchangeRequest) (*pb.ExchangeResponse, error) {
+	start := s.cfg.Clock.Now()
+	rec := &auditRecord{}
+	resp, err := s.exchange(ctx, req, rec)
+	s.audit(rec, req, err, s.cfg.Clock.Since(start))
+	if err != nil {
+		return nil, errdefs.ToStatus(err).Err()
+	}
+	return resp, nil
+}
+
+func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *auditRecord) (*pb.ExchangeResponse, error) {
+	bearer, err := bearerToken(ctx)
+	if err != nil {
+		return nil, err
+	}
+	user, err := s.authenticate(ctx, bearer)
+	if err != nil {
+		return nil, err
+	}
+	rec.user = &user
+	if !s.allow(ctx, user) {
+		return nil, fmt.Errorf("%s sent more than %v exchanges per second: %w", user.Username, s.cfg.RateLimit, errdefs.ErrResourceExhausted)
+	}
+	r, err := parseRequest(req, s.cfg.MinExpiration, s.cfg.MaxExpiration)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.authorize(ctx, user, r.cluster); err != nil {
+		return nil, err
+	}
+	cluster, err := s.cfg.Clusters.Cluster(r.cluster.Namespace, r.cluster.Name)
+	if err != nil {
+		return nil, err
+	}
+
+	mintReq := &pb.MintRequest{
+		Subject:           &pb.Subject{Username: user.Username, Uid: user.UID, Groups: user.Groups},
+		ServiceAccount:    req.GetServiceAccount(),
+		Audiences:         r.audiences,
+		ExpirationSeconds: int64(r.expiration / time.Second),
+	}
+	minted, hit, err := s.tokens.Do(ctx, tokenKey(cluster.Ref, user, r), func(ctx context.Context) (*pb.MintResponse, time.Time, error) {
+		issued := s.cfg.Clock.Now()
+		resp, err := s.cfg.Minter.Mint(ctx, cluster.Ref, mintReq)
+		if err != nil {
+			return nil, time.Time{}, err
+		}
+		return resp, store.Halfway(issued, resp.GetExpirationTime().AsTime()), nil
+	})
+	rec.cacheHit = hit
+	if err != nil {
+		return nil, err
+	}
+	rec.minted = minted
+	rec.credentialID = token.ID(minted.GetToken())
+	return &pb.ExchangeResponse{
+		Token:                    minted.GetToken(),
+		ExpirationTime:           timestamppb.New(minted.GetExpirationTime().AsTime()),
+		Server:                   cluster.Server,
+		CertificateAuthorityData: cluster.CAData,
+		ServiceAccount:           minted.GetServiceAccount(),
+		CredentialId:             rec.credentialID,
+	}, nil
+}
+
+// allow applies the per-consumer rate limit.
+func (s *Service) allow(ctx context.Context, user userInfo) bool {
+	lim, _, err := s.limiters.Do(ctx, user.UID+"/"+user.Username, func(context.Context) (*rate.Limiter, time.Time, error) {
+		return rate.NewLimiter(s.cfg.RateLimit, s.cfg.RateBurst), s.cfg.Clock.Now().Add(time.Hour), nil
+	})
+	return err == nil && lim.AllowN(s.cfg.Clock.Now(), 1)
+}

@@ -1,0 +1,434 @@
+package tokenexchange
+
+import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func jwt(claims string) string {
+	enc := base64.RawURLEncoding.EncodeToString
+	return enc([]byte(`{"alg":"RS256"}`)) + "." + enc([]byte(claims)) + "." + enc([]byte("sig"))
+}
+
+// The fake hub accepts the tokens whose payload starts with consumerClaim.
+var consumerClaim = base64.RawURLEncoding.EncodeToString([]byte(`{"sub":"consumer",`))[:20]
+
+// consumerToken expires an hour after t0.
+var consumerToken = consumerTokenExpiring(t0.Add(time.Hour))
+
+func consumerTokenExpiring(exp time.Time) string {
+	return jwt(fmt.Sprintf(`{"sub":"consumer","exp":%d}`, exp.Unix()))
+}
+
+// fakeReviews answers TokenReviews and SubjectAccessReviews like a hub on
+// which consumer tokens belong to hub:consumer, who may use ClusterProfile
+// fleet/a only.
+type fakeReviews struct {
+	tokenReviews, accessReviews atomic.Int32
+	down                        atomic.Bool
+}
+
+func (f *fakeReviews) Create(_ context.Context, tr *authenticationv1.TokenReview, _ metav1.CreateOptions) (*authenticationv1.TokenReview, error) {
+	f.tokenReviews.Add(1)
+	if f.down.Load() {
+		return nil, errors.New("connection refused")
+	}
+	out := tr.DeepCopy()
+	if !strings.Contains(tr.Spec.Token, consumerClaim) || len(tr.Spec.Audiences) != 1 || tr.Spec.Audiences[0] != "credbroker" {
+		out.Status = authenticationv1.TokenReviewStatus{Error: "invalid bearer token"}
+		return out, nil
+	}
+	out.Status = authenticationv1.TokenReviewStatus{
+		Authenticated: true,
+		Audiences:     tr.Spec.Audiences,
+		User:          authenticationv1.UserInfo{Username: "system:serviceaccount:hub:consumer", UID: "consumer-uid", Groups: []string{"system:serviceaccounts"}},
+	}
+	return out, nil
+}
+
+type fakeAccessReviews struct{ *fakeReviews }
+
+func (f fakeAccessReviews) Create(_ context.Context, sar *authorizationv1.SubjectAccessReview, _ metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error) {
+	f.accessReviews.Add(1)
+	if f.down.Load() {
+		return nil, errors.New("connection refused")
+	}
+	out := sar.DeepCopy()
+	ra := sar.Spec.ResourceAttributes
+	out.Status.Allowed = sar.Spec.User == "system:serviceaccount:hub:consumer" &&
+		ra.Group == Group && ra.Resource == Resource && ra.Subresource == Subresource && ra.Verb == Verb &&
+		ra.Namespace == "fleet" && ra.Name == "a"
+	return out, nil
+}
+
+type fakeClusters struct {
+	mu  sync.Mutex
+	uid types.UID
+}
+
+func (f *fakeClusters) Cluster(namespace, name string) (Cluster, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if namespace != "fleet" || (name != "a" && name != "b") {
+		return Cluster{}, fmt.Errorf("clusterprofile %s/%s not found: %w", namespace, name, errdefs.ErrNotFound)
+	}
+	return Cluster{
+		Ref:    tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: f.uid},
+		Server: "https://spoke.example", CAData: []byte("ca"),
+	}, nil
+}
+
+// fakeMinter mints a distinct token per call, valid for the requested time.
+type fakeMinter struct {
+	clock *clocktesting.FakeClock
+	calls atomic.Int32
+	err   error
+	gate  chan struct{} // when set, Mint waits for it
+}
+
+func (m *fakeMinter) Mint(ctx context.Context, _ tunnel.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
+	n := m.calls.Add(1)
+	if m.gate != nil {
+		<-m.gate
+	}
+	if m.err != nil {
+		return nil, m.err
+	}
+	return &pb.MintResponse{
+		Token:          jwt(fmt.Sprintf(`{"jti":"minted-%d"}`, n)),
+		ExpirationTime: timestamppb.New(m.clock.Now().Add(time.Duration(req.GetExpirationSeconds()) * time.Second)),
+		ServiceAccount: &pb.ObjectReference{Namespace: "spoke", Name: "reader"},
+	}, nil
+}
+
+type fixture struct {
+	svc     *Service
+	clock   *clocktesting.FakeClock
+	reviews *fakeReviews
+	minter  *fakeMinter
+	cluster *fakeClusters
+	audit   *strings.Builder
+}
+
+func newFixture(t *testing.T, mutate ...func(*Config)) *fixture {
+	t.Helper()
+	f := &fixture{clock: clocktesting.NewFakeClock(t0), reviews: &fakeReviews{}, cluster: &fakeClusters{uid: "uid-1"}, audit: &strings.Builder{}}
+	f.minter = &fakeMinter{clock: f.clock}
+	var mu sync.Mutex
+	cfg := Config{
+		TokenReviews:  f.reviews,
+		AccessReviews: fakeAccessReviews{f.reviews},
+		Clusters:      f.cluster,
+		Minter:        f.minter,
+		Clock:         f.clock,
+		Audit: funcr.New(func(prefix, args string) {
+			mu.Lock()
+			defer mu.Unlock()
+			f.audit.WriteString(args + "\n")
+		}, funcr.Options{}),
+	}
+	for _, m := range mutate {
+		m(&cfg)
+	}
+	var err error
+	f.svc, err = New(cfg)
+	require.NoError(t, err)
+	return f
+}
+
+func withBearer(tok string) context.Context {
+	return metadata.NewIncomingContext(context.Background(), metadata.Pairs("authorization", "Bearer "+tok))
+}
+
+func fleetA() *pb.ExchangeRequest {
+	return &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "a"}}
+}
+
+func TestExchange(t *testing.T) {
+	f := newFixture(t)
+	resp, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err)
+	assert.Equal(t, jwt(`{"jti":"minted-1"}`), resp.GetToken())
+	assert.Equal(t, t0.Add(time.Hour), resp.GetExpirationTime().AsTime(), "zero expiration means the maximum")
+	assert.Equal(t, "https://spoke.example", resp.GetServer())
+	assert.Equal(t, []byte("ca"), resp.GetCertificateAuthorityData())
+	assert.Equal(t, "JTI=minted-1", resp.GetCredentialId())
+	assert.Equal(t, "reader", resp.GetServiceAccount().GetName())
+
+	line := f.audit.String()
+	for _, want := range []string{`"user"="system:serviceaccount:hub:consumer"`, `"uid"="consumer-uid"`, `"cluster"="fleet/a"`,
+		`"code"="OK"`, `"cacheHit"=false`, `"credentialID"="JTI=minted-1"`, `"serviceAccount"="spoke/reader"`, `"expiration"="2026-01-01T01:00:00Z"`} {
+		assert.Contains(t, line, want)
+	}
+	assert.NotContains(t, line, resp.GetToken())
+	assert.NotContains(t, line, consumerToken)
+}
+
+func TestExchangeErrors(t *testing.T) {
+	tests := []struct {
+		name     string
+		ctx      context.Context
+		req      *pb.ExchangeRequest
+		setup    func(*fixture)
+		wantCode codes.Code
+		wantMsg  string
+	}{
+		{
+			name: "no authorization header", ctx: context.Background(), req: fleetA(),
+			wantCode: codes.Unauthenticated,
+			wantMsg:  "send one 'authorization: Bearer <hub ServiceAccount token>' header, got 0: unauthenticated",
+		},
+		{
+			name: "basic auth", req: fleetA(),
+			ctx:      metadata.NewIncomingContext(context.Background(), metadata.Pairs("authorization", "Basic dXNlcjpwYXNz")),
+			wantCode: codes.Unauthenticated,
+			wantMsg:  "the authorization header must use the Bearer scheme: unauthenticated",
+		},
+		{
+			name: "not a jwt", ctx: withBearer("opaque-token"), req: fleetA(),
+			wantCode: codes.Unauthenticated,
+			wantMsg:  "bearer token is not a JWT: 1 segments, want 3: unauthenticated",
+		},
+		{
+			name: "token the hub rejects", ctx: withBearer(jwt(`{"sub":"x"}`)), req: fleetA(),
+			wantCode: codes.Unauthenticated,
+			wantMsg:  `the hub rejected the token for audience "credbroker": invalid bearer token: unauthenticated`,
+		},
+		{
+			name: "no RBAC for the cluster", ctx: withBearer(consumerToken),
+			req:      &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "b"}},
+			wantCode: codes.PermissionDenied,
+			wantMsg:  `hub RBAC does not allow "system:serviceaccount:hub:consumer" to create clusterprofiles.multicluster.x-k8s.io/token "b" in namespace "fleet": permission denied`,
+		},
+		{
+			name: "missing cluster", ctx: withBearer(consumerToken), req: &pb.ExchangeRequest{},
+			wantCode: codes.InvalidArgument,
+			wantMsg:  "cluster is required: invalid argument",
+		},
+		{
+			name: "bad cluster name", ctx: withBearer(consumerToken),
+			req:      &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "A_B"}},
+			wantCode: codes.InvalidArgument,
+			wantMsg:  `cluster.name "A_B": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*'): invalid argument`,
+		},
+		{
+			name: "negative expiration", ctx: withBearer(consumerToken),
+			req:      &pb.ExchangeRequest{Cluster: fleetA().Cluster, ExpirationSeconds: -5},
+			wantCode: codes.InvalidArgument,
+			wantMsg:  "expiration_seconds: -5 is negative; send 0 for the maximum (1h0m0s): invalid argument",
+		},
+		{
+			name: "empty audience", ctx: withBearer(consumerToken),
+			req:      &pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"a", ""}},
+			wantCode: codes.InvalidArgument,
+			wantMsg:  "audiences[1]: want 1 to 256 printable characters: invalid argument",
+		},
+		{
+			name: "hub unreachable", ctx: withBearer(consumerToken), req: fleetA(),
+			setup:    func(f *fixture) { f.reviews.down.Store(true) },
+			wantCode: codes.Unavailable,
+			wantMsg:  "hub TokenReview failed: connection refused: unavailable",
+		},
+		{
+			name: "agent refuses", ctx: withBearer(consumerToken), req: fleetA(),
+			setup: func(f *fixture) {
+				f.minter.err = errdefs.FromCode(codes.PermissionDenied, "agent: no spoke ServiceAccount allows the consumer")
+			},
+			wantCode: codes.PermissionDenied,
+			wantMsg:  "agent: no spoke ServiceAccount allows the consumer",
+		},
+		{
+			name: "internal error hides detail", ctx: withBearer(consumerToken), req: fleetA(),
+			setup:    func(f *fixture) { f.minter.err = errors.New("secret detail") },
+			wantCode: codes.Internal,
+			wantMsg:  errdefs.InternalMessage,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFixture(t)
+			if tt.setup != nil {
+				tt.setup(f)
+			}
+			_, err := f.svc.Exchange(tt.ctx, tt.req)
+			st := status.Convert(err)
+			assert.Equal(t, tt.wantCode, st.Code())
+			assert.Equal(t, tt.wantMsg, st.Message())
+			assert.Contains(t, f.audit.String(), `"code"="`+tt.wantCode.String()+`"`)
+		})
+	}
+}
+
+func TestMintedTokenIsReusedWhileHalfItsLifetimeRemains(t *testing.T) {
+	f := newFixture(t)
+	req := &pb.ExchangeRequest{Cluster: fleetA().Cluster, ExpirationSeconds: 1200}
+	first, err := f.svc.Exchange(withBearer(consumerToken), req)
+	require.NoError(t, err)
+
+	f.clock.Step(599 * time.Second)
+	again, err := f.svc.Exchange(withBearer(consumerToken), req)
+	require.NoError(t, err)
+	assert.Equal(t, first.GetToken(), again.GetToken())
+	assert.Contains(t, f.audit.String(), `"cacheHit"=true`)
+
+	f.clock.Step(time.Second) // half of 1200s has passed
+	fresh, err := f.svc.Exchange(withBearer(consumerToken), req)
+	require.NoError(t, err)
+	assert.NotEqual(t, first.GetToken(), fresh.GetToken())
+	assert.Equal(t, int32(2), f.minter.calls.Load())
+}
+
+func TestTokenCacheKey(t *testing.T) {
+	f := newFixture(t)
+	exchange := func(req *pb.ExchangeRequest) string {
+		resp, err := f.svc.Exchange(withBearer(consumerToken), req)
+		require.NoError(t, err)
+		return resp.GetToken()
+	}
+	base := exchange(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"x", "y"}})
+	assert.Equal(t, base, exchange(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"y", "x", "x"}}), "audiences are a set")
+	assert.NotEqual(t, base, exchange(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"x"}}))
+	assert.NotEqual(t, base, exchange(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"x", "y"},
+		ServiceAccount: &pb.ObjectReference{Namespace: "spoke", Name: "reader"}}))
+
+	f.cluster.mu.Lock()
+	f.cluster.uid = "uid-2" // the ClusterProfile was deleted and recreated
+	f.cluster.mu.Unlock()
+	assert.NotEqual(t, base, exchange(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"x", "y"}}))
+}
+
+func TestConcurrentMissesMintOnce(t *testing.T) {
+	f := newFixture(t)
+	f.minter.gate = make(chan struct{})
+	const callers = 8
+	var wg sync.WaitGroup
+	tokens := make([]string, callers)
+	for i := range callers {
+		wg.Go(func() {
+			resp, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+			assert.NoError(t, err)
+			tokens[i] = resp.GetToken()
+		})
+	}
+	require.Eventually(t, func() bool { return f.minter.calls.Load() == 1 }, 10*time.Second, time.Millisecond)
+	close(f.minter.gate)
+	wg.Wait()
+	for _, tok := range tokens {
+		assert.Equal(t, tokens[0], tok)
+	}
+	// Callers that joined the flight share its mint; later ones hit the cache.
+	assert.Equal(t, int32(1), f.minter.calls.Load())
+}
+
+func TestDecisionCaching(t *testing.T) {
+	f := newFixture(t)
+	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err)
+	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err)
+	assert.Equal(t, int32(1), f.reviews.tokenReviews.Load())
+	assert.Equal(t, int32(1), f.reviews.accessReviews.Load())
+
+	// The hub goes away: fresh decisions are still honoured, stale ones are
+	// not (fail closed).
+	f.reviews.down.Store(true)
+	f.clock.Step(9 * time.Second)
+	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err)
+	f.clock.Step(time.Second)
+	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
+	assert.Equal(t, codes.Unavailable, status.Code(err))
+}
+
+func TestDenialsAreCachedForLessTime(t *testing.T) {
+	f := newFixture(t)
+	fleetB := &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "b"}}
+	for range 2 {
+		_, err := f.svc.Exchange(withBearer(consumerToken), fleetB)
+		require.Equal(t, codes.PermissionDenied, status.Code(err))
+	}
+	assert.Equal(t, int32(1), f.reviews.accessReviews.Load())
+	f.clock.Step(2 * time.Second)
+	_, err := f.svc.Exchange(withBearer(consumerToken), fleetB)
+	require.Equal(t, codes.PermissionDenied, status.Code(err))
+	assert.Equal(t, int32(2), f.reviews.accessReviews.Load(), "the denial expired after DenyTTL")
+}
+
+func TestAuthnCacheNeverOutlivesTheToken(t *testing.T) {
+	short := consumerTokenExpiring(t0.Add(3 * time.Second))
+	f := newFixture(t)
+	_, err := f.svc.Exchange(withBearer(short), fleetA())
+	require.NoError(t, err)
+	f.clock.Step(2 * time.Second)
+	_, err = f.svc.Exchange(withBearer(short), fleetA())
+	require.NoError(t, err)
+	assert.Equal(t, int32(1), f.reviews.tokenReviews.Load())
+
+	f.clock.Step(time.Second) // the token's exp, well before AuthnTTL
+	_, err = f.svc.Exchange(withBearer(short), fleetA())
+	require.NoError(t, err)
+	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load(), "the hub was asked again once the token expired")
+}
+
+func TestRejectionsAreCachedBriefly(t *testing.T) {
+	f := newFixture(t)
+	bad := jwt(`{"sub":"someone-else"}`)
+	for range 2 {
+		_, err := f.svc.Exchange(withBearer(bad), fleetA())
+		require.Equal(t, codes.Unauthenticated, status.Code(err))
+	}
+	assert.Equal(t, int32(1), f.reviews.tokenReviews.Load())
+	f.clock.Step(2 * time.Second)
+	_, err := f.svc.Exchange(withBearer(bad), fleetA())
+	require.Equal(t, codes.Unauthenticated, status.Code(err))
+	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load())
+}
+
+func TestRateLimitPerConsumer(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.RateLimit, c.RateBurst = 1, 2 })
+	for range 2 {
+		_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+		require.NoError(t, err)
+	}
+	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+	assert.Equal(t, codes.ResourceExhausted, status.Code(err))
+	f.clock.Step(time.Second)
+	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
+	assert.NoError(t, err)
+}
+
+func TestNewValidates(t *testing.T) {
+	_, err := New(Config{})
+	assert.EqualError(t, err, "tokenexchange: TokenReviews, AccessReviews, Clusters and Minter are required")
+	f := &fakeReviews{}
+	_, err = New(Config{TokenReviews: f, AccessReviews: fakeAccessReviews{f}, Clusters: &fakeClusters{}, Minter: &fakeMinter{},
+		MaxExpiration: 5 * time.Minute, Log: logr.Discard()})
+	assert.EqualError(t, err, "tokenexchange: want 10m <= MinExpiration (10m0s) <= MaxExpiration (5m0s)")
+}
