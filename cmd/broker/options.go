@@ -1,0 +1,74 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2/textlogger"
+
+	"github.com/credbroker/credbroker/pkg/broker"
+)
+
+// parseFlags turns the command line into a validated broker.Config.
+func parseFlags(args []string) (broker.Config, error) {
+	cfg := broker.Default()
+	var kubeconfig, trustDomain string
+	var verbosity int
+	fs := flag.NewFlagSet("broker", flag.ContinueOnError)
+	fs.StringVar(&cfg.ExchangeAddress, "exchange-address", cfg.ExchangeAddress, "address of the TokenExchange gRPC server (TLS) for consumers")
+	fs.StringVar(&cfg.AgentAddress, "agent-address", cfg.AgentAddress, "address of the AgentTunnel gRPC server (SPIFFE mTLS) for spoke agents")
+	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
+	fs.StringVar(&cfg.TLSCertFile, "tls-cert-file", "", "PEM serving certificate of the exchange port; reloaded on change (required)")
+	fs.StringVar(&cfg.TLSKeyFile, "tls-key-file", "", "PEM key of --tls-cert-file (required)")
+	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the broker, leaf first; reloaded on change (required)")
+	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file (required)")
+	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain that agents' SVIDs chain to (required)")
+	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of the broker and the agents, e.g. fleet.example (required)")
+	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the hub; empty means the in-cluster config")
+	fs.Func("hub-qps", "QPS of the hub client (default 200)", floatFlag(&cfg.HubQPS))
+	fs.IntVar(&cfg.HubBurst, "hub-burst", cfg.HubBurst, "burst of the hub client")
+	fs.StringVar(&cfg.Audience, "audience", cfg.Audience, "audience that consumers' hub tokens must carry")
+	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted spoke token (at least 10m)")
+	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "how long to wait for an agent's answer")
+	fs.StringVar(&cfg.AccessProviderName, "access-provider", cfg.AccessProviderName, "ClusterProfile access provider whose server and CA are returned to consumers")
+	fs.DurationVar(&cfg.AuthnTTL, "authn-cache-ttl", cfg.AuthnTTL, "how long a successful TokenReview is reused (never past the token's expiry)")
+	fs.DurationVar(&cfg.AllowTTL, "authz-allow-ttl", cfg.AllowTTL, "how long an allowed SubjectAccessReview is reused")
+	fs.DurationVar(&cfg.DenyTTL, "authz-deny-ttl", cfg.DenyTTL, "how long a denied SubjectAccessReview or failed TokenReview is reused")
+	fs.Float64Var(&cfg.RateLimit, "rate-limit", cfg.RateLimit, "exchanges per second allowed per consumer")
+	fs.IntVar(&cfg.RateBurst, "rate-burst", cfg.RateBurst, "burst of exchanges allowed per consumer")
+	fs.IntVar(&verbosity, "v", 0, "log verbosity")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if fs.NArg() > 0 {
+		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+
+	logger := textlogger.NewLogger(textlogger.NewConfig(textlogger.Verbosity(verbosity)))
+	cfg.Log = logger.WithName("broker")
+	cfg.Audit = logger.WithName("audit")
+
+	var err error
+	if trustDomain != "" {
+		if cfg.TrustDomain, err = spiffeid.TrustDomainFromString(trustDomain); err != nil {
+			return cfg, fmt.Errorf("--trust-domain: %w", err)
+		}
+	}
+	if cfg.Hub, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
+		return cfg, fmt.Errorf("hub config: %w", err)
+	}
+	return cfg, cfg.Validate()
+}
+
+func floatFlag(p *float32) func(string) error {
+	return func(s string) error {
+		var f float32
+		if _, err := fmt.Sscan(s, &f); err != nil {
+			return fmt.Errorf("not a number: %q", s)
+		}
+		*p = f
+		return nil
+	}
+}

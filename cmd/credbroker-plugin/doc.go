@@ -1,0 +1,27 @@
+// Command credbroker-plugin is a client-go exec credential plugin that gets
+// a short-lived spoke token from the credbroker broker, in exchange for the
+// pod's projected hub ServiceAccount token (audience "credbroker").
+//
+// It reads ExecCredential from KUBERNETES_EXEC_INFO, so the exec config must
+// set provideClusterInfo: true; the ClusterProfile to ask for comes from
+// spec.cluster.config (see package plugin) or from --cluster.
+//
+// Exit status: 0 with an ExecCredential on stdout; 1 when no token could be
+// had; 2 for bad flags. Errors go to stderr as "[credbroker] <message>".
+//
+// A cluster-inventory-api provider file entry:
+//
+//	{"providers": [{
+//	  "name": "credbroker",
+//	  "execConfig": {
+//	    "apiVersion": "client.authentication.k8s.io/v1",
+//	    "command": "/usr/local/bin/credbroker-plugin",
+//	    "args": ["--broker-address=credbroker.credbroker-system.svc:8443",
+//	             "--ca-file=/etc/credbroker/ca.pem"],
+//	    "provideClusterInfo": true,
+//	    "interactiveMode": "Never"
+//	  }
+//	}]}
+//
+// Run with -h for the flags.
+package main

@@ -1,0 +1,265 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"encoding/pem"
+	"errors"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientauthenticationv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
+	"k8s.io/client-go/rest"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	clientcmdlatest "k8s.io/client-go/tools/clientcmd/api/latest"
+	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
+	clusterinventoryv1alpha1 "sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+
+	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/pkg/plugin"
+	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+const (
+	hubToken   = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJodWIifQ.c2lnbmF0dXJl"
+	spokeToken = "spoke-token-from-binary-test"
+	denied     = "system:serviceaccount:apps:ci may not use fleet/denied"
+)
+
+var expiry = time.Date(2031, 1, 2, 3, 4, 5, 0, time.UTC)
+
+// fakeBroker checks the bearer token, records requests, denies the
+// ClusterProfile fleet/denied and answers every other one with spokeToken.
+type fakeBroker struct {
+	credbrokerv1alpha1.UnimplementedTokenExchangeServer
+
+	mu       sync.Mutex
+	requests []*credbrokerv1alpha1.ExchangeRequest
+}
+
+func (f *fakeBroker) Exchange(ctx context.Context, req *credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	if got := md.Get("authorization"); len(got) != 1 || got[0] != "Bearer "+hubToken {
+		return nil, status.Error(codes.Unauthenticated, "fake broker: wrong or missing authorization metadata")
+	}
+	f.mu.Lock()
+	f.requests = append(f.requests, proto.CloneOf(req))
+	f.mu.Unlock()
+	if req.GetCluster().GetName() == "denied" {
+		return nil, status.Error(codes.PermissionDenied, denied)
+	}
+	return &credbrokerv1alpha1.ExchangeResponse{Token: spokeToken, ExpirationTime: timestamppb.New(expiry)}, nil
+}
+
+func (f *fakeBroker) received() []*credbrokerv1alpha1.ExchangeRequest {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]*credbrokerv1alpha1.ExchangeRequest(nil), f.requests...)
+}
+
+// buildPlugin builds this command into a temporary directory.
+func buildPlugin(t *testing.T) string {
+	t.Helper()
+	goBin, err := exec.LookPath("go")
+	require.NoError(t, err, "this test builds the plugin and needs the go command on PATH")
+	bin := filepath.Join(t.TempDir(), "credbroker-plugin")
+	out, err := exec.Command(goBin, "build", "-o", bin, ".").CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
+	return bin
+}
+
+func execInfo(config string) string {
+	cluster := `{"server":"https://spoke.example:6443"`
+	if config != "" {
+		cluster += `,"config":` + config
+	}
+	cluster += `}`
+	return `{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential","spec":{"interactive":false,"cluster":` + cluster + `}}`
+}
+
+func TestBinary(t *testing.T) {
+	bin := buildPlugin(t)
+
+	dir := t.TempDir()
+	ca, err := testpki.NewCA("plugin.test")
+	require.NoError(t, err)
+	caFile, err := ca.WriteBundle(dir)
+	require.NoError(t, err)
+	certFile, keyFile, err := ca.WriteServing(dir, "127.0.0.1")
+	require.NoError(t, err)
+	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
+	require.NoError(t, err)
+	tokenFile := filepath.Join(dir, "token")
+	require.NoError(t, os.WriteFile(tokenFile, []byte(hubToken+"\n"), 0o600))
+
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}})))
+	fake := &fakeBroker{}
+	credbrokerv1alpha1.RegisterTokenExchangeServer(srv, fake)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+
+	base := []string{"--broker-address", lis.Addr().String(), "--ca-file", caFile, "--token-file", tokenFile, "--timeout", "10s"}
+	withBase := func(args ...string) []string { return append(append([]string(nil), base...), args...) }
+	const prod = `{"clusterProfile":{"namespace":"fleet","name":"prod-eu-1"}}`
+
+	tests := []struct {
+		name     string
+		args     []string
+		execInfo string // KUBERNETES_EXEC_INFO; unset when empty
+		wantCode int
+		// wantCluster is the ClusterProfile the broker must see, "" for none.
+		wantCluster string
+		wantStderr  string
+	}{
+		{name: "cluster from exec info", args: base, execInfo: execInfo(prod), wantCluster: "fleet/prod-eu-1"},
+		{name: "cluster from flag", args: withBase("--cluster", "fleet/staging"), execInfo: execInfo(prod), wantCluster: "fleet/staging"},
+		{
+			name: "denied", args: base, execInfo: execInfo(`{"clusterProfile":{"namespace":"fleet","name":"denied"}}`),
+			wantCode: 1, wantCluster: "fleet/denied",
+			wantStderr: "[credbroker] exchange for cluster fleet/denied: PermissionDenied: " + denied,
+		},
+		{name: "no cluster", args: base, execInfo: execInfo(""), wantCode: 1, wantStderr: "[credbroker] no ClusterProfile to get a token for"},
+		{name: "no exec info", args: base, wantCode: 1, wantStderr: "[credbroker] failed to read KUBERNETES_EXEC_INFO"},
+		{
+			name: "missing token file", args: withBase("--token-file", filepath.Join(dir, "missing")), execInfo: execInfo(prod),
+			wantCode: 1, wantStderr: "[credbroker] read hub token: open " + filepath.Join(dir, "missing"),
+		},
+		{name: "bad flag", args: []string{"--ca-file", caFile}, execInfo: execInfo(prod), wantCode: 2, wantStderr: "[credbroker] --broker-address is required"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			before := len(fake.received())
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, bin, tt.args...)
+			cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + t.TempDir()}
+			if tt.execInfo != "" {
+				cmd.Env = append(cmd.Env, "KUBERNETES_EXEC_INFO="+tt.execInfo)
+			}
+			var stdout, stderr bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &stdout, &stderr
+			err := cmd.Run()
+
+			code := 0
+			if exitErr := (*exec.ExitError)(nil); errors.As(err, &exitErr) {
+				code = exitErr.ExitCode()
+			} else {
+				require.NoError(t, err)
+			}
+			require.Equal(t, tt.wantCode, code, "stderr: %s", stderr.String())
+			assert.NotContains(t, stderr.String(), hubToken)
+			assert.NotContains(t, stdout.String(), hubToken)
+
+			got := fake.received()[before:]
+			if tt.wantCluster == "" {
+				assert.Empty(t, got, "the broker must not be called")
+			} else if assert.Len(t, got, 1) {
+				assert.Equal(t, tt.wantCluster, got[0].GetCluster().GetNamespace()+"/"+got[0].GetCluster().GetName())
+			}
+
+			if tt.wantCode != 0 {
+				assert.Contains(t, stderr.String(), tt.wantStderr)
+				assert.Empty(t, stdout.String(), "nothing on stdout on failure")
+				return
+			}
+			assert.Empty(t, stderr.String())
+			var raw map[string]any
+			require.NoError(t, json.Unmarshal(stdout.Bytes(), &raw), "stdout: %s", stdout.String())
+			assert.Equal(t, "client.authentication.k8s.io/v1", raw["apiVersion"])
+			assert.Equal(t, "ExecCredential", raw["kind"])
+			var ec clientauthenticationv1.ExecCredential
+			require.NoError(t, json.Unmarshal(stdout.Bytes(), &ec))
+			require.NotNil(t, ec.Status)
+			assert.Equal(t, spokeToken, ec.Status.Token)
+			require.NotNil(t, ec.Status.ExpirationTimestamp)
+			assert.True(t, expiry.Equal(ec.Status.ExpirationTimestamp.Time), "expirationTimestamp %v, want %v", ec.Status.ExpirationTimestamp, expiry)
+			assert.Equal(t, "2031-01-02T03:04:05Z", raw["status"].(map[string]any)["expirationTimestamp"])
+		})
+	}
+
+	// client-go runs the plugin as a ClusterProfile's access provider would
+	// have it: the exec extension of the credbroker access provider's cluster
+	// becomes spec.cluster.config.
+	t.Run("client-go through a ClusterProfile", func(t *testing.T) {
+		before := len(fake.received())
+		gotAuth := make(chan string, 1)
+		spoke := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			select {
+			case gotAuth <- r.Header.Get("Authorization"):
+			default:
+			}
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = w.Write([]byte(`{"kind":"APIVersions","versions":["v1"]}`))
+		}))
+		t.Cleanup(spoke.Close)
+
+		cp := clusterinventoryv1alpha1.ClusterProfile{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "fleet", Name: "prod-eu-1"},
+			Status: clusterinventoryv1alpha1.ClusterProfileStatus{
+				AccessProviders: []clusterinventoryv1alpha1.AccessProvider{{
+					Name: plugin.Name,
+					Cluster: clientcmdv1.Cluster{
+						Server:                   spoke.URL,
+						CertificateAuthorityData: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: spoke.Certificate().Raw}),
+						Extensions: []clientcmdv1.NamedExtension{{
+							Name:      "client.authentication.k8s.io/exec",
+							Extension: runtime.RawExtension{Raw: []byte(prod)},
+						}},
+					},
+				}},
+			},
+		}
+		// What sigs.k8s.io/cluster-inventory-api/pkg/access BuildConfigFromCP does.
+		ap := cp.Status.AccessProviders[0]
+		internal := clientcmdapi.NewCluster()
+		require.NoError(t, clientcmdlatest.Scheme.Convert(&ap.Cluster, internal, nil))
+		cfg := &rest.Config{
+			Host:            ap.Cluster.Server,
+			TLSClientConfig: rest.TLSClientConfig{CAData: ap.Cluster.CertificateAuthorityData},
+			ExecProvider: &clientcmdapi.ExecConfig{
+				APIVersion:         "client.authentication.k8s.io/v1",
+				Command:            bin,
+				Args:               base,
+				InteractiveMode:    clientcmdapi.NeverExecInteractiveMode,
+				ProvideClusterInfo: true,
+				Config:             internal.Extensions["client.authentication.k8s.io/exec"],
+			},
+		}
+		hc, err := rest.HTTPClientFor(cfg)
+		require.NoError(t, err)
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, spoke.URL+"/api", nil)
+		require.NoError(t, err)
+		resp, err := hc.Do(req)
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+		assert.Equal(t, http.StatusOK, resp.StatusCode)
+		assert.Equal(t, "Bearer "+spokeToken, <-gotAuth)
+
+		got := fake.received()[before:]
+		require.Len(t, got, 1)
+		assert.Equal(t, "fleet", got[0].GetCluster().GetNamespace())
+		assert.Equal(t, "prod-eu-1", got[0].GetCluster().GetName())
+	})
+}

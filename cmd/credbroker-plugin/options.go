@@ -1,0 +1,158 @@
+package main
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/credbroker/credbroker/pkg/plugin"
+)
+
+// defaultTokenFile is where the consumer pod mounts its projected hub
+// ServiceAccount token.
+const defaultTokenFile = "/var/run/secrets/credbroker/token"
+
+type options struct {
+	brokerAddress     string
+	caFile            string
+	tokenFile         string
+	cluster           string
+	serviceAccount    string
+	audiences         listFlag
+	expirationSeconds int64
+	timeout           time.Duration
+}
+
+func newFlagSet(o *options) *flag.FlagSet {
+	fs := flag.NewFlagSet("credbroker-plugin", flag.ContinueOnError)
+	fs.StringVar(&o.brokerAddress, "broker-address", "", "broker gRPC address, host:port (required)")
+	fs.StringVar(&o.caFile, "ca-file", "", "PEM file of the CA certificates that verify the broker (required)")
+	fs.StringVar(&o.tokenFile, "token-file", defaultTokenFile, "file holding the projected hub ServiceAccount token, audience \"credbroker\"; read on every call")
+	fs.StringVar(&o.cluster, "cluster", "", "ClusterProfile `<namespace>/<name>` to get a token for; overrides ExecCredential spec.cluster.config")
+	fs.StringVar(&o.serviceAccount, "service-account", "", "spoke ServiceAccount `<namespace>/<name>` to get a token for; default: the single one that allows the caller")
+	fs.Var(&o.audiences, "audience", "`audience` of the spoke token; repeatable or comma-separated; default: the spoke API server's")
+	fs.Int64Var(&o.expirationSeconds, "expiration-seconds", 0, "requested token lifetime in seconds; 0 means the broker's maximum")
+	fs.DurationVar(&o.timeout, "timeout", plugin.DefaultTimeout, "bound on one token request, connection included")
+	return fs
+}
+
+// newProvider parses args and builds the Provider. It returns flag.ErrHelp
+// for -h and --help.
+func newProvider(args []string) (*plugin.Provider, error) {
+	cfg, err := parseArgs(args)
+	if err != nil {
+		return nil, err
+	}
+	return plugin.New(cfg)
+}
+
+// parseArgs turns the command line into a validated plugin.Config.
+func parseArgs(args []string) (plugin.Config, error) {
+	var o options
+	fs := newFlagSet(&o)
+	fs.SetOutput(io.Discard) // errors are reported by the caller
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return plugin.Config{}, err
+		}
+		return plugin.Config{}, fmt.Errorf("%w (see --help)", err)
+	}
+	if fs.NArg() > 0 {
+		return plugin.Config{}, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	return o.config()
+}
+
+func (o *options) config() (plugin.Config, error) {
+	if o.brokerAddress == "" {
+		return plugin.Config{}, errors.New("--broker-address is required")
+	}
+	if o.caFile == "" {
+		return plugin.Config{}, errors.New("--ca-file is required")
+	}
+	if o.tokenFile == "" {
+		return plugin.Config{}, errors.New("--token-file must not be empty")
+	}
+	if o.expirationSeconds < 0 {
+		return plugin.Config{}, fmt.Errorf("--expiration-seconds %d is negative", o.expirationSeconds)
+	}
+	if o.timeout <= 0 {
+		return plugin.Config{}, fmt.Errorf("--timeout %v is not positive", o.timeout)
+	}
+	roots, err := loadCAFile(o.caFile)
+	if err != nil {
+		return plugin.Config{}, err
+	}
+	cfg := plugin.Config{
+		BrokerAddress:     o.brokerAddress,
+		TLS:               &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
+		TokenFile:         o.tokenFile,
+		Audiences:         o.audiences,
+		ExpirationSeconds: o.expirationSeconds,
+		Timeout:           o.timeout,
+	}
+	if o.cluster != "" {
+		r, err := plugin.ParseReference(o.cluster)
+		if err != nil {
+			return plugin.Config{}, fmt.Errorf("--cluster: %w", err)
+		}
+		cfg.Cluster = &r
+	}
+	if o.serviceAccount != "" {
+		r, err := plugin.ParseReference(o.serviceAccount)
+		if err != nil {
+			return plugin.Config{}, fmt.Errorf("--service-account: %w", err)
+		}
+		cfg.ServiceAccount = &r
+	}
+	return cfg, nil
+}
+
+func loadCAFile(name string) (*x509.CertPool, error) {
+	pemData, err := os.ReadFile(name)
+	if err != nil {
+		return nil, fmt.Errorf("--ca-file: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pemData) {
+		return nil, fmt.Errorf("--ca-file %s holds no PEM certificate", name)
+	}
+	return pool, nil
+}
+
+// listFlag is a repeatable flag whose values may also be comma-separated.
+type listFlag []string
+
+func (l *listFlag) String() string { return strings.Join(*l, ",") }
+
+func (l *listFlag) Set(s string) error {
+	for v := range strings.SplitSeq(s, ",") {
+		v = strings.TrimSpace(v)
+		if v == "" {
+			return fmt.Errorf("empty value in %q", s)
+		}
+		*l = append(*l, v)
+	}
+	return nil
+}
+
+func printUsage(w io.Writer) {
+	fmt.Fprintf(w, `Usage: credbroker-plugin --broker-address host:port --ca-file ca.pem [flags]
+
+A client-go exec credential plugin (client.authentication.k8s.io/v1) that
+exchanges the pod's hub ServiceAccount token for a spoke token at the
+credbroker broker. The exec config must set provideClusterInfo: true.
+
+Flags:
+`)
+	var o options
+	fs := newFlagSet(&o)
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+}

@@ -1,0 +1,104 @@
+package main
+
+import (
+	"flag"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/pkg/plugin"
+)
+
+func TestParseArgs(t *testing.T) {
+	dir := t.TempDir()
+	ca, err := testpki.NewCA("plugin.test")
+	require.NoError(t, err)
+	caFile, err := ca.WriteBundle(dir)
+	require.NoError(t, err)
+	notPEM := filepath.Join(dir, "not.pem")
+	require.NoError(t, os.WriteFile(notPEM, []byte("hello"), 0o600))
+
+	required := []string{"--broker-address", "broker.example:8443", "--ca-file", caFile}
+	with := func(args ...string) []string { return append(append([]string(nil), required...), args...) }
+
+	tests := []struct {
+		name    string
+		args    []string
+		check   func(t *testing.T, cfg plugin.Config)
+		wantErr string
+	}{
+		{
+			name: "defaults",
+			args: required,
+			check: func(t *testing.T, cfg plugin.Config) {
+				assert.Equal(t, "broker.example:8443", cfg.BrokerAddress)
+				require.NotNil(t, cfg.TLS)
+				assert.NotNil(t, cfg.TLS.RootCAs)
+				assert.False(t, cfg.TLS.InsecureSkipVerify)
+				assert.Equal(t, defaultTokenFile, cfg.TokenFile)
+				assert.Nil(t, cfg.Cluster)
+				assert.Nil(t, cfg.ServiceAccount)
+				assert.Empty(t, cfg.Audiences)
+				assert.Zero(t, cfg.ExpirationSeconds)
+				assert.Equal(t, plugin.DefaultTimeout, cfg.Timeout)
+			},
+		},
+		{
+			name: "everything",
+			args: with("--token-file", "/tok", "--cluster", "fleet/prod-eu-1", "--service-account", "apps/deployer",
+				"--audience", "a,b", "--audience", " c ", "--expiration-seconds", "3600", "--timeout", "5s"),
+			check: func(t *testing.T, cfg plugin.Config) {
+				assert.Equal(t, "/tok", cfg.TokenFile)
+				assert.Equal(t, &plugin.Reference{Namespace: "fleet", Name: "prod-eu-1"}, cfg.Cluster)
+				assert.Equal(t, &plugin.Reference{Namespace: "apps", Name: "deployer"}, cfg.ServiceAccount)
+				assert.Equal(t, []string{"a", "b", "c"}, cfg.Audiences)
+				assert.EqualValues(t, 3600, cfg.ExpirationSeconds)
+				assert.Equal(t, 5*time.Second, cfg.Timeout)
+			},
+		},
+		{name: "single dash flags", args: []string{"-broker-address=b:1", "-ca-file=" + caFile}},
+		{name: "help", args: []string{"--help"}, wantErr: flag.ErrHelp.Error()},
+		{name: "no broker address", args: []string{"--ca-file", caFile}, wantErr: "--broker-address is required"},
+		{name: "no CA file", args: []string{"--broker-address", "b:1"}, wantErr: "--ca-file is required"},
+		{name: "missing CA file", args: []string{"--broker-address", "b:1", "--ca-file", filepath.Join(dir, "nope.pem")}, wantErr: "nope.pem: no such file"},
+		{name: "CA file without PEM", args: []string{"--broker-address", "b:1", "--ca-file", notPEM}, wantErr: "holds no PEM certificate"},
+		{name: "empty token file", args: with("--token-file", ""), wantErr: "--token-file must not be empty"},
+		{name: "bad cluster", args: with("--cluster", "prod-eu-1"), wantErr: "--cluster: \"prod-eu-1\" is not of the form <namespace>/<name>"},
+		{name: "bad service account", args: with("--service-account", "apps/Deployer"), wantErr: "--service-account:"},
+		{name: "empty audience", args: with("--audience", "a,,b"), wantErr: "empty value"},
+		{name: "negative expiration", args: with("--expiration-seconds", "-5"), wantErr: "negative"},
+		{name: "bad expiration", args: with("--expiration-seconds", "1h"), wantErr: "invalid value"},
+		{name: "zero timeout", args: with("--timeout", "0s"), wantErr: "--timeout 0s is not positive"},
+		{name: "unknown flag", args: with("--kubeconfig", "x"), wantErr: "flag provided but not defined: -kubeconfig (see --help)"},
+		{name: "positional argument", args: with("extra"), wantErr: "unexpected arguments"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseArgs(tt.args)
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			if tt.check != nil {
+				tt.check(t, cfg)
+			}
+			_, err = plugin.New(cfg)
+			require.NoError(t, err, "parseArgs must produce a Config that plugin.New accepts")
+		})
+	}
+}
+
+func TestNewProviderRejectsBadAddress(t *testing.T) {
+	ca, err := testpki.NewCA("plugin.test")
+	require.NoError(t, err)
+	caFile, err := ca.WriteBundle(t.TempDir())
+	require.NoError(t, err)
+	_, err = newProvider([]string{"--broker-address", "broker.example", "--ca-file", caFile})
+	require.ErrorContains(t, err, "not host:port")
+}

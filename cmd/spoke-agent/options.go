@@ -1,0 +1,68 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2/textlogger"
+
+	"github.com/credbroker/credbroker/pkg/agent"
+)
+
+// parseFlags turns the command line into a validated agent.Config.
+func parseFlags(args []string) (agent.Config, error) {
+	cfg := agent.Default()
+	var kubeconfig, trustDomain, brokerID, brokers, caFile string
+	var verbosity int
+	fs := flag.NewFlagSet("spoke-agent", flag.ContinueOnError)
+	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel address(es), host:port, comma-separated; one stream is kept to each (required)")
+	fs.StringVar(&brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
+	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the agent, spiffe://<td>/clusterprofile/<ns>/<name>; reloaded on change (required)")
+	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file (required)")
+	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain (required)")
+	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain (required)")
+	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the spoke; empty means the in-cluster config")
+	fs.StringVar(&cfg.Namespace, "namespace", "", "only mint for ServiceAccounts of this namespace; empty means all")
+	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
+	fs.StringVar(&cfg.Server, "spoke-server", "", "spoke API server URL to report to the broker (optional)")
+	fs.StringVar(&caFile, "spoke-ca-file", "", "PEM CA of --spoke-server to report to the broker (optional)")
+	fs.IntVar(&verbosity, "v", 0, "log verbosity")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if fs.NArg() > 0 {
+		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	cfg.Log = textlogger.NewLogger(textlogger.NewConfig(textlogger.Verbosity(verbosity))).WithName("spoke-agent")
+
+	for _, b := range strings.Split(brokers, ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			cfg.BrokerAddresses = append(cfg.BrokerAddresses, b)
+		}
+	}
+	var err error
+	if trustDomain != "" {
+		if cfg.TrustDomain, err = spiffeid.TrustDomainFromString(trustDomain); err != nil {
+			return cfg, fmt.Errorf("--trust-domain: %w", err)
+		}
+		cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
+	}
+	if brokerID != "" {
+		if cfg.BrokerID, err = spiffeid.FromString(brokerID); err != nil {
+			return cfg, fmt.Errorf("--broker-spiffe-id: %w", err)
+		}
+	}
+	if caFile != "" {
+		if cfg.CAData, err = os.ReadFile(caFile); err != nil {
+			return cfg, fmt.Errorf("--spoke-ca-file: %w", err)
+		}
+	}
+	if cfg.Spoke, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
+		return cfg, fmt.Errorf("spoke config: %w", err)
+	}
+	return cfg, cfg.Validate()
+}

@@ -1,0 +1,183 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"golang.org/x/sync/errgroup"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/credbroker/credbroker/pkg/identity"
+	"github.com/credbroker/credbroker/pkg/spoke"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// Version is reported to the broker in the agent's hello.
+var Version = "dev"
+
+// Config is the agent's validated configuration.
+type Config struct {
+	// BrokerAddresses are the broker replicas, host:port each; the agent
+	// holds one stream to every one of them.
+	BrokerAddresses []string
+	// BrokerID is the SPIFFE ID the broker must present.
+	BrokerID spiffeid.ID
+	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the agent's
+	// X.509-SVID and the bundle of TrustDomain, reloaded when they change.
+	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
+	TrustDomain                                spiffeid.TrustDomain
+	FileCheckInterval                          time.Duration
+
+	// Spoke is the spoke API server's client config; the agent needs
+	// create on serviceaccounts/token and list/watch on serviceaccounts.
+	Spoke *rest.Config
+	// Namespace limits the ServiceAccounts the agent may mint for; empty
+	// means all namespaces.
+	Namespace string
+	// MaxExpiration caps minted tokens' lifetime.
+	MaxExpiration time.Duration
+	// Server and CAData describe the spoke API server to the broker (hello);
+	// both optional.
+	Server string
+	CAData []byte
+
+	// InitialBackoff and MaxBackoff bound reconnect waits.
+	InitialBackoff, MaxBackoff time.Duration
+	CacheSyncTimeout           time.Duration
+
+	Log logr.Logger
+}
+
+// Default returns a Config with every default set.
+func Default() Config {
+	return Config{
+		MaxExpiration:     time.Hour,
+		FileCheckInterval: 5 * time.Second,
+		InitialBackoff:    500 * time.Millisecond,
+		MaxBackoff:        30 * time.Second,
+		CacheSyncTimeout:  time.Minute,
+	}
+}
+
+// Validate reports every missing or inconsistent field at once.
+func (c *Config) Validate() error {
+	var errs []error
+	need := func(ok bool, format string, args ...any) {
+		if !ok {
+			errs = append(errs, fmt.Errorf(format, args...))
+		}
+	}
+	need(len(c.BrokerAddresses) > 0, "at least one broker address is required")
+	need(!c.TrustDomain.IsZero(), "the trust domain is required")
+	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
+	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
+	need(c.Spoke != nil, "a spoke client config is required")
+	need(c.MaxExpiration >= 10*time.Minute, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
+	return errors.Join(errs...)
+}
+
+// Agent is the assembled spoke side.
+type Agent struct {
+	cfg       Config
+	svid      *identity.FileSource
+	informers informers.SharedInformerFactory
+	synced    cache.InformerSynced
+	clients   []*tunnel.Client
+}
+
+// New validates cfg and builds every part; nothing connects until Run.
+func New(cfg Config) (*Agent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("agent: invalid config: %w", err)
+	}
+	a := &Agent{cfg: cfg}
+	var err error
+	if a.svid, err = identity.NewFileSource(identity.FileSourceConfig{
+		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
+		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
+	}); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+
+	spokeConfig := rest.CopyConfig(cfg.Spoke)
+	spokeConfig.UserAgent = "credbroker-spoke-agent/" + Version
+	client, err := kubernetes.NewForConfig(spokeConfig)
+	if err != nil {
+		return nil, fmt.Errorf("agent: spoke client: %w", err)
+	}
+	a.informers = informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(cfg.Namespace))
+	sas := a.informers.Core().V1().ServiceAccounts()
+	a.synced = sas.Informer().HasSynced
+	minter, err := spoke.New(spoke.Config{
+		Tokens:          spoke.NewTokenCreator(client),
+		ServiceAccounts: sas.Lister(),
+		MaxExpiration:   cfg.MaxExpiration,
+		Log:             cfg.Log.WithName("mint"),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+
+	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
+	hello := &pb.Hello{AgentVersion: Version, Server: cfg.Server, CertificateAuthorityData: cfg.CAData}
+	for _, addr := range cfg.BrokerAddresses {
+		c, err := tunnel.NewClient(tunnel.ClientConfig{
+			Address:        addr,
+			Credentials:    creds,
+			Minter:         minter,
+			Hello:          hello,
+			InitialBackoff: cfg.InitialBackoff,
+			MaxBackoff:     cfg.MaxBackoff,
+			Log:            cfg.Log.WithName("tunnel"),
+		})
+		if err != nil {
+			return nil, fmt.Errorf("agent: %w", err)
+		}
+		a.clients = append(a.clients, c)
+	}
+	return a, nil
+}
+
+// Connected is closed once every broker address has admitted a stream.
+func (a *Agent) Connected() <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		for _, c := range a.clients {
+			<-c.Connected()
+		}
+		close(done)
+	}()
+	return done
+}
+
+// Run syncs the ServiceAccount informer, then holds the broker streams until
+// ctx ends. The first part that fails stops the others.
+func (a *Agent) Run(ctx context.Context) error {
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return a.svid.Run(ctx) })
+
+	a.informers.Start(ctx.Done())
+	defer a.informers.Shutdown()
+	syncCtx, cancel := context.WithTimeout(ctx, a.cfg.CacheSyncTimeout)
+	synced := cache.WaitForCacheSync(syncCtx.Done(), a.synced)
+	cancel()
+	if !synced {
+		if ctx.Err() != nil {
+			return g.Wait()
+		}
+		return fmt.Errorf("agent: ServiceAccount informer did not sync within %s; check the spoke connection and the agent's RBAC (list and watch serviceaccounts)", a.cfg.CacheSyncTimeout)
+	}
+	for _, c := range a.clients {
+		g.Go(func() error { return c.Run(ctx) })
+	}
+	a.cfg.Log.Info("agent running", "brokers", a.cfg.BrokerAddresses, "namespace", a.cfg.Namespace)
+	return g.Wait()
+}

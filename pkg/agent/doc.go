@@ -1,0 +1,13 @@
+// Package agent assembles the spoke side of credbroker: a ServiceAccount
+// informer, the policy-checking Minter of package spoke, and one tunnel
+// client per broker address.
+//
+//	a, err := agent.New(cfg)
+//	if err != nil { ... }
+//	err = a.Run(ctx) // until ctx ends; the first failing part stops the rest
+//
+// The agent knows nothing of consumers or of the hub inventory: it sees only
+// the mint requests that arrive on its streams, and mints only what the
+// spoke's own ServiceAccount annotations allow. cmd/spoke-agent is a thin
+// flag parser over this package.
+package agent

@@ -1,0 +1,308 @@
+package broker
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/time/rate"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/reflection"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
+	inventoryinformers "sigs.k8s.io/cluster-inventory-api/client/informers/externalversions"
+
+	"github.com/credbroker/credbroker/pkg/clusterprofile"
+	"github.com/credbroker/credbroker/pkg/identity"
+	"github.com/credbroker/credbroker/pkg/tokenexchange"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// Broker is the assembled hub side. Build it with New; serve with Run.
+type Broker struct {
+	cfg Config
+	log logr.Logger
+
+	exchangeLis, agentLis, metricsLis net.Listener
+
+	svid      *identity.FileSource
+	keyPair   *identity.KeyPairFile
+	informers inventoryinformers.SharedInformerFactory
+	profiles  *clusterprofile.Index
+	tunnel    *tunnel.Server
+	exchange  *tokenexchange.Service
+	health    *health.Server
+	registry  *prometheus.Registry
+}
+
+// New validates cfg, loads the certificates, builds every part and binds the
+// listeners. Nothing is served until Run.
+func New(cfg Config) (b *Broker, err error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("broker: invalid config: %w", err)
+	}
+	b = &Broker{cfg: cfg, log: cfg.Log}
+	defer func() {
+		if err != nil {
+			b.closeListeners()
+		}
+	}()
+
+	if b.svid, err = identity.NewFileSource(identity.FileSourceConfig{
+		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
+		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
+	}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+	if b.keyPair, err = identity.NewKeyPairFile(cfg.TLSCertFile, cfg.TLSKeyFile, cfg.FileCheckInterval, cfg.Log.WithName("tls")); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+
+	hub := rest.CopyConfig(cfg.Hub)
+	hub.QPS, hub.Burst = cfg.HubQPS, cfg.HubBurst
+	hub.UserAgent = "credbroker-broker"
+	hubClient, err := kubernetes.NewForConfig(hub)
+	if err != nil {
+		return nil, fmt.Errorf("broker: hub client: %w", err)
+	}
+	inventoryClient, err := inventory.NewForConfig(hub)
+	if err != nil {
+		return nil, fmt.Errorf("broker: hub inventory client: %w", err)
+	}
+	b.informers = inventoryinformers.NewSharedInformerFactory(inventoryClient, cfg.InformerResync)
+	if b.profiles, err = clusterprofile.New(clusterprofile.Config{
+		Informer:    b.informers.Apis().V1alpha1().ClusterProfiles().Informer(),
+		TrustDomain: cfg.TrustDomain,
+		Log:         cfg.Log.WithName("clusterprofiles"),
+	}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+
+	if b.tunnel, err = tunnel.NewServer(tunnel.ServerConfig{
+		Resolver:    agentResolver{b.profiles},
+		PeerID:      identity.PeerID,
+		MintTimeout: cfg.MintTimeout,
+		Log:         cfg.Log.WithName("tunnel"),
+	}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+	b.profiles.OnChange(func(key types.NamespacedName, _ types.UID) { b.tunnel.Revalidate(key) })
+
+	if b.exchange, err = tokenexchange.New(tokenexchange.Config{
+		TokenReviews:  hubClient.AuthenticationV1().TokenReviews(),
+		AccessReviews: hubClient.AuthorizationV1().SubjectAccessReviews(),
+		Clusters:      clusterLookup{profiles: b.profiles, provider: cfg.AccessProviderName},
+		Minter:        b.tunnel,
+		Audience:      cfg.Audience,
+		MaxExpiration: cfg.MaxExpiration,
+		AuthnTTL:      cfg.AuthnTTL,
+		AllowTTL:      cfg.AllowTTL,
+		DenyTTL:       cfg.DenyTTL,
+		RateLimit:     rate.Limit(cfg.RateLimit),
+		RateBurst:     cfg.RateBurst,
+		Log:           cfg.Log.WithName("exchange"),
+		Audit:         cfg.Audit,
+	}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+
+	b.health = health.NewServer()
+	b.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	b.registry = prometheus.NewRegistry()
+	b.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	b.registry.MustRegister(tunnel.Collectors()...)
+	b.registry.MustRegister(tokenexchange.Collectors()...)
+
+	if b.exchangeLis, err = net.Listen("tcp", cfg.ExchangeAddress); err != nil {
+		return nil, fmt.Errorf("broker: exchange listener: %w", err)
+	}
+	if b.agentLis, err = net.Listen("tcp", cfg.AgentAddress); err != nil {
+		return nil, fmt.Errorf("broker: agent listener: %w", err)
+	}
+	if cfg.MetricsAddress != "" {
+		if b.metricsLis, err = net.Listen("tcp", cfg.MetricsAddress); err != nil {
+			return nil, fmt.Errorf("broker: metrics listener: %w", err)
+		}
+	}
+	return b, nil
+}
+
+// ExchangeAddr is the bound address of the TokenExchange listener.
+func (b *Broker) ExchangeAddr() string { return b.exchangeLis.Addr().String() }
+
+// AgentAddr is the bound address of the AgentTunnel listener.
+func (b *Broker) AgentAddr() string { return b.agentLis.Addr().String() }
+
+// Connected reports how many agent streams serve the ClusterProfile.
+func (b *Broker) Connected(namespace, name string) int {
+	cp, err := b.profiles.Get(namespace, name)
+	if err != nil {
+		return 0
+	}
+	return b.tunnel.Connected(tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID})
+}
+
+func (b *Broker) closeListeners() {
+	for _, l := range []net.Listener{b.exchangeLis, b.agentLis, b.metricsLis} {
+		if l != nil {
+			_ = l.Close()
+		}
+	}
+}
+
+// Run serves until ctx ends, then stops gracefully within ShutdownGrace. The
+// first part that fails stops the others, and Run returns its error.
+func (b *Broker) Run(ctx context.Context) error {
+	defer b.closeListeners()
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return b.svid.Run(ctx) })
+	g.Go(func() error { return b.keyPair.Run(ctx) })
+
+	b.informers.Start(ctx.Done())
+	defer b.informers.Shutdown()
+	syncCtx, cancel := context.WithTimeout(ctx, b.cfg.CacheSyncTimeout)
+	synced := cache.WaitForCacheSync(syncCtx.Done(), b.profiles.HasSynced)
+	cancel()
+	if !synced {
+		if ctx.Err() != nil {
+			return g.Wait()
+		}
+		return fmt.Errorf("broker: ClusterProfile informer did not sync within %s; check the hub connection and that the ClusterProfile CRD is installed", b.cfg.CacheSyncTimeout)
+	}
+
+	exchange := b.grpcServer(credentials.NewTLS(&tls.Config{
+		GetCertificate: b.keyPair.GetCertificate,
+		MinVersion:     tls.VersionTLS12,
+	}))
+	pb.RegisterTokenExchangeServer(exchange, b.exchange)
+	reflection.Register(exchange)
+
+	agents := b.grpcServer(identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain))
+	pb.RegisterAgentTunnelServer(agents, b.tunnel)
+
+	serveGRPC := func(name string, s *grpc.Server, lis net.Listener) {
+		g.Go(func() error {
+			if err := s.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+				return fmt.Errorf("broker: %s server: %w", name, err)
+			}
+			return nil
+		})
+		g.Go(func() error {
+			<-ctx.Done()
+			stopGracefully(s, b.cfg.ShutdownGrace)
+			return nil
+		})
+	}
+	serveGRPC("exchange", exchange, b.exchangeLis)
+	serveGRPC("agent", agents, b.agentLis)
+	if b.metricsLis != nil {
+		g.Go(func() error { return b.serveMetrics(ctx) })
+	}
+
+	b.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	b.log.Info("broker serving", "exchange", b.ExchangeAddr(), "agents", b.AgentAddr(), "trustDomain", b.cfg.TrustDomain.String())
+	err := g.Wait()
+	b.health.Shutdown()
+	return err
+}
+
+func (b *Broker) grpcServer(creds credentials.TransportCredentials) *grpc.Server {
+	s := grpc.NewServer(
+		grpc.Creds(creds),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		grpc.MaxRecvMsgSize(64<<10),
+		grpc.MaxHeaderListSize(64<<10),
+		grpc.ChainUnaryInterceptor(recoverUnary(b.log)),
+		grpc.ChainStreamInterceptor(recoverStream(b.log)),
+	)
+	healthpb.RegisterHealthServer(s, b.health)
+	return s
+}
+
+func (b *Broker) serveMetrics(ctx context.Context) error {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(b.registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !b.profiles.HasSynced() {
+			http.Error(w, "ClusterProfile informer not synced", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ok"))
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.cfg.ShutdownGrace)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}()
+	if err := srv.Serve(b.metricsLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("broker: metrics server: %w", err)
+	}
+	return nil
+}
+
+// stopGracefully lets in-flight calls finish for up to grace. Agent streams
+// never finish on their own, so it then stops hard.
+func stopGracefully(s *grpc.Server, grace time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		s.GracefulStop()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(grace):
+		s.Stop()
+	}
+}
+
+// agentResolver admits agents through the ClusterProfile index.
+type agentResolver struct{ profiles *clusterprofile.Index }
+
+func (r agentResolver) ResolveAgent(id spiffeid.ID) (tunnel.ClusterRef, error) {
+	cp, err := r.profiles.ForAgent(id)
+	if err != nil {
+		return tunnel.ClusterRef{}, err
+	}
+	return tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name}, UID: cp.UID}, nil
+}
+
+// clusterLookup answers the exchange's ClusterProfile lookups.
+type clusterLookup struct {
+	profiles *clusterprofile.Index
+	provider string
+}
+
+func (c clusterLookup) Cluster(namespace, name string) (tokenexchange.Cluster, error) {
+	cp, err := c.profiles.Get(namespace, name)
+	if err != nil {
+		return tokenexchange.Cluster{}, err
+	}
+	server, ca, _ := clusterprofile.Access(cp, c.provider)
+	return tokenexchange.Cluster{
+		Ref:    tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID},
+		Server: server,
+		CAData: ca,
+	}, nil
+}

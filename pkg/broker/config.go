@@ -1,0 +1,107 @@
+package broker
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"k8s.io/client-go/rest"
+)
+
+// Config is the broker's validated configuration.
+type Config struct {
+	// ExchangeAddress serves TokenExchange to consumers over TLS.
+	ExchangeAddress string
+	// AgentAddress serves AgentTunnel to agents over SPIFFE mTLS.
+	AgentAddress string
+	// MetricsAddress serves /metrics, /healthz and /readyz over HTTP; empty
+	// disables it.
+	MetricsAddress string
+
+	// TLSCertFile and TLSKeyFile are the exchange port's serving certificate,
+	// reloaded when they change.
+	TLSCertFile, TLSKeyFile string
+	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the broker's X.509-SVID
+	// and the bundle of TrustDomain, reloaded when they change.
+	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
+	TrustDomain                                spiffeid.TrustDomain
+
+	// Hub is the hub API server's client config. Its QPS and Burst are
+	// raised to HubQPS and HubBurst: every exchange that misses the
+	// decision caches costs a TokenReview and a SubjectAccessReview.
+	Hub               *rest.Config
+	HubQPS            float32
+	HubBurst          int
+	InformerResync    time.Duration
+	CacheSyncTimeout  time.Duration
+	ShutdownGrace     time.Duration
+	FileCheckInterval time.Duration
+
+	// Audience a consumer's hub token must carry.
+	Audience string
+	// MaxExpiration caps minted tokens' lifetime.
+	MaxExpiration time.Duration
+	// MintTimeout bounds the wait for an agent's answer.
+	MintTimeout time.Duration
+	// AccessProviderName is the ClusterProfile access provider whose server
+	// and CA are returned to consumers; others are used when it is absent.
+	AccessProviderName string
+	// AuthnTTL, AllowTTL and DenyTTL bound the decision caches.
+	AuthnTTL, AllowTTL, DenyTTL time.Duration
+	// RateLimit and RateBurst limit exchanges per consumer.
+	RateLimit float64
+	RateBurst int
+
+	// Log receives operational logs; Audit receives one line per exchange.
+	Log, Audit logr.Logger
+}
+
+// Default returns a Config with every default set and nothing that must be
+// chosen per installation (files, hub config, trust domain).
+func Default() Config {
+	return Config{
+		ExchangeAddress:    ":8443",
+		AgentAddress:       ":8444",
+		MetricsAddress:     ":8080",
+		HubQPS:             200,
+		HubBurst:           400,
+		InformerResync:     10 * time.Minute,
+		CacheSyncTimeout:   time.Minute,
+		ShutdownGrace:      10 * time.Second,
+		FileCheckInterval:  5 * time.Second,
+		Audience:           "credbroker",
+		MaxExpiration:      time.Hour,
+		MintTimeout:        10 * time.Second,
+		AccessProviderName: "credbroker",
+		AuthnTTL:           10 * time.Second,
+		AllowTTL:           10 * time.Second,
+		DenyTTL:            2 * time.Second,
+		RateLimit:          20,
+		RateBurst:          40,
+	}
+}
+
+// Validate reports every missing or inconsistent field at once.
+func (c *Config) Validate() error {
+	var errs []error
+	need := func(ok bool, format string, args ...any) {
+		if !ok {
+			errs = append(errs, fmt.Errorf(format, args...))
+		}
+	}
+	need(c.ExchangeAddress != "", "the exchange address is required")
+	need(c.AgentAddress != "", "the agent address is required")
+	need(c.TLSCertFile != "" && c.TLSKeyFile != "", "a TLS certificate and key for the exchange port are required")
+	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
+	need(!c.TrustDomain.IsZero(), "the trust domain is required")
+	need(c.Hub != nil, "a hub client config is required")
+	need(c.HubQPS > 0 && c.HubBurst > 0, "hub QPS and burst must be positive")
+	need(c.Audience != "", "the audience is required")
+	need(c.MaxExpiration >= 10*time.Minute, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
+	need(c.MintTimeout > 0, "the mint timeout must be positive")
+	need(c.DenyTTL <= c.AllowTTL, "denials must not be cached longer than approvals (%s > %s)", c.DenyTTL, c.AllowTTL)
+	need(c.RateLimit > 0 && c.RateBurst > 0, "the rate limit and burst must be positive")
+	return errors.Join(errs...)
+}

@@ -1,0 +1,282 @@
+package plugin
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/status"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	clientauthenticationv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
+	"sigs.k8s.io/cluster-inventory-api/pkg/credentialplugin"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/token"
+	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// DefaultTimeout bounds one GetToken when Config.Timeout is zero.
+const DefaultTimeout = 30 * time.Second
+
+// Config configures a Provider.
+type Config struct {
+	// BrokerAddress is the broker's gRPC address, host:port; required.
+	BrokerAddress string
+	// TLS verifies the broker; required, and must not skip verification. It
+	// is cloned by New.
+	TLS *tls.Config
+	// TokenFile holds the hub ServiceAccount token; required. It is read on
+	// every GetToken, because the kubelet rotates it.
+	TokenFile string
+	// Cluster, when set, overrides the ClusterProfile named in ExecCredential
+	// spec.cluster.config.
+	Cluster *Reference
+	// ServiceAccount is the spoke ServiceAccount to ask for; when nil, the
+	// spoke agent picks the single one that allows the caller.
+	ServiceAccount *Reference
+	// Audiences of the spoke token; empty means the spoke API server's
+	// default audiences.
+	Audiences []string
+	// ExpirationSeconds is the requested lifetime; zero means the broker's
+	// maximum. The broker clamps other values.
+	ExpirationSeconds int64
+	// Timeout bounds one GetToken, connection included; zero means
+	// DefaultTimeout.
+	Timeout time.Duration
+}
+
+// Provider is a credentialplugin.Provider that gets spoke tokens from the
+// broker. It is safe for concurrent use.
+type Provider struct {
+	cfg   Config
+	creds credentials.TransportCredentials
+}
+
+var _ credentialplugin.Provider = (*Provider)(nil)
+
+// New validates cfg and returns a Provider. It does not connect to the
+// broker or read the token file; GetToken does, on every call.
+func New(cfg Config) (*Provider, error) {
+	if err := validateAddress(cfg.BrokerAddress); err != nil {
+		return nil, err
+	}
+	if cfg.TLS == nil {
+		return nil, errors.New("TLS config for the broker is required")
+	}
+	if cfg.TLS.InsecureSkipVerify {
+		return nil, errors.New("TLS config must verify the broker: InsecureSkipVerify is not allowed")
+	}
+	if cfg.TokenFile == "" {
+		return nil, errors.New("token file is required")
+	}
+	if cfg.Cluster != nil {
+		if err := cfg.Cluster.Validate(); err != nil {
+			return nil, fmt.Errorf("cluster: %w", err)
+		}
+		c := *cfg.Cluster
+		cfg.Cluster = &c
+	}
+	if cfg.ServiceAccount != nil {
+		if err := cfg.ServiceAccount.Validate(); err != nil {
+			return nil, fmt.Errorf("service account: %w", err)
+		}
+		sa := *cfg.ServiceAccount
+		cfg.ServiceAccount = &sa
+	}
+	for _, a := range cfg.Audiences {
+		if a == "" || strings.TrimSpace(a) != a {
+			return nil, fmt.Errorf("audience %q is empty or has surrounding spaces", a)
+		}
+	}
+	cfg.Audiences = slices.Clone(cfg.Audiences)
+	if cfg.ExpirationSeconds < 0 {
+		return nil, fmt.Errorf("expiration seconds %d is negative", cfg.ExpirationSeconds)
+	}
+	switch {
+	case cfg.Timeout < 0:
+		return nil, fmt.Errorf("timeout %v is negative", cfg.Timeout)
+	case cfg.Timeout == 0:
+		cfg.Timeout = DefaultTimeout
+	}
+	cfg.TLS = cfg.TLS.Clone()
+	return &Provider{cfg: cfg, creds: credentials.NewTLS(cfg.TLS)}, nil
+}
+
+func validateAddress(addr string) error {
+	if addr == "" {
+		return errors.New("broker address is required")
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("broker address %q is not host:port: %w", addr, err)
+	}
+	if host == "" {
+		return fmt.Errorf("broker address %q has no host", addr)
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
+		return fmt.Errorf("broker address %q has an invalid port", addr)
+	}
+	return nil
+}
+
+// Name returns Name.
+func (p *Provider) Name() string { return Name }
+
+// GetToken exchanges the hub token in Config.TokenFile for a token on the
+// spoke named by Config.Cluster or, when that is nil, by in.Spec.Cluster.Config
+// (see ParseExecConfig). A failed exchange returns an error that reads
+// "exchange for cluster <ns>/<name>: <gRPC code>: <message>"; errdefs.Code
+// reports its gRPC code and errors.Is matches the errdefs sentinel.
+func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecCredential) (clientauthenticationv1.ExecCredentialStatus, error) {
+	var none clientauthenticationv1.ExecCredentialStatus
+	cluster, err := p.cluster(&in)
+	if err != nil {
+		return none, err
+	}
+	hubToken, err := readToken(p.cfg.TokenFile)
+	if err != nil {
+		return none, err
+	}
+
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
+	defer cancel()
+	// The dns scheme is explicit so that a host name is never taken for a
+	// URL scheme ("broker:443").
+	conn, err := grpc.NewClient("dns:///"+p.cfg.BrokerAddress,
+		grpc.WithTransportCredentials(p.creds),
+		grpc.WithUserAgent("credbroker-plugin"),
+	)
+	if err != nil {
+		return none, fmt.Errorf("exchange for cluster %s: broker %s: %w", cluster, p.cfg.BrokerAddress, err)
+	}
+	defer func() { _ = conn.Close() }()
+
+	req := &credbrokerv1alpha1.ExchangeRequest{
+		Cluster:           &credbrokerv1alpha1.ObjectReference{Namespace: cluster.Namespace, Name: cluster.Name},
+		Audiences:         p.cfg.Audiences,
+		ExpirationSeconds: p.cfg.ExpirationSeconds,
+	}
+	if sa := p.cfg.ServiceAccount; sa != nil {
+		req.ServiceAccount = &credbrokerv1alpha1.ObjectReference{Namespace: sa.Namespace, Name: sa.Name}
+	}
+	resp, err := credbrokerv1alpha1.NewTokenExchangeClient(conn).Exchange(ctx, req,
+		grpc.PerRPCCredentials(bearer{token: hubToken}))
+	if err != nil {
+		return none, p.exchangeError(cluster, err, hubToken)
+	}
+
+	if resp.GetToken() == "" {
+		return none, fmt.Errorf("exchange for cluster %s: broker returned no token", cluster)
+	}
+	exp := resp.GetExpirationTime()
+	if exp == nil {
+		return none, fmt.Errorf("exchange for cluster %s: broker returned no expiration time", cluster)
+	}
+	if err := exp.CheckValid(); err != nil {
+		return none, fmt.Errorf("exchange for cluster %s: broker returned an invalid expiration time: %w", cluster, err)
+	}
+	expiry := metav1.NewTime(exp.AsTime().UTC())
+	return clientauthenticationv1.ExecCredentialStatus{
+		Token:               resp.GetToken(),
+		ExpirationTimestamp: &expiry,
+	}, nil
+}
+
+// cluster picks the ClusterProfile: Config.Cluster, else spec.cluster.config.
+func (p *Provider) cluster(in *clientauthenticationv1.ExecCredential) (Reference, error) {
+	if p.cfg.Cluster != nil {
+		return *p.cfg.Cluster, nil
+	}
+	var raw []byte
+	if c := in.Spec.Cluster; c != nil {
+		raw = c.Config.Raw
+		if len(raw) == 0 && c.Config.Object != nil {
+			b, err := json.Marshal(c.Config.Object)
+			if err != nil {
+				return Reference{}, fmt.Errorf("encode ExecCredential spec.cluster.config: %w", err)
+			}
+			raw = b
+		}
+	}
+	if r := bytes.TrimSpace(raw); len(r) == 0 || string(r) == "null" {
+		return Reference{}, errors.New("no ClusterProfile to get a token for: set the cluster to use " +
+			"(--cluster <namespace>/<name>), or set clusterProfile in the \"client.authentication.k8s.io/exec\" " +
+			"extension of the ClusterProfile's " + Name + " access provider and provideClusterInfo: true in the exec config")
+	}
+	ec, err := ParseExecConfig(raw)
+	if err != nil {
+		return Reference{}, fmt.Errorf("ExecCredential spec.cluster.config: %w", err)
+	}
+	return *ec.ClusterProfile, nil
+}
+
+// readToken reads the hub token from name. Errors name the file, never its
+// content.
+func readToken(name string) (string, error) {
+	f, err := os.Open(name)
+	if err != nil {
+		return "", fmt.Errorf("read hub token: %w", err)
+	}
+	defer func() { _ = f.Close() }()
+	// Allow for some surrounding white space; anything larger is not a token.
+	const limit = token.MaxLength + 1024
+	b, err := io.ReadAll(io.LimitReader(f, limit))
+	if err != nil {
+		return "", fmt.Errorf("read hub token from %s: %w", name, err)
+	}
+	s := strings.TrimSpace(string(b))
+	switch {
+	case s == "":
+		return "", fmt.Errorf("hub token file %s is empty", name)
+	case len(b) == limit || len(s) > token.MaxLength:
+		return "", fmt.Errorf("hub token file %s holds more than %d bytes", name, token.MaxLength)
+	case strings.IndexFunc(s, func(r rune) bool { return r <= ' ' || r > '~' }) >= 0:
+		return "", fmt.Errorf("hub token file %s does not hold a bearer token: it has spaces or characters that are not printable ASCII", name)
+	}
+	return s, nil
+}
+
+// exchangeError turns a failed Exchange into an error that names the
+// cluster, the gRPC code and the message, with the hub token redacted should
+// the message ever carry it. It wraps errdefs.FromCode, so errdefs.Code and
+// errors.Is with the errdefs sentinels see the broker's code.
+func (p *Provider) exchangeError(cluster Reference, err error, hubToken string) error {
+	st := status.Convert(err)
+	msg := strings.ReplaceAll(st.Message(), hubToken, "[redacted]")
+	switch st.Code() {
+	case codes.Unavailable, codes.DeadlineExceeded:
+		msg = fmt.Sprintf("%s (broker %s, timeout %v)", msg, p.cfg.BrokerAddress, p.cfg.Timeout)
+	}
+	return fmt.Errorf("exchange for cluster %s: %s: %w", cluster, st.Code(), errdefs.FromCode(st.Code(), msg))
+}
+
+// bearer is per-RPC credentials that send the hub token as
+// "authorization: Bearer <token>", and only over a secure transport.
+type bearer struct{ token string }
+
+func (b bearer) GetRequestMetadata(ctx context.Context, _ ...string) (map[string]string, error) {
+	ri, _ := credentials.RequestInfoFromContext(ctx)
+	if err := credentials.CheckSecurityLevel(ri.AuthInfo, credentials.PrivacyAndIntegrity); err != nil {
+		return nil, fmt.Errorf("refusing to send the hub token over this connection: %w", err)
+	}
+	return map[string]string{"authorization": "Bearer " + b.token}, nil
+}
+
+func (bearer) RequireTransportSecurity() bool { return true }
+
+// String and GoString keep the token out of any formatted output.
+func (bearer) String() string   { return "bearer([redacted])" }
+func (bearer) GoString() string { return "bearer([redacted])" }

@@ -1,0 +1,58 @@
+// Package spoke is the minting half of the spoke agent: it turns a hub
+// broker's MintRequest into a short-lived ServiceAccount token minted on the
+// agent's own cluster with the TokenRequest API, under the spoke's own
+// policy.
+//
+// # Policy
+//
+// The spoke decides, not the hub. A ServiceAccount opts in by listing hub
+// usernames, comma-separated, in its AllowedSubjectsAnnotation:
+//
+//	metadata:
+//	  annotations:
+//	    credbroker.io/allowed-subjects: system:serviceaccount:argocd:argocd-application-controller
+//
+// Usernames match exactly; there are no wildcards, and the subject's groups
+// and uid play no part. Everything else is denied:
+//
+//   - A request that names a ServiceAccount gets a token for it only if its
+//     annotation lists the subject.
+//   - A request that names none gets a token for the single ServiceAccount,
+//     among all the informer sees, whose annotation lists the subject; it
+//     is refused when there is none, and when there are several, so that
+//     the caller names one.
+//   - The lifetime is the request's, clamped to [MinExpiration,
+//     MaxExpiration]; zero asks for MaxExpiration. The spoke API server may
+//     shorten it further, and the response reports what it granted.
+//   - Audiences pass through; none means the spoke API server's default
+//     audiences.
+//
+// Policy is read from an informer's cache, so a check costs no API call and
+// a change to an annotation takes effect once the informer sees it. The
+// TokenRequest carries the cached ServiceAccount's UID, so the API server
+// refuses to mint for a ServiceAccount deleted and recreated since then.
+//
+// # Use
+//
+// Build a Minter from a clientset and a synced ServiceAccount informer, then
+// call Mint for each MintRequest:
+//
+//	factory := informers.NewSharedInformerFactory(client, 0)
+//	sas := factory.Core().V1().ServiceAccounts()
+//	lister := sas.Lister() // register the informer before Start
+//	factory.Start(ctx.Done())
+//	factory.WaitForCacheSync(ctx.Done())
+//	m, err := spoke.New(spoke.Config{
+//		Tokens:          spoke.NewTokenCreator(client),
+//		ServiceAccounts: lister,
+//		Log:             log,
+//	})
+//	...
+//	resp, err := m.Mint(ctx, req)
+//
+// The agent's own identity needs list and watch on serviceaccounts and
+// create on serviceaccounts/token. Mint's errors wrap the sentinels of
+// package errdefs, and their messages say what to change; none contains a
+// token, and neither does the log, which names a token by its credential
+// ID (token.ID).
+package spoke

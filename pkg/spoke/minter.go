@@ -1,0 +1,317 @@
+package spoke
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/go-logr/logr"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/kubernetes"
+	corev1listers "k8s.io/client-go/listers/core/v1"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/token"
+	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// AllowedSubjectsAnnotation, on a spoke ServiceAccount, lists the hub
+// usernames that may get tokens for it, separated by commas, such as
+// "system:serviceaccount:argocd:argocd-application-controller". A
+// ServiceAccount without it allows nobody.
+const AllowedSubjectsAnnotation = "credbroker.io/allowed-subjects"
+
+const (
+	// DefaultMinExpiration is the default and the smallest MinExpiration: the
+	// shortest lifetime the TokenRequest API accepts.
+	DefaultMinExpiration = 10 * time.Minute
+	// DefaultMaxExpiration is the default MaxExpiration.
+	DefaultMaxExpiration = time.Hour
+	// maxTokenRequestExpiration is the longest lifetime the TokenRequest API
+	// accepts.
+	maxTokenRequestExpiration = (1 << 32) * time.Second
+)
+
+// TokenCreator creates a token for a ServiceAccount with the TokenRequest
+// API. NewTokenCreator adapts a clientset; tests use a fake.
+type TokenCreator interface {
+	CreateToken(ctx context.Context, namespace, name string, req *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error)
+}
+
+// NewTokenCreator returns a TokenCreator that calls
+// CoreV1().ServiceAccounts(namespace).CreateToken on client. The client's
+// identity needs create on serviceaccounts/token.
+func NewTokenCreator(client kubernetes.Interface) TokenCreator {
+	return clientTokenCreator{client: client}
+}
+
+type clientTokenCreator struct{ client kubernetes.Interface }
+
+func (c clientTokenCreator) CreateToken(ctx context.Context, namespace, name string, req *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error) {
+	return c.client.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, name, req, metav1.CreateOptions{})
+}
+
+// Config configures a Minter.
+type Config struct {
+	// Tokens mints tokens on the spoke; required.
+	Tokens TokenCreator
+	// ServiceAccounts reads the spoke's ServiceAccounts, and so their
+	// AllowedSubjectsAnnotation, from an informer's cache, so a policy check
+	// costs no API call; required. Wait for the informer to sync before the
+	// first Mint: until then every ServiceAccount looks missing. Mint sees
+	// only what the informer watches, so a namespace-scoped informer limits
+	// the agent to that namespace.
+	ServiceAccounts corev1listers.ServiceAccountLister
+	// MinExpiration is the shortest lifetime of a minted token, in whole
+	// seconds; shorter requests get it. Zero means DefaultMinExpiration,
+	// which is also the smallest value allowed.
+	MinExpiration time.Duration
+	// MaxExpiration is the longest lifetime of a minted token, in whole
+	// seconds; longer requests, and requests that name none, get it. Zero
+	// means DefaultMaxExpiration. It must be at least MinExpiration.
+	MaxExpiration time.Duration
+	// Log receives one line per mint and per refusal; the zero value
+	// discards them. It never receives a token.
+	Log logr.Logger
+}
+
+// Minter mints spoke ServiceAccount tokens for hub subjects under the
+// spoke's own policy. It is safe for concurrent use.
+type Minter struct {
+	tokens     TokenCreator
+	sas        corev1listers.ServiceAccountLister
+	minSeconds int64
+	maxSeconds int64
+	log        logr.Logger
+}
+
+// New returns a Minter, or an error if cfg is incomplete or its expiration
+// bounds are out of range.
+func New(cfg Config) (*Minter, error) {
+	if cfg.Tokens == nil {
+		return nil, errors.New("spoke config: Tokens is required")
+	}
+	if cfg.ServiceAccounts == nil {
+		return nil, errors.New("spoke config: ServiceAccounts is required")
+	}
+	minExp, maxExp := cfg.MinExpiration, cfg.MaxExpiration
+	if minExp == 0 {
+		minExp = DefaultMinExpiration
+	}
+	if maxExp == 0 {
+		maxExp = DefaultMaxExpiration
+	}
+	switch {
+	case minExp%time.Second != 0 || maxExp%time.Second != 0:
+		return nil, fmt.Errorf("spoke config: MinExpiration %s and MaxExpiration %s must be whole seconds", minExp, maxExp)
+	case minExp < DefaultMinExpiration:
+		return nil, fmt.Errorf("spoke config: MinExpiration %s is shorter than %s, the TokenRequest API's minimum", minExp, DefaultMinExpiration)
+	case maxExp < minExp:
+		return nil, fmt.Errorf("spoke config: MaxExpiration %s is shorter than MinExpiration %s", maxExp, minExp)
+	case maxExp > maxTokenRequestExpiration:
+		return nil, fmt.Errorf("spoke config: MaxExpiration %s is longer than %s, the TokenRequest API's maximum", maxExp, maxTokenRequestExpiration)
+	}
+	return &Minter{
+		tokens:     cfg.Tokens,
+		sas:        cfg.ServiceAccounts,
+		minSeconds: int64(minExp / time.Second),
+		maxSeconds: int64(maxExp / time.Second),
+		log:        cfg.Log,
+	}, nil
+}
+
+// Mint mints a token for the ServiceAccount that req names, or, when it
+// names none, for the single ServiceAccount that allows req's subject. The
+// ServiceAccount must list the subject's username in its
+// AllowedSubjectsAnnotation. Errors wrap a sentinel from package errdefs:
+// ErrInvalidArgument for a malformed request, ErrNotFound for a missing
+// ServiceAccount, ErrPermissionDenied when no ServiceAccount allows the
+// subject, ErrFailedPrecondition when several do and req names none, and
+// ErrUnavailable when the spoke API server fails or refuses the agent.
+func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
+	if err := validate(req); err != nil {
+		m.log.Info("refused mint request", "subject", req.GetSubject().GetUsername(), "error", err.Error())
+		return nil, err
+	}
+	user := req.GetSubject().GetUsername()
+	sa, err := m.pick(user, req.GetServiceAccount())
+	if err != nil {
+		m.log.Info("refused mint request", "subject", user, "error", err.Error())
+		return nil, err
+	}
+	ref := sa.Namespace + "/" + sa.Name
+	seconds := m.expirationSeconds(req.GetExpirationSeconds())
+	tr := &authenticationv1.TokenRequest{
+		// The UID makes the API server refuse with a Conflict if the
+		// ServiceAccount was replaced since the informer saw it, so a token is
+		// never minted for an object whose annotation was not checked.
+		ObjectMeta: metav1.ObjectMeta{UID: sa.UID},
+		Spec: authenticationv1.TokenRequestSpec{
+			Audiences:         slices.Clone(req.GetAudiences()),
+			ExpirationSeconds: &seconds,
+		},
+	}
+	out, err := m.tokens.CreateToken(ctx, sa.Namespace, sa.Name, tr)
+	if err != nil {
+		err = createTokenError(ctx, ref, err)
+		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref)
+		return nil, err
+	}
+	if out == nil || out.Status.Token == "" {
+		err := fmt.Errorf("spoke API server returned no token for ServiceAccount %s: %w", ref, errdefs.ErrUnavailable)
+		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref)
+		return nil, err
+	}
+	exp := out.Status.ExpirationTimestamp.Time
+	m.log.Info("minted spoke token",
+		"subject", user,
+		"serviceAccount", ref,
+		"audiences", req.GetAudiences(),
+		"expiration", exp.UTC().Format(time.RFC3339),
+		"credentialID", token.ID(out.Status.Token),
+	)
+	return &credbrokerv1alpha1.MintResponse{
+		Token:          out.Status.Token,
+		ExpirationTime: timestamppb.New(exp),
+		ServiceAccount: &credbrokerv1alpha1.ObjectReference{Namespace: sa.Namespace, Name: sa.Name},
+	}, nil
+}
+
+// AllowedSubjects returns the hub usernames that sa's
+// AllowedSubjectsAnnotation lists, trimmed of spaces, without empty entries,
+// in the annotation's order. It returns nil for a nil sa or one without the
+// annotation.
+func AllowedSubjects(sa *corev1.ServiceAccount) []string {
+	if sa == nil {
+		return nil
+	}
+	var subjects []string
+	for s := range strings.SplitSeq(sa.Annotations[AllowedSubjectsAnnotation], ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			subjects = append(subjects, s)
+		}
+	}
+	return subjects
+}
+
+func allows(sa *corev1.ServiceAccount, user string) bool {
+	return slices.Contains(AllowedSubjects(sa), user)
+}
+
+// validate returns an error wrapping ErrInvalidArgument that lists every
+// problem with req.
+func validate(req *credbrokerv1alpha1.MintRequest) error {
+	if req == nil {
+		return fmt.Errorf("mint request is missing: %w", errdefs.ErrInvalidArgument)
+	}
+	var problems []string
+	if req.GetSubject().GetUsername() == "" {
+		problems = append(problems, "subject.username is required")
+	}
+	if ref := req.GetServiceAccount(); ref != nil {
+		if ref.GetNamespace() == "" {
+			problems = append(problems, "service_account.namespace is required when service_account is set")
+		} else if errs := validation.IsDNS1123Label(ref.GetNamespace()); len(errs) > 0 {
+			problems = append(problems, fmt.Sprintf("service_account.namespace %q is not a valid namespace name: %s", ref.GetNamespace(), strings.Join(errs, "; ")))
+		}
+		if ref.GetName() == "" {
+			problems = append(problems, "service_account.name is required when service_account is set")
+		} else if errs := validation.IsDNS1123Subdomain(ref.GetName()); len(errs) > 0 {
+			problems = append(problems, fmt.Sprintf("service_account.name %q is not a valid ServiceAccount name: %s", ref.GetName(), strings.Join(errs, "; ")))
+		}
+	}
+	for i, a := range req.GetAudiences() {
+		if a == "" {
+			problems = append(problems, fmt.Sprintf("audiences[%d] is empty; omit audiences to get the spoke API server's default", i))
+		}
+	}
+	if s := req.GetExpirationSeconds(); s < 0 {
+		problems = append(problems, fmt.Sprintf("expiration_seconds %d is negative; use 0 for the maximum", s))
+	}
+	if len(problems) > 0 {
+		return fmt.Errorf("mint request: %s: %w", strings.Join(problems, "; "), errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+// pick returns the ServiceAccount to mint for, applying the policy. The
+// returned object belongs to the informer's cache and must not be modified.
+func (m *Minter) pick(user string, ref *credbrokerv1alpha1.ObjectReference) (*corev1.ServiceAccount, error) {
+	if ref != nil {
+		name := ref.GetNamespace() + "/" + ref.GetName()
+		sa, err := m.sas.ServiceAccounts(ref.GetNamespace()).Get(ref.GetName())
+		switch {
+		case apierrors.IsNotFound(err):
+			return nil, fmt.Errorf("spoke ServiceAccount %s: %w", name, errdefs.ErrNotFound)
+		case err != nil:
+			return nil, fmt.Errorf("read spoke ServiceAccount %s from the agent's cache: %v: %w", name, err, errdefs.ErrUnavailable)
+		case !allows(sa, user):
+			return nil, fmt.Errorf("spoke ServiceAccount %s does not allow hub user %s; a spoke admin must add %s to its %s annotation: %w",
+				name, user, user, AllowedSubjectsAnnotation, errdefs.ErrPermissionDenied)
+		}
+		return sa, nil
+	}
+	all, err := m.sas.List(labels.Everything())
+	if err != nil {
+		return nil, fmt.Errorf("list spoke ServiceAccounts from the agent's cache: %v: %w", err, errdefs.ErrUnavailable)
+	}
+	var matches []*corev1.ServiceAccount
+	for _, sa := range all {
+		if allows(sa, user) {
+			matches = append(matches, sa)
+		}
+	}
+	switch len(matches) {
+	case 0:
+		return nil, fmt.Errorf("no spoke ServiceAccount allows hub user %s; a spoke admin must annotate one with %s: %w",
+			user, AllowedSubjectsAnnotation, errdefs.ErrPermissionDenied)
+	case 1:
+		return matches[0], nil
+	}
+	names := make([]string, len(matches))
+	for i, sa := range matches {
+		names[i] = sa.Namespace + "/" + sa.Name
+	}
+	slices.Sort(names)
+	return nil, fmt.Errorf("several spoke ServiceAccounts allow hub user %s (%s); name one in the request: %w",
+		user, strings.Join(names, ", "), errdefs.ErrFailedPrecondition)
+}
+
+// expirationSeconds applies the policy: 0 means the maximum, and other
+// values are clamped to [min, max].
+func (m *Minter) expirationSeconds(requested int64) int64 {
+	if requested == 0 {
+		return m.maxSeconds
+	}
+	return min(max(requested, m.minSeconds), m.maxSeconds)
+}
+
+// createTokenError maps an error of the TokenRequest API to a sentinel. The
+// API server's message never contains a token.
+func createTokenError(ctx context.Context, ref string, err error) error {
+	switch {
+	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+		// Keep the context error, so the caller sees Canceled or
+		// DeadlineExceeded rather than Unavailable.
+		return fmt.Errorf("mint token for spoke ServiceAccount %s: %w", ref, err)
+	case ctx.Err() != nil:
+		return fmt.Errorf("mint token for spoke ServiceAccount %s: %v: %w", ref, err, ctx.Err())
+	case apierrors.IsNotFound(err):
+		return fmt.Errorf("spoke ServiceAccount %s: %w", ref, errdefs.ErrNotFound)
+	case apierrors.IsForbidden(err):
+		return fmt.Errorf("spoke API server forbids the agent to mint tokens for ServiceAccount %s; grant the agent's ServiceAccount create on serviceaccounts/token: %v: %w",
+			ref, err, errdefs.ErrUnavailable)
+	case apierrors.IsConflict(err):
+		return fmt.Errorf("spoke ServiceAccount %s was replaced since the agent's cache saw it; retry once the cache catches up: %w", ref, errdefs.ErrUnavailable)
+	}
+	return fmt.Errorf("mint token for spoke ServiceAccount %s: %v: %w", ref, err, errdefs.ErrUnavailable)
+}

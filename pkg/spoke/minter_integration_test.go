@@ -1,0 +1,282 @@
+package spoke
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/testr"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/token"
+	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+const testNamespace = "spoke-apps"
+
+// startAPIServer starts etcd and kube-apiserver from KUBEBUILDER_ASSETS and
+// returns an admin clientset and the environment, stopped at cleanup.
+func startAPIServer(t *testing.T) (*envtest.Environment, kubernetes.Interface) {
+	t.Helper()
+	assets := os.Getenv("KUBEBUILDER_ASSETS")
+	if assets == "" {
+		t.Fatal("KUBEBUILDER_ASSETS is not set: run make testbin, then export KUBEBUILDER_ASSETS=$(hack/testbin.sh), or run make test")
+	}
+	for _, bin := range []string{"kube-apiserver", "etcd"} {
+		if _, err := os.Stat(filepath.Join(assets, bin)); err != nil {
+			t.Fatalf("KUBEBUILDER_ASSETS=%s has no %s (%v): run make testbin", assets, bin, err)
+		}
+	}
+	ctrllog.SetLogger(logr.Discard())
+	env := &envtest.Environment{BinaryAssetsDirectory: assets}
+	cfg, err := env.Start()
+	require.NoError(t, err, "start envtest")
+	t.Cleanup(func() { assert.NoError(t, env.Stop()) })
+	return env, kubernetes.NewForConfigOrDie(cfg)
+}
+
+// claims are the parts of a ServiceAccount JWT the test checks. They are
+// read without verifying the signature; TokenReview does that.
+type claims struct {
+	Aud audience `json:"aud"`
+	Iat int64    `json:"iat"`
+	Exp int64    `json:"exp"`
+	Sub string   `json:"sub"`
+}
+
+// audience is the JWT aud claim, which is a string when it has one element.
+type audience []string
+
+func (a *audience) UnmarshalJSON(b []byte) error {
+	var one string
+	if json.Unmarshal(b, &one) == nil {
+		*a = audience{one}
+		return nil
+	}
+	return json.Unmarshal(b, (*[]string)(a))
+}
+
+func decodeClaims(t *testing.T, tok string) claims {
+	t.Helper()
+	parts := strings.Split(tok, ".")
+	require.Len(t, parts, 3)
+	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
+	require.NoError(t, err)
+	var c claims
+	require.NoError(t, json.Unmarshal(raw, &c))
+	return c
+}
+
+func tokenReview(t *testing.T, cs kubernetes.Interface, tok string, audiences ...string) authenticationv1.TokenReviewStatus {
+	t.Helper()
+	tr, err := cs.AuthenticationV1().TokenReviews().Create(t.Context(), &authenticationv1.TokenReview{
+		Spec: authenticationv1.TokenReviewSpec{Token: tok, Audiences: audiences},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	return tr.Status
+}
+
+func createServiceAccount(t *testing.T, cs kubernetes.Interface, name, allowed string) *corev1.ServiceAccount {
+	t.Helper()
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name}}
+	if allowed != "" {
+		sa.Annotations = map[string]string{AllowedSubjectsAnnotation: allowed}
+	}
+	sa, err := cs.CoreV1().ServiceAccounts(testNamespace).Create(t.Context(), sa, metav1.CreateOptions{})
+	require.NoError(t, err)
+	return sa
+}
+
+func TestMinterIntegration(t *testing.T) {
+	env, cs := startAPIServer(t)
+	ctx := t.Context()
+
+	_, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	createServiceAccount(t, cs, "deployer", argocd)
+	createServiceAccount(t, cs, "closed", "")
+
+	// The agent's view of the spoke: a real informer, as in the agent.
+	factory := informers.NewSharedInformerFactory(cs, 0)
+	saLister := factory.Core().V1().ServiceAccounts().Lister()
+	informerCtx, stopInformers := context.WithCancel(ctx)
+	factory.Start(informerCtx.Done())
+	t.Cleanup(func() { stopInformers(); factory.Shutdown() })
+	for typ, ok := range factory.WaitForCacheSync(ctx.Done()) {
+		require.True(t, ok, "informer for %v did not sync", typ)
+	}
+
+	m, err := New(Config{
+		Tokens:          NewTokenCreator(cs),
+		ServiceAccounts: saLister,
+		MaxExpiration:   2 * time.Hour,
+		Log:             testr.New(t),
+	})
+	require.NoError(t, err)
+
+	// The API server's default audiences are its issuer, which OIDC
+	// discovery reports.
+	raw, err := cs.CoreV1().RESTClient().Get().AbsPath("/.well-known/openid-configuration").DoRaw(ctx)
+	require.NoError(t, err)
+	var discovery struct {
+		Issuer string `json:"issuer"`
+	}
+	require.NoError(t, json.Unmarshal(raw, &discovery))
+	require.NotEmpty(t, discovery.Issuer)
+
+	const deployerUser = "system:serviceaccount:" + testNamespace + ":deployer"
+
+	t.Run("minted token passes TokenReview with the requested audiences and expiry", func(t *testing.T) {
+		before := time.Now()
+		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+			Subject:           subject(argocd),
+			ServiceAccount:    ref(testNamespace, "deployer"),
+			Audiences:         []string{"credbroker-test", "vault"},
+			ExpirationSeconds: 900,
+		})
+		require.NoError(t, err)
+		assert.Equal(t, testNamespace, resp.GetServiceAccount().GetNamespace())
+		assert.Equal(t, "deployer", resp.GetServiceAccount().GetName())
+
+		st := tokenReview(t, cs, resp.GetToken(), "vault")
+		require.True(t, st.Authenticated, "TokenReview error: %s", st.Error)
+		assert.Equal(t, deployerUser, st.User.Username)
+		assert.Equal(t, []string{"vault"}, st.Audiences)
+		// The credential id the Minter logs is the one the spoke audits.
+		assert.Equal(t, []string{token.ID(resp.GetToken())},
+			[]string(st.User.Extra["authentication.kubernetes.io/credential-id"]))
+
+		// A token for other audiences is not valid for the API server itself.
+		st = tokenReview(t, cs, resp.GetToken())
+		assert.False(t, st.Authenticated)
+
+		c := decodeClaims(t, resp.GetToken())
+		assert.Equal(t, audience{"credbroker-test", "vault"}, c.Aud)
+		assert.Equal(t, deployerUser, c.Sub)
+		assert.Equal(t, int64(900), c.Exp-c.Iat)
+		exp := resp.GetExpirationTime().AsTime()
+		assert.InDelta(t, c.Exp, exp.Unix(), 1, "expirationTime and the exp claim differ")
+		assert.WithinRange(t, exp, before.Add(900*time.Second-time.Second), time.Now().Add(900*time.Second+time.Second))
+	})
+
+	t.Run("no audiences means the API server's default, and a short expiry is raised to the minimum", func(t *testing.T) {
+		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+			Subject:           subject(argocd),
+			ServiceAccount:    ref(testNamespace, "deployer"),
+			ExpirationSeconds: 60,
+		})
+		require.NoError(t, err)
+		st := tokenReview(t, cs, resp.GetToken())
+		require.True(t, st.Authenticated, "TokenReview error: %s", st.Error)
+		assert.Equal(t, deployerUser, st.User.Username)
+
+		c := decodeClaims(t, resp.GetToken())
+		assert.Equal(t, audience{discovery.Issuer}, c.Aud)
+		assert.Equal(t, []string(c.Aud), st.Audiences)
+		assert.Equal(t, int64(600), c.Exp-c.Iat)
+	})
+
+	t.Run("unnamed request picks the single allowed ServiceAccount; zero expiry is the maximum", func(t *testing.T) {
+		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+		require.NoError(t, err)
+		assert.Equal(t, "deployer", resp.GetServiceAccount().GetName())
+		st := tokenReview(t, cs, resp.GetToken())
+		require.True(t, st.Authenticated, "TokenReview error: %s", st.Error)
+		assert.Equal(t, deployerUser, st.User.Username)
+		c := decodeClaims(t, resp.GetToken())
+		assert.Equal(t, int64(7200), c.Exp-c.Iat)
+	})
+
+	t.Run("ServiceAccount that has not opted in is refused", func(t *testing.T) {
+		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "closed")})
+		require.EqualError(t, err, "spoke ServiceAccount spoke-apps/closed does not allow hub user "+argocd+
+			"; a spoke admin must add "+argocd+" to its credbroker.io/allowed-subjects annotation: permission denied")
+		assert.ErrorIs(t, err, errdefs.ErrPermissionDenied)
+		assert.Nil(t, resp)
+
+		_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject("mallory")})
+		require.EqualError(t, err, "no spoke ServiceAccount allows hub user mallory; a spoke admin must annotate one with credbroker.io/allowed-subjects: permission denied")
+		assert.ErrorIs(t, err, errdefs.ErrPermissionDenied)
+	})
+
+	t.Run("informer sees an annotation being added and removed", func(t *testing.T) {
+		createServiceAccount(t, cs, "late", "")
+		req := &credbrokerv1alpha1.MintRequest{Subject: subject(flux), ServiceAccount: ref(testNamespace, "late")}
+		require.Eventually(t, func() bool {
+			_, err := m.Mint(t.Context(), req)
+			return errors.Is(err, errdefs.ErrPermissionDenied)
+		}, 10*time.Second, 20*time.Millisecond, "informer never saw the new ServiceAccount")
+
+		patch := []byte(`{"metadata":{"annotations":{"credbroker.io/allowed-subjects":"` + flux + `"}}}`)
+		_, err := cs.CoreV1().ServiceAccounts(testNamespace).Patch(t.Context(), "late", types.MergePatchType, patch, metav1.PatchOptions{})
+		require.NoError(t, err)
+		var resp *credbrokerv1alpha1.MintResponse
+		require.Eventually(t, func() bool {
+			resp, err = m.Mint(t.Context(), req)
+			return err == nil
+		}, 10*time.Second, 20*time.Millisecond, "informer never saw the annotation")
+		st := tokenReview(t, cs, resp.GetToken())
+		require.True(t, st.Authenticated, "TokenReview error: %s", st.Error)
+		assert.Equal(t, "system:serviceaccount:"+testNamespace+":late", st.User.Username)
+
+		patch = []byte(`{"metadata":{"annotations":{"credbroker.io/allowed-subjects":null}}}`)
+		_, err = cs.CoreV1().ServiceAccounts(testNamespace).Patch(t.Context(), "late", types.MergePatchType, patch, metav1.PatchOptions{})
+		require.NoError(t, err)
+		require.Eventually(t, func() bool {
+			_, err := m.Mint(t.Context(), req)
+			return errors.Is(err, errdefs.ErrPermissionDenied)
+		}, 10*time.Second, 20*time.Millisecond, "informer never saw the annotation go")
+	})
+
+	t.Run("agent without RBAC on serviceaccounts/token gets Unavailable", func(t *testing.T) {
+		agent, err := env.AddUser(envtest.User{Name: "credbroker-agent"}, nil)
+		require.NoError(t, err)
+		weak, err := New(Config{
+			Tokens:          NewTokenCreator(kubernetes.NewForConfigOrDie(agent.Config())),
+			ServiceAccounts: saLister,
+		})
+		require.NoError(t, err)
+		_, err = weak.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+		require.EqualError(t, err, "spoke API server forbids the agent to mint tokens for ServiceAccount spoke-apps/deployer; "+
+			"grant the agent's ServiceAccount create on serviceaccounts/token: "+
+			`serviceaccounts "deployer" is forbidden: User "credbroker-agent" cannot create resource "serviceaccounts/token" in API group "" in the namespace "spoke-apps": unavailable`)
+		assert.ErrorIs(t, err, errdefs.ErrUnavailable)
+	})
+
+	t.Run("stale cache: the API server refuses a replaced or deleted ServiceAccount", func(t *testing.T) {
+		old := createServiceAccount(t, cs, "replaced", argocd)
+		require.NoError(t, cs.CoreV1().ServiceAccounts(testNamespace).Delete(t.Context(), "replaced", metav1.DeleteOptions{}))
+		createServiceAccount(t, cs, "replaced", "")
+		gone := serviceAccount(testNamespace, "gone", argocd)
+
+		// A cache that still holds the old objects, as an informer that has
+		// not caught up would.
+		stale, err := New(Config{Tokens: NewTokenCreator(cs), ServiceAccounts: lister(t, old, gone)})
+		require.NoError(t, err)
+
+		_, err = stale.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "replaced")})
+		require.EqualError(t, err, "spoke ServiceAccount spoke-apps/replaced was replaced since the agent's cache saw it; retry once the cache catches up: unavailable")
+		assert.ErrorIs(t, err, errdefs.ErrUnavailable)
+
+		_, err = stale.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "gone")})
+		require.EqualError(t, err, "spoke ServiceAccount spoke-apps/gone: not found")
+		assert.ErrorIs(t, err, errdefs.ErrNotFound)
+	})
+}

@@ -1,0 +1,185 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr/funcr"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+	"github.com/credbroker/credbroker/test/framework"
+)
+
+// The shared environment: one hub, two spokes, a broker, and an agent on
+// spoke-1 and spoke-2. Each test creates its own namespaces and
+// ServiceAccounts, so tests do not depend on each other's state.
+var (
+	env         *framework.Env
+	deployment  *framework.Deployment
+	pluginBin   string
+	logs        = &syncBuffer{}
+	mintTimeout = 5 * time.Second
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	dir, err := os.MkdirTemp("", "credbroker-e2e-")
+	if err != nil {
+		return fail(err)
+	}
+	defer os.RemoveAll(dir)
+
+	pluginBin = filepath.Join(dir, "credbroker-plugin")
+	build := exec.CommandContext(ctx, "go", "build", "-o", pluginBin, "github.com/credbroker/credbroker/cmd/credbroker-plugin")
+	if out, err := build.CombinedOutput(); err != nil {
+		return fail(fmt.Errorf("build credbroker-plugin: %w\n%s", err, out))
+	}
+
+	if env, err = framework.Start(ctx, framework.Options{Spokes: 2}); err != nil {
+		return fail(err)
+	}
+	defer env.Stop()
+
+	logger := funcr.New(func(prefix, args string) { logs.WriteString(prefix + " " + args + "\n") }, funcr.Options{})
+	if deployment, err = framework.StartDeployment(ctx, env, framework.DeploymentOptions{
+		Dir: dir, Log: logger, Audit: logger.WithName("audit"), MintTimeout: mintTimeout,
+	}); err != nil {
+		return fail(err)
+	}
+	defer deployment.Stop()
+	for _, spoke := range env.Spokes {
+		if _, err := deployment.StartAgent(ctx, spoke, framework.AgentID(spoke.Name)); err != nil {
+			return fail(err)
+		}
+	}
+
+	code := m.Run()
+	if err := deployment.Stop(); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e: deployment stopped with:", err)
+		code = 1
+	}
+	if os.Getenv("E2E_LOGS") != "" {
+		fmt.Fprint(os.Stderr, logs.String())
+	}
+	return code
+}
+
+func fail(err error) int {
+	fmt.Fprintln(os.Stderr, "e2e: setup failed:", err)
+	return 1
+}
+
+// syncBuffer collects the broker's and agents' logs, so tests can check that
+// no token ever reaches them.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) WriteString(v string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.b.WriteString(v)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// consumer is a hub ServiceAccount that calls the broker.
+type consumer struct {
+	namespace, name string
+	token           string // hub token for the broker's audience
+}
+
+func (c consumer) username() string { return "system:serviceaccount:" + c.namespace + ":" + c.name }
+
+// newConsumer creates a hub ServiceAccount in a fresh namespace and mints
+// it a hub token for audience. grant lists the ClusterProfiles it may use.
+func newConsumer(t *testing.T, audience string, grant ...string) consumer {
+	t.Helper()
+	ctx := context.Background()
+	c := consumer{namespace: uniqueName(t, "hub"), name: "consumer"}
+	_, err := env.Hub.CreateServiceAccount(ctx, c.namespace, c.name, nil)
+	require.NoError(t, err)
+	for _, cp := range grant {
+		require.NoError(t, env.Hub.GrantClusterProfileToken(ctx, framework.FleetNamespace, cp, c.namespace, c.name))
+	}
+	var aud []string
+	if audience != "" {
+		aud = []string{audience}
+	}
+	c.token, err = env.Hub.Token(ctx, c.namespace, c.name, aud, time.Hour)
+	require.NoError(t, err)
+	return c
+}
+
+// optIn creates a spoke ServiceAccount that allows the given hub usernames,
+// in a fresh namespace, and returns its namespace.
+func optIn(t *testing.T, spoke *framework.Cluster, name string, allowed ...string) string {
+	t.Helper()
+	ns := uniqueName(t, "spoke")
+	var ann map[string]string
+	if len(allowed) > 0 {
+		ann = map[string]string{"credbroker.io/allowed-subjects": strings.Join(allowed, ",")}
+	}
+	_, err := spoke.CreateServiceAccount(context.Background(), ns, name, ann)
+	require.NoError(t, err)
+	return ns
+}
+
+var nameSeq struct {
+	sync.Mutex
+	n int
+}
+
+func uniqueName(t *testing.T, prefix string) string {
+	nameSeq.Lock()
+	defer nameSeq.Unlock()
+	nameSeq.n++
+	return fmt.Sprintf("%s-%d", prefix, nameSeq.n)
+}
+
+// exchangeClient dials the broker's TokenExchange port, verifying it with
+// the deployment's CA.
+func exchangeClient(t testing.TB) pb.TokenExchangeClient {
+	t.Helper()
+	pem, err := os.ReadFile(deployment.CAFile)
+	require.NoError(t, err)
+	pool := x509.NewCertPool()
+	require.True(t, pool.AppendCertsFromPEM(pem))
+	conn, err := grpc.NewClient(deployment.Broker.ExchangeAddr(),
+		grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12})))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return pb.NewTokenExchangeClient(conn)
+}
+
+func bearer(token string) context.Context {
+	return metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token)
+}
+
+func clusterRef(spoke *framework.Cluster) *pb.ObjectReference {
+	return &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: spoke.Name}
+}

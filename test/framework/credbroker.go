@@ -1,0 +1,232 @@
+package framework
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+
+	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/broker"
+	"github.com/credbroker/credbroker/pkg/plugin"
+)
+
+// Names that a Deployment gives to what it creates.
+const (
+	// TrustDomain is the SPIFFE trust domain of the broker and the agents.
+	TrustDomain = "fleet.credbroker.test"
+	// FleetNamespace is the hub namespace of the ClusterProfiles.
+	FleetNamespace = "fleet"
+	// AgentNamespace and AgentServiceAccount are the agent's identity on a spoke.
+	AgentNamespace      = "credbroker-system"
+	AgentServiceAccount = "credbroker-agent"
+)
+
+// DeploymentOptions configure StartDeployment.
+type DeploymentOptions struct {
+	// Dir receives the certificates and keys; required.
+	Dir string
+	// Log receives the broker's and the agents' operational logs, and Audit
+	// the broker's audit lines. The zero values discard them.
+	Log, Audit logr.Logger
+	// MintTimeout is the broker's wait for an agent. Default 10s.
+	MintTimeout time.Duration
+	// Tune, when set, changes the broker's config before it starts.
+	Tune func(*broker.Config)
+}
+
+// Deployment is credbroker running in-process over an Env: a broker
+// against the hub, a ClusterProfile per spoke, and the agents started with
+// StartAgent. Stop it before the Env.
+type Deployment struct {
+	Env *Env
+	// CA issues every certificate: the broker's serving certificate and
+	// every SVID. CAFile is its PEM, which consumers use to verify the broker.
+	CA     *testpki.CA
+	CAFile string
+	Broker *broker.Broker
+
+	dir  string
+	opts DeploymentOptions
+	ctx  context.Context
+	stop context.CancelFunc
+	wg   sync.WaitGroup
+	mu   sync.Mutex
+	errs []error
+}
+
+// StartDeployment starts a broker against env's hub and creates, on the hub,
+// one ClusterProfile per spoke in FleetNamespace, named after the spoke, with
+// a "credbroker" access provider (see ClusterProfileAccess). It starts no
+// agent.
+func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*Deployment, error) {
+	if opts.Dir == "" {
+		return nil, errors.New("framework: DeploymentOptions.Dir is required")
+	}
+	ca, err := testpki.NewCA(TrustDomain)
+	if err != nil {
+		return nil, err
+	}
+	d := &Deployment{Env: env, CA: ca, dir: opts.Dir, opts: opts}
+	if d.CAFile, err = ca.WriteBundle(opts.Dir); err != nil {
+		return nil, err
+	}
+	tlsCert, tlsKey, err := ca.WriteServing(opts.Dir, "127.0.0.1", "localhost")
+	if err != nil {
+		return nil, err
+	}
+	svidCert, svidKey, err := ca.WriteSVID(opts.Dir, "spiffe://"+TrustDomain+"/broker")
+	if err != nil {
+		return nil, err
+	}
+
+	cfg := broker.Default()
+	cfg.ExchangeAddress, cfg.AgentAddress, cfg.MetricsAddress = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
+	cfg.TLSCertFile, cfg.TLSKeyFile = tlsCert, tlsKey
+	cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = svidCert, svidKey, d.CAFile
+	cfg.TrustDomain = ca.TrustDomain()
+	cfg.Hub = env.Hub.Config
+	cfg.Log, cfg.Audit = opts.Log.WithName("broker"), opts.Audit
+	cfg.ShutdownGrace = time.Second
+	if opts.MintTimeout > 0 {
+		cfg.MintTimeout = opts.MintTimeout
+	}
+	if opts.Tune != nil {
+		opts.Tune(&cfg)
+	}
+	if d.Broker, err = broker.New(cfg); err != nil {
+		return nil, err
+	}
+
+	d.ctx, d.stop = context.WithCancel(context.Background())
+	d.run("broker", d.Broker.Run)
+
+	for _, spoke := range env.Spokes {
+		if _, err := env.Hub.CreateClusterProfile(ctx, FleetNamespace, spoke.Name, d.ClusterProfileAccess(spoke)); err != nil {
+			return nil, errors.Join(err, d.Stop())
+		}
+	}
+	return d, nil
+}
+
+// ClusterProfileAccess is the "credbroker" access provider of spoke's
+// ClusterProfile: its server and CA, and the exec extension that tells
+// credbroker-plugin which ClusterProfile it serves.
+func (d *Deployment) ClusterProfileAccess(spoke *Cluster) *Access {
+	ext, _ := json.Marshal(plugin.ExecConfig{ClusterProfile: &plugin.Reference{Namespace: FleetNamespace, Name: spoke.Name}})
+	return spoke.Access(plugin.Name, ext)
+}
+
+// AgentID is the SPIFFE ID of the agent of the ClusterProfile fleet/<name>.
+func AgentID(name string) string {
+	return "spiffe://" + TrustDomain + "/clusterprofile/" + FleetNamespace + "/" + name
+}
+
+// StartAgent starts an agent on spoke that presents the SVID id, with the
+// RBAC that agents need on the spoke (and nothing more), and returns once the
+// broker has admitted its stream, or with an error when ctx ends first. The
+// agent runs until the returned func or Stop is called.
+func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) (stop func(), err error) {
+	if err := spoke.EnsureNamespace(ctx, AgentNamespace); err != nil {
+		return nil, err
+	}
+	if _, err := spoke.CreateServiceAccount(ctx, AgentNamespace, AgentServiceAccount, nil); err != nil && !apierrors.IsAlreadyExists(err) {
+		return nil, err
+	}
+	if err := spoke.Grant(ctx, "", ServiceAccountSubject(AgentNamespace, AgentServiceAccount), AgentRules()); err != nil {
+		return nil, err
+	}
+	tok, err := spoke.Token(ctx, AgentNamespace, AgentServiceAccount, nil, time.Hour)
+	if err != nil {
+		return nil, err
+	}
+	dir := filepath.Join(d.dir, "agent-"+spoke.Name+"-"+strings.NewReplacer(":", "_", "/", "_").Replace(id))
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	cert, key, err := d.CA.WriteSVID(dir, id)
+	if err != nil {
+		return nil, err
+	}
+	cfg := agent.Default()
+	cfg.BrokerAddresses = []string{d.Broker.AgentAddr()}
+	cfg.TrustDomain = d.CA.TrustDomain()
+	cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
+	cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = cert, key, d.CAFile
+	cfg.Spoke = spoke.TokenConfig(tok)
+	cfg.Server, cfg.CAData = spoke.Server, spoke.CAData
+	cfg.InitialBackoff, cfg.MaxBackoff = 50*time.Millisecond, time.Second
+	cfg.Log = d.opts.Log.WithName("agent").WithValues("spoke", spoke.Name)
+	a, err := agent.New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	actx, cancel := context.WithCancel(d.ctx)
+	done := make(chan struct{})
+	d.run("agent "+spoke.Name, func(context.Context) error {
+		defer close(done)
+		return a.Run(actx)
+	})
+	stopAgent := func() {
+		cancel()
+		<-done
+	}
+	select {
+	case <-a.Connected():
+		return stopAgent, nil
+	case <-ctx.Done():
+		stopAgent()
+		return nil, fmt.Errorf("framework: agent %s on %s was not admitted: %w", id, spoke.Name, ctx.Err())
+	}
+}
+
+// AgentRules are the spoke permissions an agent needs: read ServiceAccounts
+// (for their opt-in annotation) and create tokens for them.
+func AgentRules() []rbacv1.PolicyRule {
+	return []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"serviceaccounts/token"}, Verbs: []string{"create"}},
+	}
+}
+
+// ClusterProfile returns the hub's ClusterProfile of spoke.
+func (d *Deployment) ClusterProfile(ctx context.Context, spoke *Cluster) (*v1alpha1.ClusterProfile, error) {
+	return d.Env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(FleetNamespace).Get(ctx, spoke.Name, metav1.GetOptions{})
+}
+
+func (d *Deployment) run(name string, fn func(context.Context) error) {
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		if err := fn(d.ctx); err != nil {
+			d.mu.Lock()
+			d.errs = append(d.errs, fmt.Errorf("%s: %w", name, err))
+			d.mu.Unlock()
+		}
+	}()
+}
+
+// Stop stops the agents and the broker and returns the errors they ended
+// with. It is safe to call more than once.
+func (d *Deployment) Stop() error {
+	if d.stop != nil {
+		d.stop()
+	}
+	d.wg.Wait()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return errors.Join(d.errs...)
+}
