@@ -23,8 +23,8 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/pkg/access"
 
 	"github.com/credbroker/credbroker/pkg/plugin"
-	"github.com/credbroker/credbroker/test/framework"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+	"github.com/credbroker/credbroker/test/framework"
 )
 
 // minted collects every spoke token the tests received, to check at the end

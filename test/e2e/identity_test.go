@@ -19,8 +19,8 @@ import (
 
 	"github.com/credbroker/credbroker/internal/testpki"
 	"github.com/credbroker/credbroker/pkg/identity"
-	"github.com/credbroker/credbroker/test/framework"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+	"github.com/credbroker/credbroker/test/framework"
 )
 
 // connectAs opens an AgentTunnel stream to the broker with an SVID for id
