@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 
+	"github.com/credbroker/credbroker/pkg/broker"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
@@ -62,6 +63,8 @@ func run(m *testing.M) int {
 	logger := funcr.New(func(prefix, args string) { logs.WriteString(prefix + " " + args + "\n") }, funcr.Options{})
 	if deployment, err = framework.StartDeployment(ctx, env, framework.DeploymentOptions{
 		Dir: dir, Log: logger, Audit: logger.WithName("audit"), MintTimeout: mintTimeout,
+		// The benchmark makes hundreds of calls per second as one consumer.
+		Tune: func(c *broker.Config) { c.RateLimit, c.RateBurst = 1e6, 1e6 },
 	}); err != nil {
 		return fail(err)
 	}
@@ -117,7 +120,7 @@ func (c consumer) username() string { return "system:serviceaccount:" + c.namesp
 
 // newConsumer creates a hub ServiceAccount in a fresh namespace and mints
 // it a hub token for audience. grant lists the ClusterProfiles it may use.
-func newConsumer(t *testing.T, audience string, grant ...string) consumer {
+func newConsumer(t testing.TB, audience string, grant ...string) consumer {
 	t.Helper()
 	ctx := context.Background()
 	c := consumer{namespace: uniqueName(t, "hub"), name: "consumer"}
@@ -137,7 +140,7 @@ func newConsumer(t *testing.T, audience string, grant ...string) consumer {
 
 // optIn creates a spoke ServiceAccount that allows the given hub usernames,
 // in a fresh namespace, and returns its namespace.
-func optIn(t *testing.T, spoke *framework.Cluster, name string, allowed ...string) string {
+func optIn(t testing.TB, spoke *framework.Cluster, name string, allowed ...string) string {
 	t.Helper()
 	ns := uniqueName(t, "spoke")
 	var ann map[string]string
@@ -154,7 +157,7 @@ var nameSeq struct {
 	n int
 }
 
-func uniqueName(t *testing.T, prefix string) string {
+func uniqueName(t testing.TB, prefix string) string {
 	nameSeq.Lock()
 	defer nameSeq.Unlock()
 	nameSeq.n++
