@@ -42,4 +42,9 @@
 //
 // Grant waits until the RBAC authorizer reflects the grant, so a
 // SubjectAccessReview right after it sees the new permission.
+//
+// Always call Env.Stop (in TestMain, after m.Run). As a safety net, on Linux
+// with setpriv(1) the servers are started with a parent-death signal, so they
+// exit when the process that started them dies without stopping them, for
+// example on a test timeout; only their temporary folders are left behind.
 package framework

@@ -148,9 +148,10 @@ func Start(ctx context.Context, opts Options) (*Env, error) {
 				err = crd.err
 				if err == nil {
 					began := time.Now()
-					err = c.installInventory(ctx, crd.dir)
-					opts.Log.Info("cluster inventory installed", "cluster", name, "crds", crd.dir,
-						"duration", time.Since(began).Round(time.Millisecond).String())
+					if err = c.installInventory(ctx, crd.dir); err == nil {
+						opts.Log.Info("cluster inventory installed", "cluster", name, "crds", crd.dir,
+							"duration", time.Since(began).Round(time.Millisecond).String())
+					}
 				}
 			}
 			clusters[i], errs[i] = c, err
