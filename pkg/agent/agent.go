@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -25,9 +26,12 @@ var Version = "dev"
 
 // Config is the agent's validated configuration.
 type Config struct {
-	// BrokerAddresses are the broker replicas, host:port each; the agent
-	// holds one stream to every one of them.
+	// BrokerAddresses are the broker targets, host:port each. A DNS name is
+	// resolved every ResolveInterval and the agent holds one stream to every
+	// address it resolves to: point it at the broker's headless Service and
+	// every replica can reach the agent.
 	BrokerAddresses []string
+	ResolveInterval time.Duration
 	// BrokerID is the SPIFFE ID the broker must present.
 	BrokerID spiffeid.ID
 	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the agent's
@@ -60,6 +64,7 @@ type Config struct {
 func Default() Config {
 	return Config{
 		MaxExpiration:     time.Hour,
+		ResolveInterval:   30 * time.Second,
 		FileCheckInterval: 5 * time.Second,
 		InitialBackoff:    500 * time.Millisecond,
 		MaxBackoff:        30 * time.Second,
@@ -76,6 +81,11 @@ func (c *Config) Validate() error {
 		}
 	}
 	need(len(c.BrokerAddresses) > 0, "at least one broker address is required")
+	for _, addr := range c.BrokerAddresses {
+		_, _, err := net.SplitHostPort(addr)
+		need(err == nil, "broker address %q is not host:port", addr)
+	}
+	need(c.ResolveInterval > 0, "the resolve interval must be positive")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
 	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
@@ -90,7 +100,7 @@ type Agent struct {
 	svid      *identity.FileSource
 	informers informers.SharedInformerFactory
 	synced    cache.InformerSynced
-	clients   []*tunnel.Client
+	targets   []*fanout
 }
 
 // New validates cfg and builds every part; nothing connects until Run.
@@ -128,8 +138,8 @@ func New(cfg Config) (*Agent, error) {
 
 	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
 	hello := &pb.Hello{AgentVersion: Version, Server: cfg.Server, CertificateAuthorityData: cfg.CAData}
-	for _, addr := range cfg.BrokerAddresses {
-		c, err := tunnel.NewClient(tunnel.ClientConfig{
+	clientConfig := func(addr string) tunnel.ClientConfig {
+		return tunnel.ClientConfig{
 			Address:        addr,
 			Credentials:    creds,
 			Minter:         minter,
@@ -137,21 +147,34 @@ func New(cfg Config) (*Agent, error) {
 			InitialBackoff: cfg.InitialBackoff,
 			MaxBackoff:     cfg.MaxBackoff,
 			Log:            cfg.Log.WithName("tunnel"),
-		})
-		if err != nil {
-			return nil, fmt.Errorf("agent: %w", err)
 		}
-		a.clients = append(a.clients, c)
+	}
+	serve := func(ctx context.Context, addr string, connected func()) error {
+		c, err := tunnel.NewClient(clientConfig(addr))
+		if err != nil {
+			return err
+		}
+		go func() {
+			select {
+			case <-c.Connected():
+				connected()
+			case <-ctx.Done():
+			}
+		}()
+		return c.Run(ctx)
+	}
+	for _, target := range cfg.BrokerAddresses {
+		a.targets = append(a.targets, newFanout(target, cfg.ResolveInterval, net.DefaultResolver.LookupHost, serve, cfg.Log.WithName("brokers")))
 	}
 	return a, nil
 }
 
-// Connected is closed once every broker address has admitted a stream.
+// Connected is closed once every broker target has admitted a stream.
 func (a *Agent) Connected() <-chan struct{} {
 	done := make(chan struct{})
 	go func() {
-		for _, c := range a.clients {
-			<-c.Connected()
+		for _, t := range a.targets {
+			<-t.connected
 		}
 		close(done)
 	}()
@@ -175,8 +198,8 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		return fmt.Errorf("agent: ServiceAccount informer did not sync within %s; check the spoke connection and the agent's RBAC (list and watch serviceaccounts)", a.cfg.CacheSyncTimeout)
 	}
-	for _, c := range a.clients {
-		g.Go(func() error { return c.Run(ctx) })
+	for _, t := range a.targets {
+		g.Go(func() error { return t.Run(ctx) })
 	}
 	a.cfg.Log.Info("agent running", "brokers", a.cfg.BrokerAddresses, "namespace", a.cfg.Namespace)
 	return g.Wait()

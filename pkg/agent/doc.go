@@ -1,6 +1,8 @@
 // Package agent assembles the spoke side of credbroker: a ServiceAccount
 // informer, the policy-checking Minter of package spoke, and one tunnel
-// client per broker address.
+// client per broker replica: a broker address that is a DNS name, such as a
+// headless Service, is re-resolved and the agent keeps a stream to every
+// address it resolves to.
 //
 //	a, err := agent.New(cfg)
 //	if err != nil { ... }

@@ -1,0 +1,102 @@
+package agent
+
+import (
+	"context"
+	"net"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+)
+
+// fanout keeps one stream to every address a broker target resolves to, so
+// that any broker replica behind a headless Service can reach this agent.
+// An IP target is a single address and is never re-resolved.
+type fanout struct {
+	target   string // host:port
+	lookup   func(ctx context.Context, host string) ([]string, error)
+	interval time.Duration
+	// serve runs one stream to addr until ctx ends; connected is called once
+	// the broker admits it.
+	serve func(ctx context.Context, addr string, connected func()) error
+	log   logr.Logger
+
+	once      sync.Once
+	connected chan struct{} // closed when the first stream is admitted
+}
+
+func newFanout(target string, interval time.Duration, lookup func(context.Context, string) ([]string, error),
+	serve func(context.Context, string, func()) error, log logr.Logger) *fanout {
+	return &fanout{target: target, lookup: lookup, interval: interval, serve: serve, log: log.WithValues("target", target), connected: make(chan struct{})}
+}
+
+// Run resolves the target every interval and starts or stops streams to
+// match, until ctx ends. A failed lookup keeps the streams it has.
+func (f *fanout) Run(ctx context.Context) error {
+	host, port, err := net.SplitHostPort(f.target)
+	if err != nil {
+		return err
+	}
+	markConnected := func() { f.once.Do(func() { close(f.connected) }) }
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	running := map[string]context.CancelFunc{}
+	defer func() {
+		for _, cancel := range running {
+			cancel()
+		}
+	}()
+	start := func(addr string) {
+		sctx, cancel := context.WithCancel(ctx)
+		running[addr] = cancel
+		wg.Go(func() {
+			if err := f.serve(sctx, addr, markConnected); err != nil {
+				f.log.Error(err, "broker stream stopped", "address", addr)
+			}
+		})
+	}
+
+	if net.ParseIP(host) != nil {
+		start(f.target)
+		<-ctx.Done()
+		return nil
+	}
+	for {
+		ips, err := f.lookup(ctx, host)
+		if err != nil || len(ips) == 0 {
+			f.log.Info("cannot resolve broker; keeping current streams", "err", errString(err), "streams", len(running))
+		} else {
+			want := make([]string, 0, len(ips))
+			for _, ip := range ips {
+				want = append(want, net.JoinHostPort(ip, port))
+			}
+			for addr, cancel := range running {
+				if !slices.Contains(want, addr) {
+					f.log.Info("broker replica gone; closing its stream", "address", addr)
+					cancel()
+					delete(running, addr)
+				}
+			}
+			for _, addr := range want {
+				if _, ok := running[addr]; !ok {
+					f.log.Info("broker replica found; opening a stream", "address", addr)
+					start(addr)
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(f.interval):
+		}
+	}
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "no addresses"
+	}
+	return err.Error()
+}
