@@ -1,0 +1,47 @@
+package broker
+
+import (
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/stretchr/testify/assert"
+	"k8s.io/client-go/rest"
+)
+
+func TestValidate(t *testing.T) {
+	valid := func() Config {
+		c := Default()
+		c.TLSCertFile, c.TLSKeyFile = "tls.crt", "tls.key"
+		c.SVIDCertFile, c.SVIDKeyFile, c.TrustBundleFile = "svid.crt", "svid.key", "bundle.crt"
+		c.TrustDomain = spiffeid.RequireTrustDomainFromString("fleet.example")
+		c.Hub = &rest.Config{Host: "https://hub"}
+		return c
+	}
+	tests := []struct {
+		name   string
+		mutate func(*Config)
+		want   string
+	}{
+		{name: "defaults and files", mutate: func(*Config) {}},
+		{name: "nothing chosen", mutate: func(c *Config) { *c = Default() }, want: "a TLS certificate and key for the exchange port are required\n" +
+			"an SVID certificate, key and trust bundle are required\nthe trust domain is required\na hub client config is required"},
+		{name: "short max expiration", mutate: func(c *Config) { c.MaxExpiration = 5 * time.Minute },
+			want: "the maximum expiration must be at least 10m (TokenRequest's floor), got 5m0s"},
+		{name: "denials cached longer", mutate: func(c *Config) { c.DenyTTL = time.Minute },
+			want: "denials must not be cached longer than approvals (1m0s > 10s)"},
+		{name: "client-go default QPS", mutate: func(c *Config) { c.HubQPS = 0 }, want: "hub QPS and burst must be positive"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := valid()
+			tt.mutate(&c)
+			err := c.Validate()
+			if tt.want == "" {
+				assert.NoError(t, err)
+				return
+			}
+			assert.EqualError(t, err, tt.want)
+		})
+	}
+}
