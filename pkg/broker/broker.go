@@ -118,7 +118,6 @@ func New(cfg Config) (b *Broker, err error) {
 		DenyTTL:       cfg.DenyTTL,
 		RateLimit:     rate.Limit(cfg.RateLimit),
 		RateBurst:     cfg.RateBurst,
-		Log:           cfg.Log.WithName("exchange"),
 		Audit:         cfg.Audit,
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)

@@ -72,9 +72,8 @@ type Config struct {
 	HMACKey []byte
 	// Clock is injected for tests. Default: the real clock.
 	Clock clock.PassiveClock
-	// Log receives operational messages; Audit receives one line per
-	// exchange. Default: discard.
-	Log, Audit logr.Logger
+	// Audit receives one line per exchange. Default: discard.
+	Audit logr.Logger
 }
 
 // Service implements credbrokerv1alpha1.TokenExchangeServer.

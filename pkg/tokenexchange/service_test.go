@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/funcr"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -429,6 +428,6 @@ func TestNewValidates(t *testing.T) {
 	assert.EqualError(t, err, "tokenexchange: TokenReviews, AccessReviews, Clusters and Minter are required")
 	f := &fakeReviews{}
 	_, err = New(Config{TokenReviews: f, AccessReviews: fakeAccessReviews{f}, Clusters: &fakeClusters{}, Minter: &fakeMinter{},
-		MaxExpiration: 5 * time.Minute, Log: logr.Discard()})
+		MaxExpiration: 5 * time.Minute})
 	assert.EqualError(t, err, "tokenexchange: want 10m <= MinExpiration (10m0s) <= MaxExpiration (5m0s)")
 }

@@ -209,7 +209,6 @@ func (c *Client) answer(ctx context.Context, id string, req *pb.MintRequest) *pb
 		err = errors.New("minter returned no token")
 	}
 	st := errdefs.ToStatus(err)
-	c.cfg.Log.Info("mint refused", "correlationID", id, "code", st.Code().String(), "reason", err.Error())
 	return &pb.AgentFrame{CorrelationId: id, Body: &pb.AgentFrame_Error{Error: &pb.Error{
 		Code: int32(st.Code()), Message: st.Message(),
 	}}}

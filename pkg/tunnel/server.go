@@ -88,7 +88,6 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 type session struct {
 	agent   spiffeid.ID
 	cluster ClusterRef
-	hello   *pb.Hello
 	out     chan *pb.BrokerFrame
 	ctx     context.Context
 	cancel  context.CancelCauseFunc
@@ -126,7 +125,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	sess := &session{
-		agent: id, cluster: cluster, hello: hello,
+		agent: id, cluster: cluster,
 		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
 		pending: map[string]chan *pb.AgentFrame{},
 	}
@@ -245,15 +244,6 @@ func (s *Server) live(cluster ClusterRef) []*session {
 
 // Connected reports how many live sessions serve cluster.
 func (s *Server) Connected(cluster ClusterRef) int { return len(s.live(cluster)) }
-
-// Hello returns the hello of one live session of cluster, if any; the broker
-// uses it to publish the spoke's server and CA.
-func (s *Server) Hello(cluster ClusterRef) (*pb.Hello, bool) {
-	for _, sess := range s.live(cluster) {
-		return sess.hello, true
-	}
-	return nil, false
-}
 
 // Revalidate re-resolves the agent of every session of the named cluster and
 // closes those that no longer map to the ClusterProfile they were admitted

@@ -150,10 +150,6 @@ func TestMintRoundTrip(t *testing.T) {
 	h.agent(t, agentA, m)
 	waitConnected(t, h, clusterA, 1)
 
-	hello, ok := h.srv.Hello(clusterA)
-	require.True(t, ok)
-	assert.Equal(t, "test", hello.GetAgentVersion())
-
 	req := &pb.MintRequest{Subject: &pb.Subject{Username: "system:serviceaccount:hub:c"}, Audiences: []string{"x"}}
 	resp, err := h.srv.Mint(context.Background(), clusterA, req)
 	require.NoError(t, err)
