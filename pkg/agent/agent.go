@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sync/errgroup"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	corev1listers "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
@@ -100,6 +101,7 @@ type Agent struct {
 	svid      *identity.FileSource
 	informers informers.SharedInformerFactory
 	synced    cache.InformerSynced
+	sas       corev1listers.ServiceAccountLister
 	targets   []*fanout
 }
 
@@ -126,6 +128,7 @@ func New(cfg Config) (*Agent, error) {
 	a.informers = informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(cfg.Namespace))
 	sas := a.informers.Core().V1().ServiceAccounts()
 	a.synced = sas.Informer().HasSynced
+	a.sas = sas.Lister()
 	minter, err := spoke.New(spoke.Config{
 		Tokens:          spoke.NewTokenCreator(client),
 		ServiceAccounts: sas.Lister(),
@@ -180,6 +183,11 @@ func (a *Agent) Connected() <-chan struct{} {
 	}()
 	return done
 }
+
+// ServiceAccounts is the agent's view of the spoke's ServiceAccounts, from
+// which it applies the opt-in policy. Its cache trails the API server by the
+// informer's watch latency.
+func (a *Agent) ServiceAccounts() corev1listers.ServiceAccountLister { return a.sas }
 
 // Run syncs the ServiceAccount informer, then holds the broker streams until
 // ctx ends. The first part that fails stops the others.

@@ -292,7 +292,12 @@ func (d *demo) createConsumer(ctx context.Context) error {
 // in, with the spoke's own RBAC.
 func (d *demo) createSpokeAccount(ctx context.Context) error {
 	annotations := map[string]string{spoke.AllowedSubjectsAnnotation: consumerUser()}
-	if _, err := d.spoke.CreateServiceAccount(ctx, spokeNamespace, spokeAccount, annotations); err != nil {
+	sa, err := d.spoke.CreateServiceAccount(ctx, spokeNamespace, spokeAccount, annotations)
+	if err != nil {
+		return err
+	}
+	// The agent reads the annotation from its informer; wait until it has.
+	if err := d.deployment.WaitForServiceAccount(ctx, d.spoke, sa); err != nil {
 		return err
 	}
 	rules := []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"list"}}}

@@ -147,8 +147,9 @@ func optIn(t testing.TB, spoke *framework.Cluster, name string, allowed ...strin
 	if len(allowed) > 0 {
 		ann = map[string]string{"credbroker.io/allowed-subjects": strings.Join(allowed, ",")}
 	}
-	_, err := spoke.CreateServiceAccount(context.Background(), ns, name, ann)
+	sa, err := spoke.CreateServiceAccount(context.Background(), ns, name, ann)
 	require.NoError(t, err)
+	require.NoError(t, deployment.WaitForServiceAccount(context.Background(), spoke, sa))
 	return ns
 }
 

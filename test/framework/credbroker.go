@@ -7,15 +7,18 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/internal/testpki"
@@ -62,10 +65,12 @@ type Deployment struct {
 	dir  string
 	opts DeploymentOptions
 	ctx  context.Context
-	stop context.CancelFunc
-	wg   sync.WaitGroup
-	mu   sync.Mutex
-	errs []error
+	// agents lists the running agents by spoke name; guarded by mu.
+	agents map[string][]*agent.Agent
+	stop   context.CancelFunc
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	errs   []error
 }
 
 // StartDeployment starts a broker against env's hub and creates, on the hub,
@@ -80,7 +85,7 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	if err != nil {
 		return nil, err
 	}
-	d := &Deployment{Env: env, CA: ca, dir: opts.Dir, opts: opts}
+	d := &Deployment{Env: env, CA: ca, dir: opts.Dir, opts: opts, agents: map[string][]*agent.Agent{}}
 	if d.CAFile, err = ca.WriteBundle(opts.Dir); err != nil {
 		return nil, err
 	}
@@ -180,7 +185,13 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 		defer close(done)
 		return a.Run(actx)
 	})
+	d.mu.Lock()
+	d.agents[spoke.Name] = append(d.agents[spoke.Name], a)
+	d.mu.Unlock()
 	stopAgent := func() {
+		d.mu.Lock()
+		d.agents[spoke.Name] = slices.DeleteFunc(d.agents[spoke.Name], func(x *agent.Agent) bool { return x == a })
+		d.mu.Unlock()
 		cancel()
 		<-done
 	}
@@ -191,6 +202,23 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 		stopAgent()
 		return nil, fmt.Errorf("framework: agent %s on %s was not admitted: %w", id, spoke.Name, ctx.Err())
 	}
+}
+
+// WaitForServiceAccount waits until every running agent of spoke sees sa as
+// it is now, so a test that has just created or annotated it does not race
+// the agents' informers.
+func (d *Deployment) WaitForServiceAccount(ctx context.Context, spoke *Cluster, sa *corev1.ServiceAccount) error {
+	return wait.PollUntilContextTimeout(ctx, 5*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		for _, a := range d.agents[spoke.Name] {
+			got, err := a.ServiceAccounts().ServiceAccounts(sa.Namespace).Get(sa.Name)
+			if err != nil || got.ResourceVersion != sa.ResourceVersion {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
 }
 
 // AgentRules are the spoke permissions an agent needs: read ServiceAccounts
