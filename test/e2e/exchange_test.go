@@ -36,9 +36,14 @@ var minted struct {
 
 func exchange(t testing.TB, c consumer, req *pb.ExchangeRequest) (*pb.ExchangeResponse, error) {
 	t.Helper()
+	return exchangeVia(t, exchangeClient(t), c, req)
+}
+
+func exchangeVia(t testing.TB, client pb.TokenExchangeClient, c consumer, req *pb.ExchangeRequest) (*pb.ExchangeResponse, error) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(bearer(c.token), 30*time.Second)
 	defer cancel()
-	resp, err := exchangeClient(t).Exchange(ctx, req)
+	resp, err := client.Exchange(ctx, req)
 	if err == nil {
 		minted.Lock()
 		minted.tokens = append(minted.tokens, resp.GetToken())
@@ -265,4 +270,21 @@ func TestCachedExchange(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, first.GetCredentialId(), second.GetCredentialId())
 	assert.Contains(t, logs.String(), `"credentialID"="`+first.GetCredentialId()+`"`)
+}
+
+// Every broker replica holds a stream from every agent, so any replica
+// serves any exchange, each with a cache of its own.
+func TestEveryReplicaServes(t *testing.T) {
+	spoke := env.Spokes[1]
+	c := newConsumer(t, "credbroker", spoke.Name)
+	optIn(t, spoke, "replica-sa", c.username())
+	require.Len(t, deployment.Brokers, 2)
+	var ids []string
+	for _, b := range deployment.Brokers {
+		assert.Equal(t, 1, b.Connected(framework.FleetNamespace, spoke.Name))
+		resp, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: clusterRef(spoke)})
+		require.NoError(t, err)
+		ids = append(ids, resp.GetCredentialId())
+	}
+	assert.NotEqual(t, ids[0], ids[1], "replicas share no cache")
 }

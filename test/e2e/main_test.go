@@ -25,8 +25,8 @@ import (
 	"github.com/credbroker/credbroker/test/framework"
 )
 
-// The shared environment: one hub, two spokes, a broker, and an agent on
-// spoke-1 and spoke-2. Each test creates its own namespaces and
+// The shared environment: one hub, two spokes, two broker replicas, and an
+// agent on spoke-1 and spoke-2 with a stream to each replica. Each test creates its own namespaces and
 // ServiceAccounts, so tests do not depend on each other's state.
 var (
 	env         *framework.Env
@@ -63,6 +63,8 @@ func run(m *testing.M) int {
 	logger := funcr.New(func(prefix, args string) { logs.WriteString(prefix + " " + args + "\n") }, funcr.Options{})
 	if deployment, err = framework.StartDeployment(ctx, env, framework.DeploymentOptions{
 		Dir: dir, Log: logger, Audit: logger.WithName("audit"), MintTimeout: mintTimeout,
+		// Two replicas that share nothing but the hub: any may serve any exchange.
+		Replicas: 2,
 		// The benchmark makes hundreds of calls per second as one consumer.
 		Tune: func(c *broker.Config) { c.RateLimit, c.RateBurst = 1e6, 1e6 },
 	}); err != nil {
@@ -165,15 +167,20 @@ func uniqueName(t testing.TB, prefix string) string {
 	return fmt.Sprintf("%s-%d", prefix, nameSeq.n)
 }
 
-// exchangeClient dials the broker's TokenExchange port, verifying it with
-// the deployment's CA.
+// exchangeClient dials the first broker's TokenExchange port, verifying it
+// with the deployment's CA.
 func exchangeClient(t testing.TB) pb.TokenExchangeClient {
+	t.Helper()
+	return exchangeClientAt(t, deployment.Broker.ExchangeAddr())
+}
+
+func exchangeClientAt(t testing.TB, addr string) pb.TokenExchangeClient {
 	t.Helper()
 	pem, err := os.ReadFile(deployment.CAFile)
 	require.NoError(t, err)
 	pool := x509.NewCertPool()
 	require.True(t, pool.AppendCertsFromPEM(pem))
-	conn, err := grpc.NewClient(deployment.Broker.ExchangeAddr(),
+	conn, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12})))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })

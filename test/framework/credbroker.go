@@ -47,7 +47,9 @@ type DeploymentOptions struct {
 	Log, Audit logr.Logger
 	// MintTimeout is the broker's wait for an agent. Default 10s.
 	MintTimeout time.Duration
-	// Tune, when set, changes the broker's config before it starts.
+	// Replicas is the number of brokers. Default 1.
+	Replicas int
+	// Tune, when set, changes the brokers' config before they start.
 	Tune func(*broker.Config)
 }
 
@@ -60,7 +62,10 @@ type Deployment struct {
 	// every SVID. CAFile is its PEM, which consumers use to verify the broker.
 	CA     *testpki.CA
 	CAFile string
-	Broker *broker.Broker
+	// Brokers are the replicas, which share nothing but the hub; Broker is
+	// the first. Every agent holds a stream to each.
+	Broker  *broker.Broker
+	Brokers []*broker.Broker
 
 	dir  string
 	opts DeploymentOptions
@@ -112,12 +117,16 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	if opts.Tune != nil {
 		opts.Tune(&cfg)
 	}
-	if d.Broker, err = broker.New(cfg); err != nil {
-		return nil, err
-	}
-
 	d.ctx, d.stop = context.WithCancel(context.Background())
-	d.run("broker", d.Broker.Run)
+	for i := range max(opts.Replicas, 1) {
+		b, err := broker.New(cfg)
+		if err != nil {
+			return nil, errors.Join(err, d.Stop())
+		}
+		d.Brokers = append(d.Brokers, b)
+		d.run(fmt.Sprintf("broker-%d", i), b.Run)
+	}
+	d.Broker = d.Brokers[0]
 
 	for _, spoke := range env.Spokes {
 		if _, err := env.Hub.CreateClusterProfile(ctx, FleetNamespace, spoke.Name, d.ClusterProfileAccess(spoke)); err != nil {
@@ -167,7 +176,9 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 		return nil, err
 	}
 	cfg := agent.Default()
-	cfg.BrokerAddresses = []string{d.Broker.AgentAddr()}
+	for _, b := range d.Brokers {
+		cfg.BrokerAddresses = append(cfg.BrokerAddresses, b.AgentAddr())
+	}
 	cfg.TrustDomain = d.CA.TrustDomain()
 	cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
 	cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = cert, key, d.CAFile
