@@ -290,14 +290,8 @@ func (c *Cluster) waitForGrant(ctx context.Context, namespace string, subject rb
 		return s[0]
 	}
 	spec := authorizationv1.SubjectAccessReviewSpec{}
-	switch subject.Kind {
-	case rbacv1.ServiceAccountKind:
-		spec.User, spec.Groups = ServiceAccountUser(subject.Namespace, subject.Name)
-	case rbacv1.UserKind:
-		spec.User = subject.Name
-	case rbacv1.GroupKind:
-		spec.User, spec.Groups = grantPrefix+"probe", []string{subject.Name}
-	default:
+	var ok bool
+	if spec.User, spec.Groups, ok = subjectUser(subject); !ok {
 		return nil // the API server validated the binding; nothing to probe with
 	}
 	if len(rule.NonResourceURLs) > 0 {
@@ -326,18 +320,27 @@ func (c *Cluster) waitForGrant(ctx context.Context, namespace string, subject rb
 	return nil
 }
 
+// subjectUser is the user and groups that a SubjectAccessReview for an RBAC
+// subject asks about; ok is false for an unknown kind.
+func subjectUser(subject rbacv1.Subject) (user string, groups []string, ok bool) {
+	switch subject.Kind {
+	case rbacv1.ServiceAccountKind:
+		user, groups = ServiceAccountUser(subject.Namespace, subject.Name)
+		return user, groups, true
+	case rbacv1.UserKind:
+		return subject.Name, nil, true
+	case rbacv1.GroupKind:
+		return grantPrefix + "probe", []string{subject.Name}, true
+	}
+	return "", nil, false
+}
+
 // Allowed asks the cluster with a SubjectAccessReview whether subject (a
 // ServiceAccount, User or Group) may do what attrs describes.
 func (c *Cluster) Allowed(ctx context.Context, subject rbacv1.Subject, attrs authorizationv1.ResourceAttributes) (bool, error) {
 	spec := authorizationv1.SubjectAccessReviewSpec{ResourceAttributes: &attrs}
-	switch subject.Kind {
-	case rbacv1.ServiceAccountKind:
-		spec.User, spec.Groups = ServiceAccountUser(subject.Namespace, subject.Name)
-	case rbacv1.UserKind:
-		spec.User = subject.Name
-	case rbacv1.GroupKind:
-		spec.User, spec.Groups = grantPrefix+"probe", []string{subject.Name}
-	default:
+	var ok bool
+	if spec.User, spec.Groups, ok = subjectUser(subject); !ok {
 		return false, fmt.Errorf("framework: %s: access review: unknown subject kind %q", c.Name, subject.Kind)
 	}
 	sar, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx,
