@@ -73,6 +73,8 @@ func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, er
 
 func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, time.Time, error) {
 	now := s.cfg.Clock.Now()
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
+	defer cancel()
 	review, err := s.cfg.TokenReviews.Create(ctx, &authenticationv1.TokenReview{
 		Spec: authenticationv1.TokenReviewSpec{Token: bearer, Audiences: []string{s.cfg.Audience}},
 	}, metav1.CreateOptions{})

@@ -48,6 +48,8 @@ func (s *Service) authorize(ctx context.Context, user userInfo, cluster types.Na
 
 func (s *Service) accessReview(ctx context.Context, user userInfo, cluster types.NamespacedName) (bool, time.Time, error) {
 	now := s.cfg.Clock.Now()
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
+	defer cancel()
 	extra := make(map[string]authorizationv1.ExtraValue, len(user.Extra))
 	for k, v := range user.Extra {
 		extra[k] = authorizationv1.ExtraValue(v)

@@ -32,8 +32,10 @@ type request struct {
 }
 
 // parseRequest validates req and clamps its expiration to [minExp, maxExp];
-// zero means maxExp. Errors wrap errdefs.ErrInvalidArgument.
-func parseRequest(req *pb.ExchangeRequest, minExp, maxExp time.Duration) (request, error) {
+// zero means maxExp. A spoke token may not carry brokerAudience, which would
+// let it pass for a consumer's hub token wherever the hub trusts the spoke's
+// issuer. Errors wrap errdefs.ErrInvalidArgument.
+func parseRequest(req *pb.ExchangeRequest, brokerAudience string, minExp, maxExp time.Duration) (request, error) {
 	var r request
 	var err error
 	if r.cluster, err = parseRef("cluster", req.GetCluster(), validation.IsDNS1123Subdomain); err != nil {
@@ -50,6 +52,9 @@ func parseRequest(req *pb.ExchangeRequest, minExp, maxExp time.Duration) (reques
 	for i, a := range req.GetAudiences() {
 		if a == "" || len(a) > maxAudienceLength || strings.ContainsFunc(a, isControl) {
 			return r, fmt.Errorf("audiences[%d]: want 1 to %d printable characters: %w", i, maxAudienceLength, errdefs.ErrInvalidArgument)
+		}
+		if a == brokerAudience {
+			return r, fmt.Errorf("audiences[%d]: %q is the broker's own audience and never goes into a spoke token: %w", i, a, errdefs.ErrInvalidArgument)
 		}
 	}
 	r.audiences = slices.Compact(slices.Sorted(slices.Values(req.GetAudiences())))

@@ -27,22 +27,25 @@ func TestParseRequestExpiration(t *testing.T) {
 		{secs: 1 << 62, want: time.Hour},
 	}
 	for _, tt := range tests {
-		r, err := parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, ExpirationSeconds: tt.secs}, 10*time.Minute, time.Hour)
+		r, err := parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, ExpirationSeconds: tt.secs}, "credbroker", 10*time.Minute, time.Hour)
 		require.NoError(t, err)
 		assert.Equal(t, tt.want, r.expiration, "expiration_seconds %d", tt.secs)
 	}
 }
 
 func TestParseRequestAudiences(t *testing.T) {
-	r, err := parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"b", "a", "b"}}, 10*time.Minute, time.Hour)
+	r, err := parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"b", "a", "b"}}, "credbroker", 10*time.Minute, time.Hour)
 	require.NoError(t, err)
 	assert.Equal(t, []string{"a", "b"}, r.audiences)
 
-	_, err = parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: make([]string, 17)}, 10*time.Minute, time.Hour)
+	_, err = parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: make([]string, 17)}, "credbroker", 10*time.Minute, time.Hour)
 	assert.EqualError(t, err, "audiences: 17 given, at most 16 allowed: invalid argument")
 
-	_, err = parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"a\nb"}}, 10*time.Minute, time.Hour)
+	_, err = parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"a\nb"}}, "credbroker", 10*time.Minute, time.Hour)
 	assert.EqualError(t, err, "audiences[0]: want 1 to 256 printable characters: invalid argument")
+
+	_, err = parseRequest(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"x", "credbroker"}}, "credbroker", 10*time.Minute, time.Hour)
+	assert.EqualError(t, err, `audiences[1]: "credbroker" is the broker's own audience and never goes into a spoke token: invalid argument`)
 }
 
 // FuzzParseRequest feeds arbitrary requests and bearer headers to the
@@ -61,7 +64,7 @@ func FuzzParseRequest(f *testing.F) {
 		if saNS != "" || saName != "" {
 			req.ServiceAccount = &pb.ObjectReference{Namespace: saNS, Name: saName}
 		}
-		r, err := parseRequest(req, 10*time.Minute, time.Hour)
+		r, err := parseRequest(req, "credbroker", 10*time.Minute, time.Hour)
 		if err != nil {
 			if !errors.Is(err, errdefs.ErrInvalidArgument) {
 				t.Fatalf("parseRequest: %v is not InvalidArgument", err)

@@ -3,6 +3,7 @@ package tokenexchange
 import (
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -62,6 +63,9 @@ type Config struct {
 	// AllowTTL and DenyTTL are how long SubjectAccessReview decisions, and
 	// failed TokenReviews, are reused. Defaults 10s and 2s.
 	AllowTTL, DenyTTL time.Duration
+	// ReviewTimeout bounds each TokenReview and SubjectAccessReview on the
+	// hub. Default 5s.
+	ReviewTimeout time.Duration
 	// CacheSize bounds each cache. Default 10000.
 	CacheSize int
 	// RateLimit and RateBurst limit exchanges per consumer. Defaults 20/s
@@ -100,6 +104,7 @@ func New(cfg Config) (*Service, error) {
 	setDefault(&cfg.AuthnTTL, 10*time.Second)
 	setDefault(&cfg.AllowTTL, 10*time.Second)
 	setDefault(&cfg.DenyTTL, 2*time.Second)
+	setDefault(&cfg.ReviewTimeout, 5*time.Second)
 	setDefault(&cfg.CacheSize, 10000)
 	setDefault(&cfg.RateLimit, 20)
 	setDefault(&cfg.RateBurst, 40)
@@ -165,10 +170,10 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 		return nil, err
 	}
 	rec.user = &user
-	if !s.allow(ctx, user) {
-		return nil, fmt.Errorf("%s sent more than %v exchanges per second: %w", user.Username, s.cfg.RateLimit, errdefs.ErrResourceExhausted)
+	if err := s.allow(ctx, user); err != nil {
+		return nil, err
 	}
-	r, err := parseRequest(req, s.cfg.MinExpiration, s.cfg.MaxExpiration)
+	r, err := parseRequest(req, s.cfg.Audience, s.cfg.MinExpiration, s.cfg.MaxExpiration)
 	if err != nil {
 		return nil, err
 	}
@@ -211,9 +216,19 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 }
 
 // allow applies the per-consumer rate limit.
-func (s *Service) allow(ctx context.Context, user userInfo) bool {
-	lim, _, err := s.limiters.Do(ctx, user.UID+"/"+user.Username, func(context.Context) (*rate.Limiter, time.Time, error) {
+func (s *Service) allow(ctx context.Context, user userInfo) error {
+	key, err := json.Marshal([]string{user.UID, user.Username})
+	if err != nil {
+		return fmt.Errorf("rate limit key: %w", err)
+	}
+	lim, _, err := s.limiters.Do(ctx, string(key), func(context.Context) (*rate.Limiter, time.Time, error) {
 		return rate.NewLimiter(s.cfg.RateLimit, s.cfg.RateBurst), s.cfg.Clock.Now().Add(time.Hour), nil
 	})
-	return err == nil && lim.AllowN(s.cfg.Clock.Now(), 1)
+	if err != nil {
+		return err
+	}
+	if !lim.AllowN(s.cfg.Clock.Now(), 1) {
+		return fmt.Errorf("%s sent more than %v exchanges per second: %w", user.Username, s.cfg.RateLimit, errdefs.ErrResourceExhausted)
+	}
+	return nil
 }

@@ -51,11 +51,15 @@ func consumerTokenExpiring(exp time.Time) string {
 // fleet/a only.
 type fakeReviews struct {
 	tokenReviews, accessReviews atomic.Int32
-	down                        atomic.Bool
+	down, hang                  atomic.Bool
 }
 
-func (f *fakeReviews) Create(_ context.Context, tr *authenticationv1.TokenReview, _ metav1.CreateOptions) (*authenticationv1.TokenReview, error) {
+func (f *fakeReviews) Create(ctx context.Context, tr *authenticationv1.TokenReview, _ metav1.CreateOptions) (*authenticationv1.TokenReview, error) {
 	f.tokenReviews.Add(1)
+	if f.hang.Load() {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
 	if f.down.Load() {
 		return nil, errors.New("connection refused")
 	}
@@ -408,6 +412,14 @@ func TestRejectionsAreCachedBriefly(t *testing.T) {
 	_, err := f.svc.Exchange(withBearer(bad), fleetA())
 	require.Equal(t, codes.Unauthenticated, status.Code(err))
 	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load())
+}
+
+func TestHungHubIsUnavailable(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.ReviewTimeout = 50 * time.Millisecond })
+	f.reviews.hang.Store(true)
+	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+	assert.Equal(t, codes.Unavailable, status.Code(err))
+	assert.Equal(t, "hub TokenReview failed: context deadline exceeded: unavailable", status.Convert(err).Message())
 }
 
 func TestRateLimitPerConsumer(t *testing.T) {

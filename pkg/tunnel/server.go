@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -131,6 +132,9 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	}
 	s.add(sess)
 	defer s.remove(sess)
+	// The ClusterProfile may have changed while the hello was awaited, before
+	// Revalidate could see this session.
+	s.revalidate(sess)
 	log.Info("agent connected", "agentVersion", hello.GetAgentVersion())
 	streamsGauge.Inc()
 	defer streamsGauge.Dec()
@@ -254,14 +258,20 @@ func (s *Server) Revalidate(key types.NamespacedName) {
 	list := append([]*session(nil), s.sessions[key]...)
 	s.mu.RUnlock()
 	for _, sess := range list {
-		got, err := s.cfg.Resolver.ResolveAgent(sess.agent)
-		switch {
-		case err != nil:
-			sess.cancel(fmt.Errorf("agent %s no longer serves %s: %w", sess.agent, sess.cluster, err))
-		case got != sess.cluster:
-			sess.cancel(fmt.Errorf("agent %s no longer serves %s: the ClusterProfile changed: %w",
-				sess.agent, sess.cluster, errdefs.ErrPermissionDenied))
-		}
+		s.revalidate(sess)
+	}
+}
+
+// revalidate closes sess unless its agent still maps to the ClusterProfile
+// incarnation it was admitted for.
+func (s *Server) revalidate(sess *session) {
+	got, err := s.cfg.Resolver.ResolveAgent(sess.agent)
+	switch {
+	case err != nil:
+		sess.cancel(fmt.Errorf("agent %s no longer serves %s: %w", sess.agent, sess.cluster, err))
+	case got != sess.cluster:
+		sess.cancel(fmt.Errorf("agent %s no longer serves %s: the ClusterProfile changed: %w",
+			sess.agent, sess.cluster, errdefs.ErrPermissionDenied))
 	}
 }
 
@@ -338,14 +348,29 @@ func answerOf(f *pb.AgentFrame) (*pb.MintResponse, error) {
 		return r, nil
 	case *pb.AgentFrame_Error:
 		code := codes.Code(body.Error.GetCode())
-		if code == codes.OK {
-			code = codes.Unknown
+		if !slices.Contains(agentCodes, code) {
+			// Other codes describe the consumer's own call (its hub token,
+			// its rate) and are not the agent's to give.
+			code = codes.Unavailable
 		}
-		return nil, errdefs.FromCode(code, "agent: "+body.Error.GetMessage())
+		msg := body.Error.GetMessage()
+		if len(msg) > maxAgentMessage {
+			msg = msg[:maxAgentMessage] + "..."
+		}
+		return nil, errdefs.FromCode(code, "agent: "+msg)
 	default:
 		return nil, fmt.Errorf("the agent answered with an unexpected frame %T", body)
 	}
 }
+
+// agentCodes are the codes an agent may answer with; maxAgentMessage bounds
+// the reason it gives.
+var agentCodes = []codes.Code{
+	codes.PermissionDenied, codes.NotFound, codes.InvalidArgument, codes.FailedPrecondition,
+	codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Internal,
+}
+
+const maxAgentMessage = 1024
 
 func newCorrelationID() string {
 	var b [12]byte

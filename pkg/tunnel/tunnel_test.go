@@ -188,6 +188,15 @@ func TestMintErrors(t *testing.T) {
 			wantMsg:  "cluster fleet/a: agent: spoke ServiceAccount x/y does not allow u: permission denied",
 		},
 		{
+			name: "agent answers with a code that is not its to give",
+			minter: func(context.Context, *pb.MintRequest) (*pb.MintResponse, error) {
+				return nil, fmt.Errorf("odd: %w", errdefs.ErrUnauthenticated)
+			},
+			cluster:  clusterA,
+			wantCode: codes.Unavailable,
+			wantMsg:  "cluster fleet/a: agent: odd: unauthenticated",
+		},
+		{
 			name: "agent fails internally",
 			minter: func(context.Context, *pb.MintRequest) (*pb.MintResponse, error) {
 				return nil, errors.New("secret internal detail")
