@@ -3,7 +3,6 @@ package main
 import (
 	"flag"
 	"fmt"
-	"os"
 	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -16,7 +15,7 @@ import (
 // parseFlags turns the command line into a validated agent.Config.
 func parseFlags(args []string) (agent.Config, error) {
 	cfg := agent.Default()
-	var kubeconfig, trustDomain, brokerID, brokers, caFile string
+	var kubeconfig, trustDomain, brokerID, brokers string
 	var verbosity int
 	fs := flag.NewFlagSet("spoke-agent", flag.ContinueOnError)
 	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
@@ -28,8 +27,7 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the spoke; empty means the in-cluster config")
 	fs.StringVar(&cfg.Namespace, "namespace", "", "only mint for ServiceAccounts of this namespace; empty means all")
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
-	fs.StringVar(&cfg.Server, "spoke-server", "", "spoke API server URL to report to the broker (optional)")
-	fs.StringVar(&caFile, "spoke-ca-file", "", "PEM CA of --spoke-server to report to the broker (optional)")
+	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "bound on one TokenRequest; keep it at least the broker's --mint-timeout")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
@@ -54,11 +52,6 @@ func parseFlags(args []string) (agent.Config, error) {
 	if brokerID != "" {
 		if cfg.BrokerID, err = spiffeid.FromString(brokerID); err != nil {
 			return cfg, fmt.Errorf("--broker-spiffe-id: %w", err)
-		}
-	}
-	if caFile != "" {
-		if cfg.CAData, err = os.ReadFile(caFile); err != nil {
-			return cfg, fmt.Errorf("--spoke-ca-file: %w", err)
 		}
 	}
 	if cfg.Spoke, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {

@@ -49,10 +49,9 @@ type Config struct {
 	Namespace string
 	// MaxExpiration caps minted tokens' lifetime.
 	MaxExpiration time.Duration
-	// Server and CAData describe the spoke API server to the broker (hello);
-	// both optional.
-	Server string
-	CAData []byte
+	// MintTimeout bounds one TokenRequest. Keep it at least the broker's
+	// mint timeout, which bounds how long the broker waits for the answer.
+	MintTimeout time.Duration
 
 	// InitialBackoff and MaxBackoff bound reconnect waits.
 	InitialBackoff, MaxBackoff time.Duration
@@ -66,6 +65,7 @@ func Default() Config {
 	return Config{
 		MaxExpiration:     time.Hour,
 		ResolveInterval:   30 * time.Second,
+		MintTimeout:       30 * time.Second,
 		FileCheckInterval: 5 * time.Second,
 		InitialBackoff:    500 * time.Millisecond,
 		MaxBackoff:        30 * time.Second,
@@ -87,6 +87,7 @@ func (c *Config) Validate() error {
 		need(err == nil, "broker address %q is not host:port", addr)
 	}
 	need(c.ResolveInterval > 0, "the resolve interval must be positive")
+	need(c.MintTimeout > 0, "the mint timeout must be positive")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
 	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
@@ -140,13 +141,14 @@ func New(cfg Config) (*Agent, error) {
 	}
 
 	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
-	hello := &pb.Hello{AgentVersion: Version, Server: cfg.Server, CertificateAuthorityData: cfg.CAData}
+	hello := &pb.Hello{AgentVersion: Version}
 	clientConfig := func(addr string) tunnel.ClientConfig {
 		return tunnel.ClientConfig{
 			Address:        addr,
 			Credentials:    creds,
 			Minter:         minter,
 			Hello:          hello,
+			MintTimeout:    cfg.MintTimeout,
 			InitialBackoff: cfg.InitialBackoff,
 			MaxBackoff:     cfg.MaxBackoff,
 			Log:            cfg.Log.WithName("tunnel"),
@@ -192,17 +194,21 @@ func (a *Agent) ServiceAccounts() corev1listers.ServiceAccountLister { return a.
 // Run syncs the ServiceAccount informer, then holds the broker streams until
 // ctx ends. The first part that fails stops the others.
 func (a *Agent) Run(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return a.svid.Run(ctx) })
 
 	a.informers.Start(ctx.Done())
 	defer a.informers.Shutdown()
-	syncCtx, cancel := context.WithTimeout(ctx, a.cfg.CacheSyncTimeout)
+	syncCtx, cancelSync := context.WithTimeout(ctx, a.cfg.CacheSyncTimeout)
 	synced := cache.WaitForCacheSync(syncCtx.Done(), a.synced)
-	cancel()
+	cancelSync()
 	if !synced {
-		if ctx.Err() != nil {
-			return g.Wait()
+		stopped := ctx.Err() != nil // by the caller, or by a failing part
+		cancel()
+		if err := g.Wait(); err != nil || stopped {
+			return err
 		}
 		return fmt.Errorf("agent: ServiceAccount informer did not sync within %s; check the spoke connection and the agent's RBAC (list and watch serviceaccounts)", a.cfg.CacheSyncTimeout)
 	}

@@ -66,7 +66,7 @@ func (f *fanout) Run(ctx context.Context) error {
 	for {
 		ips, err := f.lookup(ctx, host)
 		if err != nil || len(ips) == 0 {
-			f.log.Info("cannot resolve broker; keeping current streams", "err", errString(err), "streams", len(running))
+			f.log.Info("cannot resolve broker; keeping current streams", "err", lookupFailure(err), "streams", len(running))
 		} else {
 			want := make([]string, 0, len(ips))
 			for _, ip := range ips {
@@ -94,7 +94,7 @@ func (f *fanout) Run(ctx context.Context) error {
 	}
 }
 
-func errString(err error) string {
+func lookupFailure(err error) string {
 	if err == nil {
 		return "no addresses"
 	}

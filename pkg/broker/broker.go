@@ -171,18 +171,22 @@ func (b *Broker) closeListeners() {
 // first part that fails stops the others, and Run returns its error.
 func (b *Broker) Run(ctx context.Context) error {
 	defer b.closeListeners()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return b.svid.Run(ctx) })
 	g.Go(func() error { return b.keyPair.Run(ctx) })
 
 	b.informers.Start(ctx.Done())
 	defer b.informers.Shutdown()
-	syncCtx, cancel := context.WithTimeout(ctx, b.cfg.CacheSyncTimeout)
+	syncCtx, cancelSync := context.WithTimeout(ctx, b.cfg.CacheSyncTimeout)
 	synced := cache.WaitForCacheSync(syncCtx.Done(), b.profiles.HasSynced)
-	cancel()
+	cancelSync()
 	if !synced {
-		if ctx.Err() != nil {
-			return g.Wait()
+		stopped := ctx.Err() != nil // by the caller, or by a failing part
+		cancel()
+		if err := g.Wait(); err != nil || stopped {
+			return err
 		}
 		return fmt.Errorf("broker: ClusterProfile informer did not sync within %s; check the hub connection and that the ClusterProfile CRD is installed", b.cfg.CacheSyncTimeout)
 	}
@@ -230,6 +234,7 @@ func (b *Broker) grpcServer(creds credentials.TransportCredentials) *grpc.Server
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 		grpc.MaxRecvMsgSize(64<<10),
 		grpc.MaxHeaderListSize(64<<10),
+		grpc.MaxConcurrentStreams(1000),
 		grpc.ChainUnaryInterceptor(recoverUnary(b.log)),
 		grpc.ChainStreamInterceptor(recoverStream(b.log)),
 	)

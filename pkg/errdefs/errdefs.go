@@ -103,9 +103,6 @@ func FromCode(code codes.Code, msg string) error {
 
 func (c *Coded) Error() string { return c.msg }
 
-// GRPCCode returns the code the error arrived with.
-func (c *Coded) GRPCCode() codes.Code { return c.code }
-
 // Unwrap returns the sentinel for the code, if there is one.
 func (c *Coded) Unwrap() error {
 	for _, s := range codeOf {

@@ -202,6 +202,13 @@ func TestRefusals(t *testing.T) {
 			wantMsg:  "no agent is connected for cluster fleet/no-agent",
 		},
 		{
+			name:     "the broker's own audience",
+			consumer: granted,
+			req:      &pb.ExchangeRequest{Cluster: clusterRef(spoke), Audiences: []string{"credbroker"}},
+			wantCode: codes.InvalidArgument,
+			wantMsg:  "is the broker's own audience",
+		},
+		{
 			name:     "malformed request",
 			consumer: granted,
 			req:      &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "Fleet", Name: spoke.Name}},

@@ -183,7 +183,6 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 	cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
 	cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = cert, key, d.CAFile
 	cfg.Spoke = spoke.TokenConfig(tok)
-	cfg.Server, cfg.CAData = spoke.Server, spoke.CAData
 	cfg.InitialBackoff, cfg.MaxBackoff = 50*time.Millisecond, time.Second
 	cfg.Log = d.opts.Log.WithName("agent").WithValues("spoke", spoke.Name)
 	a, err := agent.New(cfg)
@@ -209,6 +208,11 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 	select {
 	case <-a.Connected():
 		return stopAgent, nil
+	case <-done:
+		stopAgent()
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		return nil, fmt.Errorf("framework: agent %s on %s stopped before it was admitted: %w", id, spoke.Name, errors.Join(d.errs...))
 	case <-ctx.Done():
 		stopAgent()
 		return nil, fmt.Errorf("framework: agent %s on %s was not admitted: %w", id, spoke.Name, ctx.Err())
