@@ -284,12 +284,20 @@ func (s *Server) Mint(ctx context.Context, cluster ClusterRef, req *pb.MintReque
 	if len(sessions) == 0 {
 		return nil, fmt.Errorf("no agent is connected for cluster %s: %w", cluster, errdefs.ErrUnavailable)
 	}
-	sess := sessions[s.next.Add(1)%uint64(len(sessions))]
-
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
 	defer cancel()
 	start := time.Now()
-	resp, err := sess.mint(ctx, req)
+	// Round robin; a stream that closes under the request hands it to the
+	// next one.
+	var resp *pb.MintResponse
+	var err error
+	first := s.next.Add(1)
+	for i := range uint64(len(sessions)) {
+		resp, err = sessions[(first+i)%uint64(len(sessions))].mint(ctx, req)
+		if !errors.Is(err, errStreamClosed) {
+			break
+		}
+	}
 	observeMint(start, err)
 	if err != nil {
 		return nil, fmt.Errorf("cluster %s: %w", cluster, err)
@@ -313,7 +321,7 @@ func (sess *session) mint(ctx context.Context, req *pb.MintRequest) (*pb.MintRes
 	select {
 	case sess.out <- frame:
 	case <-sess.ctx.Done():
-		return nil, fmt.Errorf("agent stream closed: %w", errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("%w: %w", errStreamClosed, errdefs.ErrUnavailable)
 	case <-ctx.Done():
 		return nil, waitErr(ctx)
 	}
@@ -322,11 +330,15 @@ func (sess *session) mint(ctx context.Context, req *pb.MintRequest) (*pb.MintRes
 	case f := <-answer:
 		return answerOf(f)
 	case <-sess.ctx.Done():
-		return nil, fmt.Errorf("agent stream closed before it answered: %w", errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("%w before it answered: %w", errStreamClosed, errdefs.ErrUnavailable)
 	case <-ctx.Done():
 		return nil, waitErr(ctx)
 	}
 }
+
+// errStreamClosed marks a request whose stream ended under it; another
+// stream of the cluster may still serve it.
+var errStreamClosed = errors.New("agent stream closed")
 
 func waitErr(ctx context.Context) error {
 	if errors.Is(ctx.Err(), context.DeadlineExceeded) {

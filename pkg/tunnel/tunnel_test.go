@@ -324,3 +324,26 @@ func TestStoppedAgentIsForgotten(t *testing.T) {
 }
 
 func statusCode(err error) codes.Code { return status.Code(err) }
+
+func TestMintMovesToAnotherStreamWhenOneCloses(t *testing.T) {
+	h := newHarness(t, 5*time.Second)
+	var stopDying func()
+	dying := &fakeMinter{fn: func(ctx context.Context, _ *pb.MintRequest) (*pb.MintResponse, error) {
+		go stopDying() // the stream closes while this request is on it
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}}
+	healthy := &fakeMinter{}
+	_, stopDying = h.agent(t, agentA, dying)
+	h.agent(t, agentA, healthy)
+	waitConnected(t, h, clusterA, 2)
+
+	// Round robin sends one of the two calls to the dying stream first.
+	for range 2 {
+		resp, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+		require.NoError(t, err)
+		assert.Equal(t, testToken, resp.GetToken())
+	}
+	assert.Equal(t, int32(1), dying.calls.Load())
+	assert.Equal(t, int32(2), healthy.calls.Load())
+}
