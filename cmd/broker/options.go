@@ -38,6 +38,8 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.DurationVar(&cfg.DenyTTL, "authz-deny-ttl", cfg.DenyTTL, "how long a denied SubjectAccessReview or failed TokenReview is reused")
 	fs.Float64Var(&cfg.RateLimit, "rate-limit", cfg.RateLimit, "exchanges per second allowed per consumer")
 	fs.IntVar(&cfg.RateBurst, "rate-burst", cfg.RateBurst, "burst of exchanges allowed per consumer")
+	fs.Float64Var(&cfg.ReviewRateLimit, "review-rate-limit", cfg.ReviewRateLimit, "TokenReviews per second of tokens not in the cache, all callers together")
+	fs.IntVar(&cfg.ReviewBurst, "review-burst", cfg.ReviewBurst, "burst of TokenReviews of tokens not in the cache")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err

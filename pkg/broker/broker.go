@@ -107,18 +107,21 @@ func New(cfg Config) (b *Broker, err error) {
 	b.profiles.OnChange(func(key types.NamespacedName, _ types.UID) { b.tunnel.Revalidate(key) })
 
 	if b.exchange, err = tokenexchange.New(tokenexchange.Config{
-		TokenReviews:  hubClient.AuthenticationV1().TokenReviews(),
-		AccessReviews: hubClient.AuthorizationV1().SubjectAccessReviews(),
-		Clusters:      clusterLookup{profiles: b.profiles, provider: cfg.AccessProviderName},
-		Minter:        b.tunnel,
-		Audience:      cfg.Audience,
-		MaxExpiration: cfg.MaxExpiration,
-		AuthnTTL:      cfg.AuthnTTL,
-		AllowTTL:      cfg.AllowTTL,
-		DenyTTL:       cfg.DenyTTL,
-		RateLimit:     rate.Limit(cfg.RateLimit),
-		RateBurst:     cfg.RateBurst,
-		Audit:         cfg.Audit,
+		TokenReviews:    hubClient.AuthenticationV1().TokenReviews(),
+		AccessReviews:   hubClient.AuthorizationV1().SubjectAccessReviews(),
+		Clusters:        clusterLookup{profiles: b.profiles, provider: cfg.AccessProviderName},
+		Minter:          b.tunnel,
+		Audience:        cfg.Audience,
+		MaxExpiration:   cfg.MaxExpiration,
+		AuthnTTL:        cfg.AuthnTTL,
+		AllowTTL:        cfg.AllowTTL,
+		DenyTTL:         cfg.DenyTTL,
+		RateLimit:       rate.Limit(cfg.RateLimit),
+		RateBurst:       cfg.RateBurst,
+		ReviewRateLimit: rate.Limit(cfg.ReviewRateLimit),
+		ReviewBurst:     cfg.ReviewBurst,
+		Log:             cfg.Log.WithName("exchange"),
+		Audit:           cfg.Audit,
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}

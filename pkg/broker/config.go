@@ -53,6 +53,10 @@ type Config struct {
 	// RateLimit and RateBurst limit exchanges per consumer.
 	RateLimit float64
 	RateBurst int
+	// ReviewRateLimit and ReviewBurst limit TokenReviews of new tokens, for
+	// all callers together.
+	ReviewRateLimit float64
+	ReviewBurst     int
 
 	// Log receives operational logs; Audit receives one line per exchange.
 	Log, Audit logr.Logger
@@ -80,6 +84,8 @@ func Default() Config {
 		DenyTTL:            2 * time.Second,
 		RateLimit:          20,
 		RateBurst:          40,
+		ReviewRateLimit:    100,
+		ReviewBurst:        200,
 	}
 }
 
@@ -103,5 +109,6 @@ func (c *Config) Validate() error {
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
 	need(c.DenyTTL <= c.AllowTTL, "denials must not be cached longer than approvals (%s > %s)", c.DenyTTL, c.AllowTTL)
 	need(c.RateLimit > 0 && c.RateBurst > 0, "the rate limit and burst must be positive")
+	need(c.ReviewRateLimit > 0 && c.ReviewBurst > 0, "the review rate limit and burst must be positive")
 	return errors.Join(errs...)
 }

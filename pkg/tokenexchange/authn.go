@@ -73,13 +73,17 @@ func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, er
 
 func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, time.Time, error) {
 	now := s.cfg.Clock.Now()
+	if !s.reviews.AllowN(now, 1) {
+		return authnResult{}, time.Time{}, fmt.Errorf("the broker is reviewing more than %v new tokens per second; retry shortly: %w",
+			s.cfg.ReviewRateLimit, errdefs.ErrResourceExhausted)
+	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()
 	review, err := s.cfg.TokenReviews.Create(ctx, &authenticationv1.TokenReview{
 		Spec: authenticationv1.TokenReviewSpec{Token: bearer, Audiences: []string{s.cfg.Audience}},
 	}, metav1.CreateOptions{})
 	if err != nil {
-		return authnResult{}, time.Time{}, fmt.Errorf("hub TokenReview failed: %s: %w", apiReason(err), errdefs.ErrUnavailable)
+		return authnResult{}, time.Time{}, s.hubFailure("TokenReview", err)
 	}
 	st := review.Status
 	switch {

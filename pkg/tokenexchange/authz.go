@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -71,7 +72,7 @@ func (s *Service) accessReview(ctx context.Context, user userInfo, cluster types
 		},
 	}, metav1.CreateOptions{})
 	if err != nil {
-		return false, time.Time{}, fmt.Errorf("hub SubjectAccessReview failed: %s: %w", apiReason(err), errdefs.ErrUnavailable)
+		return false, time.Time{}, s.hubFailure("SubjectAccessReview", err)
 	}
 	if review.Status.Allowed && !review.Status.Denied {
 		return true, now.Add(s.cfg.AllowTTL), nil
@@ -79,10 +80,16 @@ func (s *Service) accessReview(ctx context.Context, user userInfo, cluster types
 	return false, now.Add(s.cfg.DenyTTL), nil
 }
 
-// apiReason is a short, secret-free description of an API error.
-func apiReason(err error) string {
+// hubFailure describes a failed hub review for the caller: the API status
+// reason when the hub answered, else only that it did not. The full error,
+// which may name the hub's address, goes to the log.
+func (s *Service) hubFailure(review string, err error) error {
+	s.cfg.Log.Error(err, "hub review failed", "review", review)
+	reason := "the hub API server did not answer"
 	if st, ok := err.(apierrors.APIStatus); ok {
-		return fmt.Sprintf("%s (%d)", st.Status().Reason, st.Status().Code)
+		reason = fmt.Sprintf("%s (%d)", st.Status().Reason, st.Status().Code)
+	} else if errors.Is(err, context.DeadlineExceeded) {
+		reason = "the hub API server did not answer in time"
 	}
-	return err.Error()
+	return fmt.Errorf("hub %s failed: %s: %w", review, reason, errdefs.ErrUnavailable)
 }

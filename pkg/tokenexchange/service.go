@@ -63,6 +63,11 @@ type Config struct {
 	// AllowTTL and DenyTTL are how long SubjectAccessReview decisions, and
 	// failed TokenReviews, are reused. Defaults 10s and 2s.
 	AllowTTL, DenyTTL time.Duration
+	// ReviewRateLimit and ReviewBurst bound the TokenReviews of tokens not
+	// in the cache, for all callers together, so that a flood of new or
+	// forged tokens cannot crowd out the hub. Defaults 100/s and 200.
+	ReviewRateLimit rate.Limit
+	ReviewBurst     int
 	// ReviewTimeout bounds each TokenReview and SubjectAccessReview on the
 	// hub. Default 5s.
 	ReviewTimeout time.Duration
@@ -76,8 +81,9 @@ type Config struct {
 	HMACKey []byte
 	// Clock is injected for tests. Default: the real clock.
 	Clock clock.PassiveClock
+	// Log receives operational errors, such as hub reviews that failed;
 	// Audit receives one line per exchange. Default: discard.
-	Audit logr.Logger
+	Log, Audit logr.Logger
 }
 
 // Service implements credbrokerv1alpha1.TokenExchangeServer.
@@ -89,6 +95,7 @@ type Service struct {
 	authz    *store.Cache[bool]
 	tokens   *store.Cache[*pb.MintResponse]
 	limiters *store.Cache[*rate.Limiter]
+	reviews  *rate.Limiter
 }
 
 var _ pb.TokenExchangeServer = (*Service)(nil)
@@ -105,6 +112,8 @@ func New(cfg Config) (*Service, error) {
 	setDefault(&cfg.AllowTTL, 10*time.Second)
 	setDefault(&cfg.DenyTTL, 2*time.Second)
 	setDefault(&cfg.ReviewTimeout, 5*time.Second)
+	setDefault(&cfg.ReviewRateLimit, 100)
+	setDefault(&cfg.ReviewBurst, 200)
 	setDefault(&cfg.CacheSize, 10000)
 	setDefault(&cfg.RateLimit, 20)
 	setDefault(&cfg.RateBurst, 40)
@@ -123,7 +132,7 @@ func New(cfg Config) (*Service, error) {
 			return nil, fmt.Errorf("tokenexchange: hmac key: %w", err)
 		}
 	}
-	s := &Service{cfg: cfg}
+	s := &Service{cfg: cfg, reviews: rate.NewLimiter(cfg.ReviewRateLimit, cfg.ReviewBurst)}
 	var err error
 	decisions := store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AuthnTTL, cfg.AllowTTL), Clock: cfg.Clock}
 	if s.authn, err = store.New[authnResult](decisions); err != nil {

@@ -257,7 +257,7 @@ func TestExchangeErrors(t *testing.T) {
 			name: "hub unreachable", ctx: withBearer(consumerToken), req: fleetA(),
 			setup:    func(f *fixture) { f.reviews.down.Store(true) },
 			wantCode: codes.Unavailable,
-			wantMsg:  "hub TokenReview failed: connection refused: unavailable",
+			wantMsg:  "hub TokenReview failed: the hub API server did not answer: unavailable",
 		},
 		{
 			name: "agent refuses", ctx: withBearer(consumerToken), req: fleetA(),
@@ -419,7 +419,7 @@ func TestHungHubIsUnavailable(t *testing.T) {
 	f.reviews.hang.Store(true)
 	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
 	assert.Equal(t, codes.Unavailable, status.Code(err))
-	assert.Equal(t, "hub TokenReview failed: context deadline exceeded: unavailable", status.Convert(err).Message())
+	assert.Equal(t, "hub TokenReview failed: the hub API server did not answer in time: unavailable", status.Convert(err).Message())
 }
 
 func TestRateLimitPerConsumer(t *testing.T) {
@@ -433,6 +433,25 @@ func TestRateLimitPerConsumer(t *testing.T) {
 	f.clock.Step(time.Second)
 	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
 	assert.NoError(t, err)
+}
+
+func TestNewTokensAreReviewedAtABoundedRate(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.ReviewRateLimit, c.ReviewBurst = 1, 2 })
+	for i := range 2 {
+		_, err := f.svc.Exchange(withBearer(jwt(fmt.Sprintf(`{"sub":"forged-%d"}`, i))), fleetA())
+		require.Equal(t, codes.Unauthenticated, status.Code(err))
+	}
+	_, err := f.svc.Exchange(withBearer(jwt(`{"sub":"forged-3"}`)), fleetA())
+	assert.Equal(t, codes.ResourceExhausted, status.Code(err))
+	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load())
+
+	// A token already reviewed is still served from the cache.
+	f.clock.Step(time.Second)
+	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err)
+	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err)
+	assert.Equal(t, int32(3), f.reviews.tokenReviews.Load())
 }
 
 func TestNewValidates(t *testing.T) {
