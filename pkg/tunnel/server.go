@@ -54,6 +54,9 @@ type ServerConfig struct {
 	MintTimeout time.Duration
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
+	// MaxStreamsPerCluster bounds the streams one cluster's agents may hold
+	// to this broker; more are refused with ResourceExhausted. Default 64.
+	MaxStreamsPerCluster int
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
 }
@@ -81,6 +84,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	if cfg.HelloTimeout <= 0 {
 		cfg.HelloTimeout = 10 * time.Second
+	}
+	if cfg.MaxStreamsPerCluster <= 0 {
+		cfg.MaxStreamsPerCluster = 64
 	}
 	return &Server{cfg: cfg, sessions: map[types.NamespacedName][]*session{}}, nil
 }
@@ -130,7 +136,10 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
 		pending: map[string]chan *pb.AgentFrame{},
 	}
-	s.add(sess)
+	if err := s.add(sess); err != nil {
+		log.Info("agent refused", "reason", err.Error())
+		return errdefs.ToStatus(err).Err()
+	}
 	defer s.remove(sess)
 	// The ClusterProfile may have changed while the hello was awaited, before
 	// Revalidate could see this session.
@@ -208,11 +217,15 @@ func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.B
 	}
 }
 
-func (s *Server) add(sess *session) {
+func (s *Server) add(sess *session) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	key := sess.cluster.NamespacedName
+	if n := len(s.sessions[key]); n >= s.cfg.MaxStreamsPerCluster {
+		return fmt.Errorf("cluster %s already has %d agent streams to this broker: %w", sess.cluster, n, errdefs.ErrResourceExhausted)
+	}
 	s.sessions[key] = append(s.sessions[key], sess)
+	return nil
 }
 
 func (s *Server) remove(sess *session) {

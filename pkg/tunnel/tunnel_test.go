@@ -92,7 +92,7 @@ type harness struct {
 func newHarness(t *testing.T, mintTimeout time.Duration) *harness {
 	t.Helper()
 	r := &fakeResolver{clusters: map[string]ClusterRef{agentA: clusterA}}
-	srv, err := NewServer(ServerConfig{Resolver: r, PeerID: peerFromMetadata, MintTimeout: mintTimeout})
+	srv, err := NewServer(ServerConfig{Resolver: r, PeerID: peerFromMetadata, MintTimeout: mintTimeout, MaxStreamsPerCluster: 2})
 	require.NoError(t, err)
 	lis := bufconn.Listen(1 << 20)
 	g := grpc.NewServer()
@@ -133,6 +133,20 @@ func (h *harness) agent(t *testing.T, id string, m Minter) (*Client, context.Can
 		}
 	})
 	return c, stop
+}
+
+// rawStream opens a Connect stream as agent id, without the Client.
+func (h *harness) rawStream(t *testing.T, id string) grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame] {
+	t.Helper()
+	conn, err := grpc.NewClient("passthrough:///bufnet",
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return h.lis.DialContext(ctx) }))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	ctx := metadata.AppendToOutgoingContext(context.Background(), "test-agent-id", id)
+	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
+	require.NoError(t, err)
+	return stream
 }
 
 func waitConnected(t *testing.T, h *harness, c ClusterRef, n int) {
@@ -244,16 +258,9 @@ func TestUnknownAgentIsRefused(t *testing.T) {
 
 	// The refusal is a status on the stream; the client keeps retrying and
 	// never counts as connected.
-	conn, err := grpc.NewClient("passthrough:///bufnet",
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return h.lis.DialContext(ctx) }))
-	require.NoError(t, err)
-	defer conn.Close()
-	ctx := metadata.AppendToOutgoingContext(context.Background(), "test-agent-id", "spiffe://test.example/clusterprofile/fleet/unknown")
-	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
-	require.NoError(t, err)
+	stream := h.rawStream(t, "spiffe://test.example/clusterprofile/fleet/unknown")
 	_ = stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}) // io.EOF once refused
-	_, err = stream.Recv()
+	_, err := stream.Recv()
 	assert.Equal(t, codes.PermissionDenied, statusCode(err))
 	assert.Contains(t, err.Error(), "no ClusterProfile accepts agent spiffe://test.example/clusterprofile/fleet/unknown")
 
@@ -266,16 +273,9 @@ func TestUnknownAgentIsRefused(t *testing.T) {
 
 func TestFirstFrameMustBeHello(t *testing.T) {
 	h := newHarness(t, time.Second)
-	conn, err := grpc.NewClient("passthrough:///bufnet",
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return h.lis.DialContext(ctx) }))
-	require.NoError(t, err)
-	defer conn.Close()
-	ctx := metadata.AppendToOutgoingContext(context.Background(), "test-agent-id", agentA)
-	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
-	require.NoError(t, err)
+	stream := h.rawStream(t, agentA)
 	require.NoError(t, stream.Send(&pb.AgentFrame{CorrelationId: "x", Body: &pb.AgentFrame_Error{Error: &pb.Error{}}}))
-	_, err = stream.Recv()
+	_, err := stream.Recv()
 	assert.Equal(t, codes.InvalidArgument, statusCode(err))
 	assert.Equal(t, 0, h.srv.Connected(clusterA))
 }
@@ -346,4 +346,18 @@ func TestMintMovesToAnotherStreamWhenOneCloses(t *testing.T) {
 	}
 	assert.Equal(t, int32(1), dying.calls.Load())
 	assert.Equal(t, int32(2), healthy.calls.Load())
+}
+
+func TestStreamsPerClusterAreBounded(t *testing.T) {
+	h := newHarness(t, time.Second) // at most 2 streams per cluster
+	h.agent(t, agentA, &fakeMinter{})
+	h.agent(t, agentA, &fakeMinter{})
+	waitConnected(t, h, clusterA, 2)
+
+	stream := h.rawStream(t, agentA)
+	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}))
+	_, err := stream.Recv()
+	assert.Equal(t, codes.ResourceExhausted, statusCode(err))
+	assert.Contains(t, err.Error(), "cluster fleet/a already has 2 agent streams to this broker")
+	assert.Equal(t, 2, h.srv.Connected(clusterA))
 }
