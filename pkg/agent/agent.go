@@ -18,6 +18,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/spoke"
+	"github.com/credbroker/credbroker/pkg/token"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -92,7 +93,7 @@ func (c *Config) Validate() error {
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
 	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
 	need(c.Spoke != nil, "a spoke client config is required")
-	need(c.MaxExpiration >= 10*time.Minute, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
+	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	return errors.Join(errs...)
 }
 

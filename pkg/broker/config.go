@@ -8,6 +8,8 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/client-go/rest"
+
+	"github.com/credbroker/credbroker/pkg/token"
 )
 
 // Config is the broker's validated configuration.
@@ -105,7 +107,7 @@ func (c *Config) Validate() error {
 	need(c.Hub != nil, "a hub client config is required")
 	need(c.HubQPS > 0 && c.HubBurst > 0, "hub QPS and burst must be positive")
 	need(c.Audience != "", "the audience is required")
-	need(c.MaxExpiration >= 10*time.Minute, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
+	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
 	need(c.DenyTTL <= c.AllowTTL, "denials must not be cached longer than approvals (%s > %s)", c.DenyTTL, c.AllowTTL)
 	need(c.RateLimit > 0 && c.RateBurst > 0, "the rate limit and burst must be positive")

@@ -33,7 +33,7 @@ const AllowedSubjectsAnnotation = "credbroker.io/allowed-subjects"
 const (
 	// DefaultMinExpiration is the default and the smallest MinExpiration: the
 	// shortest lifetime the TokenRequest API accepts.
-	DefaultMinExpiration = 10 * time.Minute
+	DefaultMinExpiration = token.MinExpiration
 	// DefaultMaxExpiration is the default MaxExpiration.
 	DefaultMaxExpiration = time.Hour
 	// maxTokenRequestExpiration is the longest lifetime the TokenRequest API

@@ -15,6 +15,10 @@ import (
 // ServiceAccount tokens are around 1 KiB.
 const MaxLength = 16 << 10
 
+// MinExpiration is the shortest lifetime the TokenRequest API grants; every
+// bound on a minted token's lifetime starts here.
+const MinExpiration = 10 * time.Minute
+
 // ErrMalformed is wrapped by every error of CheckShape.
 var ErrMalformed = errors.New("bearer token is not a JWT")
 

@@ -107,7 +107,7 @@ func New(cfg Config) (*Service, error) {
 	}
 	setDefault(&cfg.Audience, "credbroker")
 	setDefault(&cfg.MaxExpiration, time.Hour)
-	setDefault(&cfg.MinExpiration, 10*time.Minute)
+	setDefault(&cfg.MinExpiration, token.MinExpiration)
 	setDefault(&cfg.AuthnTTL, 10*time.Second)
 	setDefault(&cfg.AllowTTL, 10*time.Second)
 	setDefault(&cfg.DenyTTL, 2*time.Second)
@@ -120,7 +120,7 @@ func New(cfg Config) (*Service, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	if cfg.MinExpiration < 10*time.Minute || cfg.MaxExpiration < cfg.MinExpiration {
+	if cfg.MinExpiration < token.MinExpiration || cfg.MaxExpiration < cfg.MinExpiration {
 		return nil, fmt.Errorf("tokenexchange: want 10m <= MinExpiration (%s) <= MaxExpiration (%s)", cfg.MinExpiration, cfg.MaxExpiration)
 	}
 	if cfg.DenyTTL > cfg.AllowTTL {
