@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -120,26 +121,7 @@ func TestFileSourceReload(t *testing.T) {
 	ca := newCA(t, "example.test")
 	vol := newProjectedDir(t)
 	vol.write(svidFiles(t, ca, agentID, ca))
-	logs := &logRecorder{}
-	src, err := identity.NewFileSource(identity.FileSourceConfig{
-		CertFile:    vol.path("tls.crt"),
-		KeyFile:     vol.path("tls.key"),
-		BundleFile:  vol.path("ca.crt"),
-		TrustDomain: td,
-		Interval:    pollInterval,
-		Log:         logs.logger(),
-	})
-	require.NoError(t, err)
-	first, err := src.GetX509SVID()
-	require.NoError(t, err)
-
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx) }()
-	defer func() {
-		cancel()
-		require.NoError(t, <-done)
-	}()
+	src, logs, first := runFileSource(t, vol.path("tls.crt"), vol.path("tls.key"), vol.path("ca.crt"))
 
 	// Rotate to an SVID from a new CA, with a bundle that trusts both.
 	nextCA := newCA(t, "example.test")
@@ -201,26 +183,7 @@ func TestFileSourceReloadInPlace(t *testing.T) {
 		require.NoError(t, testpki.WriteFileAtomic(filepath.Join(dir, "ca.crt"), files["ca.crt"], 0o600))
 	}
 	write(svidFiles(t, ca, agentID, ca))
-	logs := &logRecorder{}
-	src, err := identity.NewFileSource(identity.FileSourceConfig{
-		CertFile:    filepath.Join(dir, "tls.crt"),
-		KeyFile:     filepath.Join(dir, "tls.key"),
-		BundleFile:  filepath.Join(dir, "ca.crt"),
-		TrustDomain: td,
-		Interval:    pollInterval,
-		Log:         logs.logger(),
-	})
-	require.NoError(t, err)
-	first, err := src.GetX509SVID()
-	require.NoError(t, err)
-
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx) }()
-	defer func() {
-		cancel()
-		require.NoError(t, <-done)
-	}()
+	src, logs, first := runFileSource(t, filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key"), filepath.Join(dir, "ca.crt"))
 
 	require.NoError(t, os.Remove(filepath.Join(dir, "ca.crt")))
 	waitForError(t, logs, "ca.crt: no such file or directory")
@@ -235,4 +198,27 @@ func TestFileSourceReloadInPlace(t *testing.T) {
 		return svid.ID.Path() == "/clusterprofile/ns/next"
 	}, 5*time.Second, pollInterval)
 	assert.Equal(t, 1, logs.errorCount(), "a read failure is logged once")
+}
+
+// runFileSource loads a FileSource from the three files, runs it until the
+// test ends, and returns it with its log and the SVID it loaded first.
+func runFileSource(t *testing.T, cert, key, bundle string) (*identity.FileSource, *logRecorder, *x509svid.SVID) {
+	t.Helper()
+	logs := &logRecorder{}
+	src, err := identity.NewFileSource(identity.FileSourceConfig{
+		CertFile: cert, KeyFile: key, BundleFile: bundle,
+		TrustDomain: td, Interval: pollInterval, Log: logs.logger(),
+	})
+	require.NoError(t, err)
+	first, err := src.GetX509SVID()
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- src.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	return src, logs, first
 }
