@@ -306,6 +306,9 @@ func (c clusterLookup) Cluster(namespace, name string) (tokenexchange.Cluster, e
 	if err != nil {
 		return tokenexchange.Cluster{}, err
 	}
+	if err := c.profiles.CheckAgent(cp); err != nil {
+		return tokenexchange.Cluster{}, err
+	}
 	server, ca, _ := clusterprofile.Access(cp, c.provider)
 	return tokenexchange.Cluster{
 		Ref:    tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID},

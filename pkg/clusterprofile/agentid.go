@@ -2,6 +2,7 @@ package clusterprofile
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
@@ -13,13 +14,20 @@ import (
 // agent that serves it, replacing the default ID.
 const AgentSPIFFEIDAnnotation = "credbroker.io/agent-spiffe-id"
 
+// reservedPath is the path under which every ClusterProfile's default agent
+// ID lives. An annotation may name an ID under it only when that ID is the
+// profile's own default, so no profile can claim another profile's agent.
+const reservedPath = "/clusterprofile/"
+
 // AgentID is the SPIFFE ID an agent must present to serve cp.
 //
 // When cp has the annotation AgentSPIFFEIDAnnotation, its value is the ID; it
-// must parse, have a path and be in td, or AgentID returns an error wrapping
-// errdefs.ErrInvalidArgument. An annotation that is present but empty is an
-// error too, never a fallback to the default. Without the annotation the ID
-// is spiffe://<td>/clusterprofile/<namespace>/<name>.
+// must parse, have a path and be in td, and it must not lie under the
+// reserved path /clusterprofile/ unless it is cp's own default ID, or AgentID
+// returns an error wrapping errdefs.ErrInvalidArgument. An annotation that is
+// present but empty is an error too, never a fallback to the default.
+// Without the annotation the ID is
+// spiffe://<td>/clusterprofile/<namespace>/<name>.
 func AgentID(td spiffeid.TrustDomain, cp *v1alpha1.ClusterProfile) (spiffeid.ID, error) {
 	if cp == nil {
 		return spiffeid.ID{}, fmt.Errorf("agent ID of a nil ClusterProfile: %w", errdefs.ErrInvalidArgument)
@@ -28,25 +36,30 @@ func AgentID(td spiffeid.TrustDomain, cp *v1alpha1.ClusterProfile) (spiffeid.ID,
 		return spiffeid.ID{}, fmt.Errorf("agent ID of clusterprofile %s/%s: empty trust domain: %w",
 			cp.Namespace, cp.Name, errdefs.ErrInvalidArgument)
 	}
-	if v, ok := cp.Annotations[AgentSPIFFEIDAnnotation]; ok {
-		id, err := spiffeid.FromString(v)
-		switch {
-		case err != nil:
-			return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q is not a SPIFFE ID (%v): %w",
-				cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, err, errdefs.ErrInvalidArgument)
-		case !id.MemberOf(td):
-			return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q is outside trust domain %s: %w",
-				cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, td, errdefs.ErrInvalidArgument)
-		case id.Path() == "":
-			return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q names the trust domain, not an agent: %w",
-				cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, errdefs.ErrInvalidArgument)
+	def, defErr := spiffeid.FromSegments(td, "clusterprofile", cp.Namespace, cp.Name)
+	v, ok := cp.Annotations[AgentSPIFFEIDAnnotation]
+	if !ok {
+		if defErr != nil {
+			return spiffeid.ID{}, fmt.Errorf("clusterprofile %q/%q has no default agent ID (%v): %w",
+				cp.Namespace, cp.Name, defErr, errdefs.ErrInvalidArgument)
 		}
-		return id, nil
+		return def, nil
 	}
-	id, err := spiffeid.FromSegments(td, "clusterprofile", cp.Namespace, cp.Name)
-	if err != nil {
-		return spiffeid.ID{}, fmt.Errorf("clusterprofile %q/%q has no default agent ID (%v): %w",
-			cp.Namespace, cp.Name, err, errdefs.ErrInvalidArgument)
+	id, err := spiffeid.FromString(v)
+	switch {
+	case err != nil:
+		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q is not a SPIFFE ID (%v): %w",
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, err, errdefs.ErrInvalidArgument)
+	case !id.MemberOf(td):
+		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q is outside trust domain %s: %w",
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, td, errdefs.ErrInvalidArgument)
+	case id.Path() == "":
+		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q names the trust domain, not an agent: %w",
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, errdefs.ErrInvalidArgument)
+	case strings.HasPrefix(id.Path()+"/", reservedPath) && (defErr != nil || id != def):
+		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q lies under the reserved path %s, "+
+			"where each ClusterProfile owns only its own default ID; choose an ID outside it: %w",
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, reservedPath, errdefs.ErrInvalidArgument)
 	}
 	return id, nil
 }

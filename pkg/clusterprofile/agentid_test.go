@@ -93,6 +93,36 @@ func TestAgentID(t *testing.T) {
 			wantErr: `clusterprofile fleet/east-1: annotation credbroker.io/agent-spiffe-id="spiffe://fleet.example" names the trust domain, not an agent: invalid argument`,
 		},
 		{
+			name: "annotation naming the profile's own default ID",
+			td:   td,
+			cp:   profile("fleet", "east-1", "spiffe://fleet.example/clusterprofile/fleet/east-1"),
+			want: "spiffe://fleet.example/clusterprofile/fleet/east-1",
+		},
+		{
+			name:    "annotation naming another profile's default ID",
+			td:      td,
+			cp:      profile("other", "evil", "spiffe://fleet.example/clusterprofile/fleet/prod"),
+			wantErr: `clusterprofile other/evil: annotation credbroker.io/agent-spiffe-id="spiffe://fleet.example/clusterprofile/fleet/prod" lies under the reserved path /clusterprofile/, where each ClusterProfile owns only its own default ID; choose an ID outside it: invalid argument`,
+		},
+		{
+			name:    "annotation naming the reserved path itself",
+			td:      td,
+			cp:      profile("other", "evil", "spiffe://fleet.example/clusterprofile"),
+			wantErr: `clusterprofile other/evil: annotation credbroker.io/agent-spiffe-id="spiffe://fleet.example/clusterprofile" lies under the reserved path /clusterprofile/, where each ClusterProfile owns only its own default ID; choose an ID outside it: invalid argument`,
+		},
+		{
+			name:    "annotation deeper under the reserved path",
+			td:      td,
+			cp:      profile("fleet", "east-1", "spiffe://fleet.example/clusterprofile/fleet/east-1/extra"),
+			wantErr: `clusterprofile fleet/east-1: annotation credbroker.io/agent-spiffe-id="spiffe://fleet.example/clusterprofile/fleet/east-1/extra" lies under the reserved path /clusterprofile/, where each ClusterProfile owns only its own default ID; choose an ID outside it: invalid argument`,
+		},
+		{
+			name: "annotation beside the reserved path",
+			td:   td,
+			cp:   profile("fleet", "east-1", "spiffe://fleet.example/clusterprofiles/fleet/prod"),
+			want: "spiffe://fleet.example/clusterprofiles/fleet/prod",
+		},
+		{
 			name:    "no trust domain",
 			cp:      profile("fleet", "east-1"),
 			wantErr: "agent ID of clusterprofile fleet/east-1: empty trust domain: invalid argument",

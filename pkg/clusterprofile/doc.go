@@ -10,7 +10,8 @@
 //
 //   - the value of the annotation credbroker.io/agent-spiffe-id when the
 //     ClusterProfile has it; the value must be a SPIFFE ID with a path, in the
-//     broker's trust domain;
+//     broker's trust domain, and not under the reserved path
+//     /clusterprofile/ unless it is the profile's own default ID;
 //   - otherwise spiffe://<trust domain>/clusterprofile/<namespace>/<name>.
 //
 // With the annotation set, the default ID no longer maps to that
@@ -20,9 +21,12 @@
 // # Index
 //
 // Index answers, from an informer's cache, which ClusterProfile an agent
-// serves (ForAgent) and what a ClusterProfile looks like now (Get). A
-// ClusterProfile that is being deleted counts as absent. An agent whose ID
-// several live ClusterProfiles claim is refused, never given one of them.
+// serves (ForAgent), what a ClusterProfile looks like now (Get), and whether
+// an agent can serve it (CheckAgent). A ClusterProfile that is being deleted
+// counts as absent to Get. When several ClusterProfiles claim one agent ID,
+// the one that claimed it first (earliest creationTimestamp, then lowest
+// UID) holds it, even while it is being deleted: a newcomer can neither take
+// an agent away from its cluster nor inherit it from a dying one.
 //
 //	factory := externalversions.NewSharedInformerFactory(client, 0)
 //	idx, err := clusterprofile.New(clusterprofile.Config{
@@ -38,7 +42,9 @@
 //	server, caData, ok := clusterprofile.Access(cp, "kubeconfig")
 //
 // Errors wrap the sentinels of package errdefs: ErrNotFound for a missing
-// ClusterProfile, ErrPermissionDenied for an agent that maps to none or to
-// several, ErrInvalidArgument for a bad annotation or Config, and
-// ErrUnavailable before the informer's cache has synced.
+// ClusterProfile; ErrPermissionDenied for an agent that maps to none, or
+// whose holder is being deleted; ErrFailedPrecondition from CheckAgent for
+// a ClusterProfile no agent can serve; ErrInvalidArgument for a bad
+// annotation or Config; and ErrUnavailable before the informer's cache has
+// synced.
 package clusterprofile

@@ -105,11 +105,12 @@ func (i *Index) Get(namespace, name string) (*v1alpha1.ClusterProfile, error) {
 	return cp.DeepCopy(), nil
 }
 
-// ForAgent returns a copy of the one live ClusterProfile that the agent id
-// serves, as AgentID defines it. It fails with errdefs.ErrPermissionDenied
-// when id is outside the trust domain, when no live ClusterProfile maps to
-// id, and when several do: an ambiguous mapping is refused, and the error
-// names the ClusterProfiles that claim id.
+// ForAgent returns a copy of the ClusterProfile that the agent id serves:
+// the holder of id among the ClusterProfiles that claim it (see Holder). It
+// fails with errdefs.ErrPermissionDenied when id is outside the trust domain,
+// when no ClusterProfile claims id, and when its holder is being deleted: a
+// terminating ClusterProfile keeps its agent ID until it is gone, so no
+// other ClusterProfile inherits the agent meanwhile.
 func (i *Index) ForAgent(id spiffeid.ID) (*v1alpha1.ClusterProfile, error) {
 	if id.IsZero() {
 		return nil, fmt.Errorf("agent has no SPIFFE ID: %w", errdefs.ErrPermissionDenied)
@@ -120,29 +121,70 @@ func (i *Index) ForAgent(id spiffeid.ID) (*v1alpha1.ClusterProfile, error) {
 	if err := i.synced(); err != nil {
 		return nil, err
 	}
+	claimants, err := i.claimants(id)
+	if err != nil {
+		return nil, err
+	}
+	if len(claimants) == 0 {
+		return nil, fmt.Errorf("no ClusterProfile accepts agent %s: %w", id, errdefs.ErrPermissionDenied)
+	}
+	holder := claimants[0]
+	if holder.DeletionTimestamp != nil {
+		return nil, fmt.Errorf("agent %s belongs to clusterprofile %s, which is being deleted: %w",
+			id, keyOf(holder), errdefs.ErrPermissionDenied)
+	}
+	return holder.DeepCopy(), nil
+}
+
+// CheckAgent reports whether an agent can serve cp. It fails with
+// errdefs.ErrFailedPrecondition when cp's agent ID annotation is invalid, or
+// when another ClusterProfile claimed the same agent ID first and so holds
+// it; the error names the holder.
+func (i *Index) CheckAgent(cp *v1alpha1.ClusterProfile) error {
+	id, err := AgentID(i.td, cp)
+	if err != nil {
+		// The annotation is the ClusterProfile's fault, not the request's.
+		reason := strings.TrimSuffix(err.Error(), ": "+errdefs.ErrInvalidArgument.Error())
+		return fmt.Errorf("%s; no agent can serve this ClusterProfile: %w", reason, errdefs.ErrFailedPrecondition)
+	}
+	if err := i.synced(); err != nil {
+		return err
+	}
+	claimants, err := i.claimants(id)
+	if err != nil {
+		return err
+	}
+	if len(claimants) > 0 && claimants[0].UID != cp.UID {
+		return fmt.Errorf("clusterprofile %s claims agent %s, which clusterprofile %s claimed first and holds; "+
+			"give one of them another %s: %w", keyOf(cp), id, keyOf(claimants[0]), AgentSPIFFEIDAnnotation, errdefs.ErrFailedPrecondition)
+	}
+	return nil
+}
+
+// claimants returns the ClusterProfiles whose agent ID is id, live or being
+// deleted, the holder first: the one created first, then the lowest UID.
+func (i *Index) claimants(id spiffeid.ID) ([]*v1alpha1.ClusterProfile, error) {
 	objs, err := i.indexer.ByIndex(agentIDIndex, id.String())
 	if err != nil {
 		return nil, fmt.Errorf("clusterprofiles of agent %s: %w", id, err)
 	}
-	var live []*v1alpha1.ClusterProfile
+	var out []*v1alpha1.ClusterProfile
 	for _, obj := range objs {
-		if cp, ok := obj.(*v1alpha1.ClusterProfile); ok && cp.DeletionTimestamp == nil {
-			live = append(live, cp)
+		if cp, ok := obj.(*v1alpha1.ClusterProfile); ok {
+			out = append(out, cp)
 		}
 	}
-	switch len(live) {
-	case 0:
-		return nil, fmt.Errorf("no ClusterProfile accepts agent %s: %w", id, errdefs.ErrPermissionDenied)
-	case 1:
-		return live[0].DeepCopy(), nil
+	slices.SortFunc(out, claimedFirst)
+	return out, nil
+}
+
+// claimedFirst orders ClusterProfiles by creation, then by UID, which the
+// API server never reuses: the order in which they claimed an agent ID.
+func claimedFirst(a, b *v1alpha1.ClusterProfile) int {
+	if c := a.CreationTimestamp.Compare(b.CreationTimestamp.Time); c != 0 {
+		return c
 	}
-	names := make([]string, len(live))
-	for k, cp := range live {
-		names[k] = cp.Namespace + "/" + cp.Name
-	}
-	slices.Sort(names)
-	return nil, fmt.Errorf("agent %s maps to %d ClusterProfiles (%s); an ambiguous mapping is refused: %w",
-		id, len(names), strings.Join(names, ", "), errdefs.ErrPermissionDenied)
+	return strings.Compare(string(a.UID), string(b.UID))
 }
 
 // OnChange registers fn to be called with the key and UID of a
@@ -245,11 +287,24 @@ func (i *Index) onDelete(obj any) {
 }
 
 // checkAgentID logs a ClusterProfile that no agent can serve because of its
-// annotation.
+// annotation, and every ClusterProfile that claims an agent ID that another
+// one holds, naming both.
 func (i *Index) checkAgentID(cp *v1alpha1.ClusterProfile) {
-	if _, err := AgentID(i.td, cp); err != nil {
+	id, err := AgentID(i.td, cp)
+	if err != nil {
 		i.log.Error(err, "clusterprofile has an invalid agent ID; no agent can serve it",
 			"clusterprofile", keyOf(cp).String(), "annotation", AgentSPIFFEIDAnnotation)
+		return
+	}
+	claimants, err := i.claimants(id)
+	if err != nil || len(claimants) < 2 {
+		return
+	}
+	for _, c := range claimants[1:] {
+		if c.UID == cp.UID || claimants[0].UID == cp.UID {
+			i.log.Error(nil, "clusterprofile claims an agent ID that another clusterprofile claimed first; no agent serves it",
+				"clusterprofile", keyOf(c).String(), "holder", keyOf(claimants[0]).String(), "agent", id.String())
+		}
 	}
 }
 

@@ -2,10 +2,12 @@ package clusterprofile_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -15,6 +17,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -111,6 +114,13 @@ func (s *source) Delete(ns, name string) {
 	s.rv++
 	cp.ResourceVersion = strconv.Itoa(s.rv)
 	s.send(watch.Deleted, cp)
+}
+
+// get returns a copy of the stored ClusterProfile ns/name.
+func (s *source) get(ns, name string) *v1alpha1.ClusterProfile {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.objs[ns+"/"+name].DeepCopy()
 }
 
 // Unseen changes the source without telling the watch, then expires the
@@ -219,6 +229,12 @@ func withUID(cp *v1alpha1.ClusterProfile, uid types.UID) *v1alpha1.ClusterProfil
 	return cp
 }
 
+// createdAt sets cp's creation time to sec seconds after a fixed instant.
+func createdAt(cp *v1alpha1.ClusterProfile, sec int64) *v1alpha1.ClusterProfile {
+	cp.CreationTimestamp = metav1.NewTime(time.Unix(1.7e9+sec, 0))
+	return cp
+}
+
 func deleting(cp *v1alpha1.ClusterProfile) *v1alpha1.ClusterProfile {
 	now := metav1.Now()
 	cp.DeletionTimestamp = &now
@@ -233,12 +249,22 @@ func TestIndexLookups(t *testing.T) {
 		profile("other", "west-1"),
 		profile("fleet", "bad-1", "not a spiffe id"),
 		profile("fleet", "foreign-1", "spiffe://evil.example/agents/foreign"),
-		profile("fleet", "shared-1", "spiffe://fleet.example/agents/shared"),
-		profile("fleet", "shared-2", "spiffe://fleet.example/agents/shared"),
+		// shared-2 was created first, so it holds the ID.
+		createdAt(profile("fleet", "shared-1", "spiffe://fleet.example/agents/shared"), 2),
+		createdAt(profile("fleet", "shared-2", "spiffe://fleet.example/agents/shared"), 1),
+		// Created in the same second: the lower UID holds the ID.
+		withUID(createdAt(profile("fleet", "tie-1", "spiffe://fleet.example/agents/tie"), 1), "uid-b"),
+		withUID(createdAt(profile("fleet", "tie-2", "spiffe://fleet.example/agents/tie"), 1), "uid-a"),
 		deleting(profile("fleet", "gone-1")),
-		deleting(profile("fleet", "moving-1", "spiffe://fleet.example/agents/moving")),
-		profile("fleet", "moving-2", "spiffe://fleet.example/agents/moving"),
-		profile("fleet", "steal-1", "spiffe://fleet.example/clusterprofile/other/west-1"),
+		// A terminating holder keeps its ID; a terminating newcomer never had it.
+		createdAt(deleting(profile("fleet", "moving-1", "spiffe://fleet.example/agents/moving")), 1),
+		createdAt(profile("fleet", "moving-2", "spiffe://fleet.example/agents/moving"), 2),
+		createdAt(deleting(profile("fleet", "leaving-1", "spiffe://fleet.example/agents/leaving")), 2),
+		createdAt(profile("fleet", "leaving-2", "spiffe://fleet.example/agents/leaving"), 1),
+		// Annotations may not reach into another profile's reserved ID.
+		createdAt(profile("fleet", "steal-1", "spiffe://fleet.example/clusterprofile/other/west-1"), 0),
+		createdAt(profile("fleet", "steal-2", "spiffe://fleet.example/clusterprofile/other/north-1"), 0),
+		profile("fleet", "self-1", "spiffe://fleet.example/clusterprofile/fleet/self-1"),
 	)
 
 	t.Run("Get", func(t *testing.T) {
@@ -327,24 +353,44 @@ func TestIndexLookups(t *testing.T) {
 				wantErr: "agent has no SPIFFE ID: permission denied",
 			},
 			{
-				name:    "ambiguous",
-				id:      idOf("spiffe://fleet.example/agents/shared"),
-				wantErr: "agent spiffe://fleet.example/agents/shared maps to 2 ClusterProfiles (fleet/shared-1, fleet/shared-2); an ambiguous mapping is refused: permission denied",
+				name: "claimed by two: the first holds it",
+				id:   idOf("spiffe://fleet.example/agents/shared"),
+				want: "fleet/shared-2",
 			},
 			{
-				name:    "ambiguous default ID",
-				id:      idOf("spiffe://fleet.example/clusterprofile/other/west-1"),
-				wantErr: "agent spiffe://fleet.example/clusterprofile/other/west-1 maps to 2 ClusterProfiles (fleet/steal-1, other/west-1); an ambiguous mapping is refused: permission denied",
+				name: "claimed by two in one second: the lower UID holds it",
+				id:   idOf("spiffe://fleet.example/agents/tie"),
+				want: "fleet/tie-2",
+			},
+			{
+				name: "default ID claimed by another profile's annotation",
+				id:   idOf("spiffe://fleet.example/clusterprofile/other/west-1"),
+				want: "other/west-1",
+			},
+			{
+				name:    "default ID of a missing profile claimed by an annotation",
+				id:      idOf("spiffe://fleet.example/clusterprofile/other/north-1"),
+				wantErr: "no ClusterProfile accepts agent spiffe://fleet.example/clusterprofile/other/north-1: permission denied",
+			},
+			{
+				name: "own default ID as annotation",
+				id:   idOf("spiffe://fleet.example/clusterprofile/fleet/self-1"),
+				want: "fleet/self-1",
 			},
 			{
 				name:    "being deleted",
 				id:      idOf("spiffe://fleet.example/clusterprofile/fleet/gone-1"),
-				wantErr: "no ClusterProfile accepts agent spiffe://fleet.example/clusterprofile/fleet/gone-1: permission denied",
+				wantErr: "agent spiffe://fleet.example/clusterprofile/fleet/gone-1 belongs to clusterprofile fleet/gone-1, which is being deleted: permission denied",
 			},
 			{
-				name: "shared with one being deleted",
-				id:   idOf("spiffe://fleet.example/agents/moving"),
-				want: "fleet/moving-2",
+				name:    "held by a profile being deleted",
+				id:      idOf("spiffe://fleet.example/agents/moving"),
+				wantErr: "agent spiffe://fleet.example/agents/moving belongs to clusterprofile fleet/moving-1, which is being deleted: permission denied",
+			},
+			{
+				name: "claimed later by a profile being deleted",
+				id:   idOf("spiffe://fleet.example/agents/leaving"),
+				want: "fleet/leaving-2",
 			},
 		}
 		for _, tt := range tests {
@@ -371,20 +417,74 @@ func TestIndexLookups(t *testing.T) {
 		assert.Empty(t, again.Labels)
 	})
 
-	t.Run("bad annotations are logged once", func(t *testing.T) {
-		lines := h.logs.get()
-		require.Len(t, lines, 2, "%q", lines)
-		assert.Contains(t, lines[0], `"clusterprofile"="fleet/bad-1"`)
-		assert.Contains(t, lines[0], "not a SPIFFE ID")
-		assert.Contains(t, lines[1], `"clusterprofile"="fleet/foreign-1"`)
-		assert.Contains(t, lines[1], "outside trust domain")
+	t.Run("CheckAgent", func(t *testing.T) {
+		tests := []struct {
+			name    string
+			wantErr string
+		}{
+			{name: "east-1"},
+			{name: "shared-2"},
+			{name: "self-1"},
+			{name: "moving-1"},
+			{
+				name:    "shared-1",
+				wantErr: "clusterprofile fleet/shared-1 claims agent spiffe://fleet.example/agents/shared, which clusterprofile fleet/shared-2 claimed first and holds; give one of them another credbroker.io/agent-spiffe-id: failed precondition",
+			},
+			{
+				name:    "moving-2",
+				wantErr: "clusterprofile fleet/moving-2 claims agent spiffe://fleet.example/agents/moving, which clusterprofile fleet/moving-1 claimed first and holds; give one of them another credbroker.io/agent-spiffe-id: failed precondition",
+			},
+			{
+				name:    "steal-1",
+				wantErr: `clusterprofile fleet/steal-1: annotation credbroker.io/agent-spiffe-id="spiffe://fleet.example/clusterprofile/other/west-1" lies under the reserved path /clusterprofile/, where each ClusterProfile owns only its own default ID; choose an ID outside it; no agent can serve this ClusterProfile: failed precondition`,
+			},
+			{
+				name:    "bad-1",
+				wantErr: `clusterprofile fleet/bad-1: annotation credbroker.io/agent-spiffe-id="not a spiffe id" is not a SPIFFE ID (scheme is missing or invalid); no agent can serve this ClusterProfile: failed precondition`,
+			},
+		}
+		for _, tt := range tests {
+			t.Run(tt.name, func(t *testing.T) {
+				cp, err := h.idx.Get("fleet", tt.name)
+				if errors.Is(err, errdefs.ErrNotFound) {
+					// Get hides terminating profiles; CheckAgent still judges them.
+					cp = h.src.get("fleet", tt.name)
+				} else {
+					require.NoError(t, err)
+				}
+				err = h.idx.CheckAgent(cp)
+				if tt.wantErr != "" {
+					require.EqualError(t, err, tt.wantErr)
+					assert.Equal(t, codes.FailedPrecondition, errdefs.Code(err))
+					return
+				}
+				require.NoError(t, err)
+			})
+		}
+	})
+
+	t.Run("bad and contested annotations are logged", func(t *testing.T) {
+		all := strings.Join(h.logs.get(), "\n")
+		for _, want := range []string{
+			`"clusterprofile"="fleet/bad-1"`,
+			`"clusterprofile"="fleet/foreign-1"`,
+			`"clusterprofile"="fleet/steal-1"`,
+			`"clusterprofile"="fleet/shared-1" "holder"="fleet/shared-2"`,
+			`"clusterprofile"="fleet/tie-1" "holder"="fleet/tie-2"`,
+			`"clusterprofile"="fleet/moving-2" "holder"="fleet/moving-1"`,
+		} {
+			assert.Contains(t, all, want)
+		}
+		for _, never := range []string{"fleet/east-1", "fleet/self-1", `"clusterprofile"="fleet/shared-2"`} {
+			assert.NotContains(t, all, never)
+		}
 	})
 
 	t.Run("no changes on the initial list", func(t *testing.T) {
 		// Adds only report ClusterProfiles sharing an agent ID with the new one.
 		got := h.changes.take()
 		for _, c := range got {
-			assert.Regexp(t, `^(fleet/shared-[12]|fleet/moving-[12]|fleet/steal-1|other/west-1) `, c)
+			assert.Regexp(t, `^(fleet/(shared|tie|moving|leaving)-[12]) `, c)
 		}
 	})
 }
@@ -424,13 +524,17 @@ func TestIndexFollowsChanges(t *testing.T) {
 	})
 
 	t.Run("claim the same ID", func(t *testing.T) {
-		h.src.Update(withUID(profile("fleet", "west-1", agent.String()), westUID))
-		// east-1 is told too: its agent is now ambiguous.
+		h.src.Update(withUID(createdAt(profile("fleet", "west-1", agent.String()), 1), westUID))
+		// east-1 is told too, and keeps its agent: it claimed the ID first.
 		assert.ElementsMatch(t, []string{"fleet/west-1 " + string(westUID), "fleet/east-1 " + string(eastUID)}, wait(t, 2))
-		_, err := h.idx.ForAgent(agent)
-		assert.EqualError(t, err, "agent spiffe://fleet.example/agents/east maps to 2 ClusterProfiles (fleet/east-1, fleet/west-1); an ambiguous mapping is refused: permission denied")
+		cp, err := h.idx.ForAgent(agent)
+		require.NoError(t, err)
+		assert.Equal(t, "east-1", cp.Name)
 		_, err = h.idx.ForAgent(west)
 		assert.ErrorIs(t, err, errdefs.ErrPermissionDenied)
+		lines := h.logs.get()
+		require.Len(t, lines, 1)
+		assert.Contains(t, lines[0], `"clusterprofile"="fleet/west-1" "holder"="fleet/east-1"`)
 	})
 
 	t.Run("bad annotation", func(t *testing.T) {
@@ -442,8 +546,8 @@ func TestIndexFollowsChanges(t *testing.T) {
 		_, err = h.idx.ForAgent(west)
 		assert.ErrorIs(t, err, errdefs.ErrPermissionDenied)
 		lines := h.logs.get()
-		require.Len(t, lines, 1)
-		assert.Contains(t, lines[0], `"clusterprofile"="fleet/west-1"`)
+		require.Len(t, lines, 2)
+		assert.Contains(t, lines[1], `"clusterprofile"="fleet/west-1"`)
 	})
 
 	t.Run("delete", func(t *testing.T) {
@@ -459,7 +563,7 @@ func TestIndexFollowsChanges(t *testing.T) {
 		_, err := h.idx.Get("fleet", "east-1")
 		assert.ErrorIs(t, err, errdefs.ErrNotFound)
 		_, err = h.idx.ForAgent(agent)
-		assert.EqualError(t, err, "no ClusterProfile accepts agent spiffe://fleet.example/agents/east: permission denied")
+		assert.EqualError(t, err, "agent spiffe://fleet.example/agents/east belongs to clusterprofile fleet/east-1, which is being deleted: permission denied")
 	})
 
 	t.Run("deletion unseen: tombstone", func(t *testing.T) {

@@ -160,13 +160,28 @@ func TestIndexAgainstAPIServer(t *testing.T) {
 		assert.Equal(t, "east CA", string(ca))
 	})
 
-	t.Run("ambiguous", func(t *testing.T) {
+	var heir *v1alpha1.ClusterProfile
+	t.Run("claims", func(t *testing.T) {
+		// Another profile's default ID is out of reach of an annotation.
 		rogue := create(profile("", "rogue", eastID))
-		changed("default/east", east.UID) // east's agent is now ambiguous
-		forAgent(eastID, "", "", "maps to 2 ClusterProfiles (default/east, default/rogue); an ambiguous mapping is refused")
-		require.NoError(t, client.Delete(ctx, rogue.Name, metav1.DeleteOptions{}))
-		changed("default/rogue", rogue.UID)
+		require.Eventually(t, func() bool { _, err := idx.Get("default", "rogue"); return err == nil }, 10*time.Second, 10*time.Millisecond)
 		forAgent(eastID, "east", east.UID, "")
+		cp, err := idx.Get("default", "rogue")
+		require.NoError(t, err)
+		err = idx.CheckAgent(cp)
+		assert.ErrorContains(t, err, "lies under the reserved path /clusterprofile/")
+		assert.ErrorIs(t, err, errdefs.ErrFailedPrecondition)
+		require.NoError(t, client.Delete(ctx, rogue.Name, metav1.DeleteOptions{}))
+
+		// A later claim on an annotated ID leaves it with its holder.
+		heir = create(profile("", "heir", westID))
+		changed("default/west", west.UID) // west shares an ID with the newcomer
+		forAgent(westID, "west", west.UID, "")
+		cp, err = idx.Get("default", "heir")
+		require.NoError(t, err)
+		err = idx.CheckAgent(cp)
+		assert.ErrorContains(t, err, "which clusterprofile default/west claimed first and holds")
+		assert.ErrorIs(t, err, errdefs.ErrFailedPrecondition)
 	})
 
 	t.Run("deletion with a finalizer", func(t *testing.T) {
@@ -176,7 +191,8 @@ func TestIndexAgainstAPIServer(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, client.Delete(ctx, "west", metav1.DeleteOptions{}))
 		changed("default/west", west.UID)
-		forAgent(westID, "", "", "no ClusterProfile accepts agent "+westID)
+		// The terminating holder keeps its ID: heir does not inherit it.
+		forAgent(westID, "", "", "belongs to clusterprofile default/west, which is being deleted")
 		require.Eventually(t, func() bool {
 			_, err := idx.Get("default", "west")
 			return errors.Is(err, errdefs.ErrNotFound)
@@ -191,6 +207,9 @@ func TestIndexAgainstAPIServer(t *testing.T) {
 		changed("default/west", west.UID)
 		_, err = client.Get(ctx, "west", metav1.GetOptions{})
 		require.True(t, apierrors.IsNotFound(err), "%v", err)
+		// Once the holder is gone, the next claimant holds the ID.
+		forAgent(westID, "heir", heir.UID, "")
+		require.NoError(t, client.Delete(ctx, "heir", metav1.DeleteOptions{}))
 	})
 
 	t.Run("delete and recreate", func(t *testing.T) {
