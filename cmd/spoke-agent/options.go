@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2/textlogger"
 
@@ -15,7 +16,7 @@ import (
 // parseFlags turns the command line into a validated agent.Config.
 func parseFlags(args []string) (agent.Config, error) {
 	cfg := agent.Default()
-	var kubeconfig, trustDomain, brokerID, brokers string
+	var kubeconfig, trustDomain, brokerID, brokers, cluster string
 	var verbosity int
 	fs := flag.NewFlagSet("spoke-agent", flag.ContinueOnError)
 	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
@@ -24,6 +25,7 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file (required)")
 	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain (required)")
 	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain (required)")
+	fs.StringVar(&cluster, "cluster", "", "namespace/name of the hub ClusterProfile this agent serves; a broker that admits it for another is refused (recommended)")
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the spoke; empty means the in-cluster config")
 	fs.StringVar(&cfg.Namespace, "namespace", "", "only mint for ServiceAccounts of this namespace; empty means all")
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
@@ -41,6 +43,13 @@ func parseFlags(args []string) (agent.Config, error) {
 		if b = strings.TrimSpace(b); b != "" {
 			cfg.BrokerAddresses = append(cfg.BrokerAddresses, b)
 		}
+	}
+	if cluster != "" {
+		ns, name, ok := strings.Cut(cluster, "/")
+		if !ok || ns == "" || name == "" || strings.Contains(name, "/") {
+			return cfg, fmt.Errorf("--cluster %q: want namespace/name", cluster)
+		}
+		cfg.Cluster = types.NamespacedName{Namespace: ns, Name: name}
 	}
 	var err error
 	if trustDomain != "" {

@@ -10,6 +10,8 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/sync/errgroup"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	corev1listers "k8s.io/client-go/listers/core/v1"
@@ -36,6 +38,11 @@ type Config struct {
 	ResolveInterval time.Duration
 	// BrokerID is the SPIFFE ID the broker must present.
 	BrokerID spiffeid.ID
+	// Cluster, when set, is the ClusterProfile on the hub that this agent
+	// serves. A broker that admits the agent for any other ClusterProfile
+	// has its stream closed and retried with backoff. Empty: serve whichever
+	// ClusterProfile the broker maps the agent's SPIFFE ID to.
+	Cluster types.NamespacedName
 	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the agent's
 	// X.509-SVID and the bundle of TrustDomain, reloaded when they change.
 	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
@@ -93,6 +100,10 @@ func (c *Config) Validate() error {
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
 	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
 	need(c.Spoke != nil, "a spoke client config is required")
+	if c.Cluster != (types.NamespacedName{}) {
+		need(len(validation.IsDNS1123Label(c.Cluster.Namespace)) == 0 && len(validation.IsDNS1123Subdomain(c.Cluster.Name)) == 0,
+			"the cluster %q is not a ClusterProfile namespace/name", c.Cluster)
+	}
 	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	return errors.Join(errs...)
 }
@@ -149,6 +160,7 @@ func New(cfg Config) (*Agent, error) {
 			Credentials:    creds,
 			Minter:         minter,
 			Hello:          hello,
+			Cluster:        clusterString(cfg.Cluster),
 			MintTimeout:    cfg.MintTimeout,
 			InitialBackoff: cfg.InitialBackoff,
 			MaxBackoff:     cfg.MaxBackoff,
@@ -173,6 +185,13 @@ func New(cfg Config) (*Agent, error) {
 		a.targets = append(a.targets, newFanout(target, cfg.ResolveInterval, net.DefaultResolver.LookupHost, serve, cfg.Log.WithName("brokers")))
 	}
 	return a, nil
+}
+
+func clusterString(c types.NamespacedName) string {
+	if c == (types.NamespacedName{}) {
+		return ""
+	}
+	return c.String()
 }
 
 // Connected is closed once every broker target has admitted a stream.

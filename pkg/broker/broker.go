@@ -98,13 +98,16 @@ func New(cfg Config) (b *Broker, err error) {
 
 	if b.tunnel, err = tunnel.NewServer(tunnel.ServerConfig{
 		Resolver:    agentResolver{b.profiles},
-		PeerID:      identity.PeerID,
+		Peer:        identity.PeerSVID,
+		Bundles:     b.svid,
 		MintTimeout: cfg.MintTimeout,
 		Log:         cfg.Log.WithName("tunnel"),
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 	b.profiles.OnChange(func(key types.NamespacedName, _ types.UID) { b.tunnel.Revalidate(key) })
+	// A new bundle may have dropped the CA of a connected agent.
+	b.svid.OnChange(b.tunnel.Reverify)
 
 	if b.exchange, err = tokenexchange.New(tokenexchange.Config{
 		TokenReviews:    hubClient.AuthenticationV1().TokenReviews(),
@@ -194,14 +197,21 @@ func (b *Broker) Run(ctx context.Context) error {
 		return fmt.Errorf("broker: ClusterProfile informer did not sync within %s; check the hub connection and that the ClusterProfile CRD is installed", b.cfg.CacheSyncTimeout)
 	}
 
+	keepaliveParams := keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}
 	exchange := b.grpcServer(credentials.NewTLS(&tls.Config{
 		GetCertificate: b.keyPair.GetCertificate,
 		MinVersion:     tls.VersionTLS12,
-	}))
+	}), keepaliveParams)
 	pb.RegisterTokenExchangeServer(exchange, b.exchange)
 	reflection.Register(exchange)
 
-	agents := b.grpcServer(identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain))
+	// Agent connections are renewed now and then, so that each handshake
+	// is made again with the SVIDs and the bundle of the day; a stream also
+	// ends when the agent's SVID expires (pkg/tunnel).
+	agentKeepalive := keepaliveParams
+	agentKeepalive.MaxConnectionAge = b.cfg.AgentMaxConnectionAge
+	agentKeepalive.MaxConnectionAgeGrace = b.cfg.AgentMaxConnectionAgeGrace
+	agents := b.grpcServer(identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain), agentKeepalive)
 	pb.RegisterAgentTunnelServer(agents, b.tunnel)
 
 	serveGRPC := func(name string, s *grpc.Server, lis net.Listener) {
@@ -230,10 +240,10 @@ func (b *Broker) Run(ctx context.Context) error {
 	return err
 }
 
-func (b *Broker) grpcServer(creds credentials.TransportCredentials) *grpc.Server {
+func (b *Broker) grpcServer(creds credentials.TransportCredentials, params keepalive.ServerParameters) *grpc.Server {
 	s := grpc.NewServer(
 		grpc.Creds(creds),
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
+		grpc.KeepaliveParams(params),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 		grpc.MaxRecvMsgSize(64<<10),
 		grpc.MaxHeaderListSize(64<<10),

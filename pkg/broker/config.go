@@ -47,6 +47,11 @@ type Config struct {
 	MaxExpiration time.Duration
 	// MintTimeout bounds the wait for an agent's answer.
 	MintTimeout time.Duration
+	// AgentMaxConnectionAge ends an agent's connection after about this
+	// long (gRPC adds ±10% jitter), so that every handshake is made again
+	// with current SVIDs and bundle; the agent reconnects.
+	// AgentMaxConnectionAgeGrace then lets mints in flight finish.
+	AgentMaxConnectionAge, AgentMaxConnectionAgeGrace time.Duration
 	// AccessProviderName is the ClusterProfile access provider whose server
 	// and CA are returned to consumers; others are used when it is absent.
 	AccessProviderName string
@@ -68,26 +73,28 @@ type Config struct {
 // chosen per installation (files, hub config, trust domain).
 func Default() Config {
 	return Config{
-		ExchangeAddress:    ":8443",
-		AgentAddress:       ":8444",
-		MetricsAddress:     ":8080",
-		HubQPS:             200,
-		HubBurst:           400,
-		InformerResync:     10 * time.Minute,
-		CacheSyncTimeout:   time.Minute,
-		ShutdownGrace:      10 * time.Second,
-		FileCheckInterval:  5 * time.Second,
-		Audience:           "credbroker",
-		MaxExpiration:      time.Hour,
-		MintTimeout:        10 * time.Second,
-		AccessProviderName: "credbroker",
-		AuthnTTL:           10 * time.Second,
-		AllowTTL:           10 * time.Second,
-		DenyTTL:            2 * time.Second,
-		RateLimit:          20,
-		RateBurst:          40,
-		ReviewRateLimit:    100,
-		ReviewBurst:        200,
+		ExchangeAddress:            ":8443",
+		AgentAddress:               ":8444",
+		MetricsAddress:             ":8080",
+		HubQPS:                     200,
+		HubBurst:                   400,
+		InformerResync:             10 * time.Minute,
+		CacheSyncTimeout:           time.Minute,
+		ShutdownGrace:              10 * time.Second,
+		FileCheckInterval:          5 * time.Second,
+		Audience:                   "credbroker",
+		MaxExpiration:              time.Hour,
+		MintTimeout:                10 * time.Second,
+		AgentMaxConnectionAge:      time.Hour,
+		AgentMaxConnectionAgeGrace: 30 * time.Second,
+		AccessProviderName:         "credbroker",
+		AuthnTTL:                   10 * time.Second,
+		AllowTTL:                   10 * time.Second,
+		DenyTTL:                    2 * time.Second,
+		RateLimit:                  20,
+		RateBurst:                  40,
+		ReviewRateLimit:            100,
+		ReviewBurst:                200,
 	}
 }
 
@@ -109,6 +116,9 @@ func (c *Config) Validate() error {
 	need(c.Audience != "", "the audience is required")
 	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
+	need(c.AgentMaxConnectionAge > 0, "the agent connection age must be positive")
+	need(c.AgentMaxConnectionAgeGrace >= c.MintTimeout, "the agent connection age grace (%s) must be at least the mint timeout (%s), so that mints in flight finish",
+		c.AgentMaxConnectionAgeGrace, c.MintTimeout)
 	need(c.DenyTTL <= c.AllowTTL, "denials must not be cached longer than approvals (%s > %s)", c.DenyTTL, c.AllowTTL)
 	need(c.RateLimit > 0 && c.RateBurst > 0, "the rate limit and burst must be positive")
 	need(c.ReviewRateLimit > 0 && c.ReviewBurst > 0, "the review rate limit and burst must be positive")

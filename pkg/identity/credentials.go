@@ -2,6 +2,7 @@ package identity
 
 import (
 	"context"
+	"crypto/x509"
 	"fmt"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
@@ -10,6 +11,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/peer"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 )
@@ -19,8 +21,12 @@ import (
 // verifies against bundle and is a member of td. A client of another trust
 // domain fails the handshake. Which member may do what is the server's
 // business after the handshake: see PeerID.
+//
+// The credentials are plain gRPC TLS credentials over go-spiffe's mTLS
+// config, so that a handler can read the peer's whole verified chain with
+// PeerSVID, and so bound the life of what it serves by the chain's expiry.
 func ServerCredentials(svid x509svid.Source, bundle x509bundle.Source, td spiffeid.TrustDomain) credentials.TransportCredentials {
-	return grpccredentials.MTLSServerCredentials(svid, bundle, tlsconfig.AuthorizeMemberOf(td))
+	return credentials.NewTLS(tlsconfig.MTLSServerConfig(svid, bundle, tlsconfig.AuthorizeMemberOf(td)))
 }
 
 // ClientCredentials returns mutual-TLS credentials for a gRPC client that
@@ -33,13 +39,30 @@ func ClientCredentials(svid x509svid.Source, bundle x509bundle.Source, server sp
 
 // PeerID returns the SPIFFE ID that the peer of a gRPC call authenticated
 // with, inside a handler (or interceptor) of a server using
-// ServerCredentials. The error wraps
-// errdefs.ErrUnauthenticated when the connection carries no SPIFFE ID, such
-// as a call over other credentials.
+// ServerCredentials. The error wraps errdefs.ErrUnauthenticated when the
+// connection carries no X.509-SVID, such as a call over other credentials.
 func PeerID(ctx context.Context) (spiffeid.ID, error) {
-	id, ok := grpccredentials.PeerIDFromContext(ctx)
+	id, _, err := PeerSVID(ctx)
+	return id, err
+}
+
+// PeerSVID returns the SPIFFE ID and the certificate chain, leaf first, that
+// the peer of a gRPC call presented and the handshake of ServerCredentials
+// verified. The chain is the peer's own; do not modify it. The error wraps
+// errdefs.ErrUnauthenticated when the connection carries no X.509-SVID.
+func PeerSVID(ctx context.Context) (spiffeid.ID, []*x509.Certificate, error) {
+	p, ok := peer.FromContext(ctx)
 	if !ok {
-		return spiffeid.ID{}, fmt.Errorf("identity: the peer has no authenticated SPIFFE ID: %w", errdefs.ErrUnauthenticated)
+		return spiffeid.ID{}, nil, fmt.Errorf("identity: the call has no peer: %w", errdefs.ErrUnauthenticated)
 	}
-	return id, nil
+	info, ok := p.AuthInfo.(credentials.TLSInfo)
+	if !ok || len(info.State.PeerCertificates) == 0 {
+		return spiffeid.ID{}, nil, fmt.Errorf("identity: the peer has no authenticated SPIFFE ID: %w", errdefs.ErrUnauthenticated)
+	}
+	chain := info.State.PeerCertificates
+	id, err := x509svid.IDFromCert(chain[0])
+	if err != nil {
+		return spiffeid.ID{}, nil, fmt.Errorf("identity: the peer's certificate is not an X.509-SVID: %v: %w", err, errdefs.ErrUnauthenticated)
+	}
+	return id, chain, nil
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -40,6 +42,9 @@ type FileSource struct {
 	td     spiffeid.TrustDomain
 	poller *filePoller
 	cur    atomic.Pointer[fileSourceState]
+
+	mu       sync.Mutex
+	onChange []func()
 }
 
 type fileSourceState struct {
@@ -70,6 +75,7 @@ func NewFileSource(cfg FileSourceConfig) (*FileSource, error) {
 				return nil, err
 			}
 			s.cur.Store(st)
+			s.changed()
 			return []any{"id", st.svid.ID.String(), "expires", st.svid.Certificates[0].NotAfter}, nil
 		})
 	if err != nil {
@@ -105,6 +111,25 @@ func parseFileSource(cfg FileSourceConfig, certPEM, keyPEM, bundlePEM []byte) (*
 // and bundle stay in use. Run returns nil when ctx is done.
 func (s *FileSource) Run(ctx context.Context) error {
 	return s.poller.run(ctx)
+}
+
+// OnChange registers fn to be called after every reload that swapped in a
+// new SVID or bundle, on the goroutine of Run; fn must not block. The broker
+// uses it to verify its agents' streams against a bundle that may have
+// dropped a CA.
+func (s *FileSource) OnChange(fn func()) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.onChange = append(s.onChange, fn)
+}
+
+func (s *FileSource) changed() {
+	s.mu.Lock()
+	fns := slices.Clone(s.onChange)
+	s.mu.Unlock()
+	for _, fn := range fns {
+		fn()
+	}
 }
 
 // GetX509SVID returns the current X.509-SVID. Callers must not modify it.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -122,6 +123,8 @@ func TestFileSourceReload(t *testing.T) {
 	vol := newProjectedDir(t)
 	vol.write(svidFiles(t, ca, agentID, ca))
 	src, logs, first := runFileSource(t, vol.path("tls.crt"), vol.path("tls.key"), vol.path("ca.crt"))
+	var changes atomic.Int32
+	src.OnChange(func() { changes.Add(1) })
 
 	// Rotate to an SVID from a new CA, with a bundle that trusts both.
 	nextCA := newCA(t, "example.test")
@@ -137,6 +140,7 @@ func TestFileSourceReload(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, bundle.HasX509Authority(ca.Certificate()))
 	assert.True(t, bundle.HasX509Authority(nextCA.Certificate()))
+	require.Eventually(t, func() bool { return changes.Load() == 1 }, 5*time.Second, pollInterval, "OnChange is told of the rotation")
 	// No assertion on the error log here: a poll that reads the certificate
 	// before the swap and the key after it fails once, by design.
 
@@ -151,6 +155,7 @@ func TestFileSourceReload(t *testing.T) {
 	bundle, err = src.GetX509BundleForTrustDomain(td)
 	require.NoError(t, err)
 	assert.True(t, bundle.HasX509Authority(ca.Certificate()), "the bundle stays with the SVID")
+	assert.EqualValues(t, 1, changes.Load(), "a failed reload changes nothing")
 
 	// An SVID that moved to another trust domain is refused too.
 	otherCA := newCA(t, "other.test")

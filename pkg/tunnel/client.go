@@ -35,6 +35,12 @@ type ClientConfig struct {
 	Minter Minter
 	// Hello is sent first on every stream. Default: an empty hello.
 	Hello *pb.Hello
+	// Cluster, when set ("namespace/name"), is the ClusterProfile the agent
+	// expects to serve. A stream the broker admits for another ClusterProfile
+	// is closed, logged, and retried with backoff, so a mistaken or hostile
+	// ClusterProfile annotation cannot make the agent serve the wrong
+	// cluster. Default: serve whichever ClusterProfile the broker names.
+	Cluster string
 	// MintTimeout bounds one Minter call. Default 10s.
 	MintTimeout time.Duration
 	// MaxInFlight bounds concurrent Minter calls per stream. Default 64.
@@ -52,6 +58,10 @@ type ClientConfig struct {
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
 }
+
+// agentIDAnnotation is named in the agent's log; the tunnel does not
+// depend on the package that defines it.
+const agentIDAnnotation = "credbroker.io/agent-spiffe-id"
 
 // Client is the agent side of AgentTunnel for one broker address.
 type Client struct {
@@ -90,8 +100,10 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 func (c *Client) Connected() <-chan struct{} { return c.connected }
 
 // Run keeps a stream to the broker open until ctx ends, and then returns nil.
-// It reconnects after every failure, so it returns an error only when the
-// connection cannot be set up at all.
+// It reconnects after every failure, each time over a new connection, so
+// that the TLS handshake presents the SVID that Credentials holds then: a
+// broker ends a stream when the SVID it was opened with expires. Run returns
+// an error only when the connection cannot be set up at all.
 func (c *Client) Run(ctx context.Context) error {
 	opts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(c.cfg.Credentials),
@@ -101,17 +113,16 @@ func (c *Client) Run(ctx context.Context) error {
 			PermitWithoutStream: true,
 		}),
 	}, c.cfg.DialOptions...)
-	conn, err := grpc.NewClient(c.cfg.Address, opts...)
-	if err != nil {
-		return fmt.Errorf("tunnel: broker %s: %w", c.cfg.Address, err)
-	}
-	defer conn.Close()
-	client := pb.NewAgentTunnelClient(conn)
 	log := c.cfg.Log.WithValues("broker", c.cfg.Address)
 
 	backoff := c.cfg.InitialBackoff
 	for {
-		admitted, err := c.serve(ctx, client, log)
+		conn, err := grpc.NewClient(c.cfg.Address, opts...)
+		if err != nil {
+			return fmt.Errorf("tunnel: broker %s: %w", c.cfg.Address, err)
+		}
+		admitted, err := c.serve(ctx, pb.NewAgentTunnelClient(conn), log)
+		_ = conn.Close()
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -156,7 +167,15 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		_, err := stream.Recv()
 		return false, err
 	}
-	log.Info("connected to broker", "cluster", md.Get(admittedHeader)[0])
+	cluster := md.Get(admittedHeader)[0]
+	if c.cfg.Cluster != "" && cluster != c.cfg.Cluster {
+		err := fmt.Errorf("the broker admitted this agent for clusterprofile %s, but it serves %s: "+
+			"check the ClusterProfiles' %s annotations and the agent's SVID", cluster, c.cfg.Cluster, agentIDAnnotation)
+		log.Error(err, "broker admitted the agent for another ClusterProfile; closing the stream",
+			"admittedFor", cluster, "expected", c.cfg.Cluster)
+		return false, err
+	}
+	log.Info("connected to broker", "cluster", cluster)
 	c.once.Do(func() { close(c.connected) })
 
 	var (

@@ -5,17 +5,22 @@
 // ClusterProfile through a Resolver, and keeps a registry of live sessions per
 // cluster. Server.Mint sends a request down one live session of a cluster,
 // spreading requests over the sessions round robin, and waits for the answer
-// that carries the same correlation id, or for its deadline.
+// that carries the same correlation id, or for its deadline. A session lives
+// no longer than the SVID its agent presented: the Server verifies the chain
+// again when a stream opens and on Reverify, and closes the stream at the
+// chain's earliest NotAfter.
 //
-//	srv, err := tunnel.NewServer(tunnel.ServerConfig{Resolver: r, PeerID: identity.PeerID})
+//	srv, err := tunnel.NewServer(tunnel.ServerConfig{Resolver: r, Peer: identity.PeerSVID, Bundles: src})
 //	credbrokerv1alpha1.RegisterAgentTunnelServer(grpcServer, srv)
 //	resp, err := srv.Mint(ctx, cluster, req)
 //
 // On the spoke, a Client holds one stream to one broker address, reconnects
-// with jittered exponential backoff, and hands every mint request to a Minter,
-// which the agent wires to package spoke:
+// over a new connection with jittered exponential backoff, and hands every
+// mint request to a Minter, which the agent wires to package spoke. With
+// ClientConfig.Cluster set, it leaves a broker that admits it for another
+// ClusterProfile:
 //
-//	c, err := tunnel.NewClient(tunnel.ClientConfig{Address: addr, Credentials: creds, Minter: m})
+//	c, err := tunnel.NewClient(tunnel.ClientConfig{Address: addr, Credentials: creds, Minter: m, Cluster: "fleet/east-1"})
 //	err = c.Run(ctx)
 //
 // The package knows nothing of consumers, Kubernetes clients or minting.

@@ -3,6 +3,7 @@ package tunnel
 import (
 	"context"
 	"crypto/rand"
+	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -12,12 +13,15 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/token"
@@ -47,9 +51,14 @@ type Resolver interface {
 type ServerConfig struct {
 	// Resolver admits agents; required.
 	Resolver Resolver
-	// PeerID returns the authenticated SPIFFE ID of a stream's peer; required.
-	// The broker passes identity.PeerID.
-	PeerID func(ctx context.Context) (spiffeid.ID, error)
+	// Peer returns the authenticated SPIFFE ID of a stream's peer and the
+	// certificate chain it presented, leaf first; required. The broker
+	// passes identity.PeerSVID. A stream lives no longer than the earliest
+	// NotAfter of the chain.
+	Peer func(ctx context.Context) (spiffeid.ID, []*x509.Certificate, error)
+	// Bundles verifies the chains of live streams again when Reverify is
+	// called, such as after the trust bundle changed; required.
+	Bundles x509bundle.Source
 	// MintTimeout bounds one mint request on the stream. Default 10s.
 	MintTimeout time.Duration
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
@@ -59,6 +68,8 @@ type ServerConfig struct {
 	MaxStreamsPerCluster int
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
+	// Clock times the end of each stream's identity. Default: the real clock.
+	Clock clock.WithDelayedExecution
 }
 
 // Server is the broker side of AgentTunnel.
@@ -76,8 +87,11 @@ var _ pb.AgentTunnelServer = (*Server)(nil)
 
 // NewServer returns a Server with no sessions.
 func NewServer(cfg ServerConfig) (*Server, error) {
-	if cfg.Resolver == nil || cfg.PeerID == nil {
-		return nil, errors.New("tunnel: Resolver and PeerID are required")
+	if cfg.Resolver == nil || cfg.Peer == nil || cfg.Bundles == nil {
+		return nil, errors.New("tunnel: Resolver, Peer and Bundles are required")
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
 	}
 	if cfg.MintTimeout <= 0 {
 		cfg.MintTimeout = 10 * time.Second
@@ -94,6 +108,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 // session is one live Connect stream.
 type session struct {
 	agent   spiffeid.ID
+	chain   []*x509.Certificate // the agent's SVID, leaf first
 	cluster ClusterRef
 	out     chan *pb.BrokerFrame
 	ctx     context.Context
@@ -107,11 +122,19 @@ type session struct {
 // or the agent's ClusterProfile stops accepting it.
 func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame]) error {
 	ctx := stream.Context()
-	id, err := s.cfg.PeerID(ctx)
+	id, chain, err := s.cfg.Peer(ctx)
 	if err != nil {
 		return errdefs.ToStatus(fmt.Errorf("agent stream: %w", err)).Err()
 	}
 	log := s.cfg.Log.WithValues("agent", id.String())
+	// A connection outlives the handshake that verified its chain: a new
+	// stream on an old connection is judged again, by the clock and the
+	// trust bundle of now.
+	expires, err := s.verify(id, chain)
+	if err != nil {
+		log.Info("agent refused", "reason", err.Error())
+		return errdefs.ToStatus(err).Err()
+	}
 	cluster, err := s.cfg.Resolver.ResolveAgent(id)
 	if err != nil {
 		log.Info("agent refused", "reason", err.Error())
@@ -132,7 +155,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	sess := &session{
-		agent: id, cluster: cluster,
+		agent: id, chain: chain, cluster: cluster,
 		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
 		pending: map[string]chan *pb.AgentFrame{},
 	}
@@ -144,7 +167,13 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	// The ClusterProfile may have changed while the hello was awaited, before
 	// Revalidate could see this session.
 	s.revalidate(sess)
-	log.Info("agent connected", "agentVersion", hello.GetAgentVersion())
+	// The stream ends with the agent's identity; the agent reconnects with
+	// whatever SVID it holds by then.
+	timer := s.cfg.Clock.AfterFunc(expires.Sub(s.cfg.Clock.Now()), func() {
+		sess.cancel(fmt.Errorf("agent %s: its SVID expired at %s: %w", id, expires.UTC().Format(time.RFC3339), errdefs.ErrUnauthenticated))
+	})
+	defer timer.Stop()
+	log.Info("agent connected", "agentVersion", hello.GetAgentVersion(), "svidExpires", expires.UTC().Format(time.RFC3339))
 	streamsGauge.Inc()
 	defer streamsGauge.Dec()
 
@@ -169,6 +198,27 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 			return errdefs.ToStatus(cause).Err()
 		}
 	}
+}
+
+// verify checks chain against the current trust bundle at the clock's
+// present, and returns the earliest NotAfter of the verified chain, the end
+// of the agent's identity. Errors wrap errdefs.ErrUnauthenticated.
+func (s *Server) verify(id spiffeid.ID, chain []*x509.Certificate) (time.Time, error) {
+	if len(chain) == 0 {
+		return time.Time{}, fmt.Errorf("agent %s presented no certificate: %w", id, errdefs.ErrUnauthenticated)
+	}
+	_, verified, err := x509svid.Verify(chain, s.cfg.Bundles, x509svid.WithTime(s.cfg.Clock.Now()))
+	if err != nil {
+		return time.Time{}, fmt.Errorf("agent %s: its SVID does not verify against the current trust bundle (%v); "+
+			"the agent must reconnect with a current one: %w", id, err, errdefs.ErrUnauthenticated)
+	}
+	expires := chain[0].NotAfter
+	for _, c := range verified[0] {
+		if c.NotAfter.Before(expires) {
+			expires = c.NotAfter
+		}
+	}
+	return expires, nil
 }
 
 func recvHello(ctx context.Context, stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame], timeout time.Duration) (*pb.Hello, error) {
@@ -285,6 +335,24 @@ func (s *Server) revalidate(sess *session) {
 	case got != sess.cluster:
 		sess.cancel(fmt.Errorf("agent %s no longer serves %s: the ClusterProfile changed: %w",
 			sess.agent, sess.cluster, errdefs.ErrPermissionDenied))
+	}
+}
+
+// Reverify checks the SVID of every live stream against the current trust
+// bundle, and closes the streams whose SVID no longer verifies: its CA left
+// the bundle, or it expired. The broker calls it whenever its trust bundle
+// may have changed.
+func (s *Server) Reverify() {
+	s.mu.RLock()
+	var all []*session
+	for _, list := range s.sessions {
+		all = append(all, list...)
+	}
+	s.mu.RUnlock()
+	for _, sess := range all {
+		if _, err := s.verify(sess.agent, sess.chain); err != nil {
+			sess.cancel(err)
+		}
 	}
 }
 

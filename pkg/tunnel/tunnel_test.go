@@ -2,14 +2,19 @@ package tunnel
 
 import (
 	"context"
+	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr/funcr"
+	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -21,7 +26,9 @@ import (
 	"google.golang.org/grpc/test/bufconn"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"k8s.io/apimachinery/pkg/types"
+	testingclock "k8s.io/utils/clock/testing"
 
+	"github.com/credbroker/credbroker/internal/testpki"
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -54,14 +61,52 @@ func (r *fakeResolver) set(id string, c *ClusterRef) {
 	}
 }
 
-// peerFromMetadata stands in for the mTLS peer ID: the in-memory tests put
-// the agent's ID in metadata.
-func peerFromMetadata(ctx context.Context) (spiffeid.ID, error) {
+// peers stands in for the mTLS handshake: the in-memory tests put the
+// agent's ID in metadata, and the agent's SVID is one that ca issued for
+// that ID, for an hour unless the test set another.
+type peers struct {
+	ca *testpki.CA
+	mu sync.Mutex
+	// chains holds each agent's SVID, issued on first use.
+	chains map[string][]*x509.Certificate
+}
+
+func (p *peers) peer(ctx context.Context) (spiffeid.ID, []*x509.Certificate, error) {
 	md, _ := metadata.FromIncomingContext(ctx)
-	if v := md.Get("test-agent-id"); len(v) == 1 {
-		return spiffeid.FromString(v[0])
+	v := md.Get("test-agent-id")
+	if len(v) != 1 {
+		return spiffeid.ID{}, nil, fmt.Errorf("no peer: %w", errdefs.ErrUnauthenticated)
 	}
-	return spiffeid.ID{}, fmt.Errorf("no peer: %w", errdefs.ErrUnauthenticated)
+	id, err := spiffeid.FromString(v[0])
+	if err != nil {
+		return spiffeid.ID{}, nil, err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.chains[v[0]] == nil {
+		p.chains[v[0]] = p.issue(v[0], time.Hour)
+	}
+	return id, p.chains[v[0]], nil
+}
+
+func (p *peers) issue(id string, ttl time.Duration) []*x509.Certificate {
+	certPEM, _, err := p.ca.IssueSVID(id, ttl)
+	if err != nil {
+		panic(err)
+	}
+	block, _ := pem.Decode(certPEM)
+	cert, err := x509.ParseCertificate(block.Bytes)
+	if err != nil {
+		panic(err)
+	}
+	return []*x509.Certificate{cert}
+}
+
+// setSVID makes id present an SVID valid for ttl from now.
+func (p *peers) setSVID(id string, ttl time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.chains[id] = p.issue(id, ttl)
 }
 
 // fakeMinter answers with fn, or a fixed token.
@@ -86,26 +131,39 @@ var (
 type harness struct {
 	srv      *Server
 	resolver *fakeResolver
+	peers    *peers
+	bundles  *x509bundle.Set
 	lis      *bufconn.Listener
 }
 
-func newHarness(t *testing.T, mintTimeout time.Duration) *harness {
+func newHarness(t *testing.T, mintTimeout time.Duration, tune ...func(*ServerConfig)) *harness {
 	t.Helper()
-	r := &fakeResolver{clusters: map[string]ClusterRef{agentA: clusterA}}
-	srv, err := NewServer(ServerConfig{Resolver: r, PeerID: peerFromMetadata, MintTimeout: mintTimeout, MaxStreamsPerCluster: 2})
+	ca, err := testpki.NewCA("test.example")
+	require.NoError(t, err)
+	h := &harness{
+		resolver: &fakeResolver{clusters: map[string]ClusterRef{agentA: clusterA}},
+		peers:    &peers{ca: ca, chains: map[string][]*x509.Certificate{}},
+		bundles:  x509bundle.NewSet(x509bundle.FromX509Authorities(ca.TrustDomain(), []*x509.Certificate{ca.Certificate()})),
+	}
+	cfg := ServerConfig{Resolver: h.resolver, Peer: h.peers.peer, Bundles: h.bundles, MintTimeout: mintTimeout, MaxStreamsPerCluster: 2}
+	for _, f := range tune {
+		f(&cfg)
+	}
+	h.srv, err = NewServer(cfg)
 	require.NoError(t, err)
 	lis := bufconn.Listen(1 << 20)
 	g := grpc.NewServer()
-	pb.RegisterAgentTunnelServer(g, srv)
+	pb.RegisterAgentTunnelServer(g, h.srv)
 	go func() { _ = g.Serve(lis) }()
 	t.Cleanup(g.Stop)
-	return &harness{srv: srv, resolver: r, lis: lis}
+	h.lis = lis
+	return h
 }
 
 // agent starts a Client that presents id, and returns it with a stop func.
-func (h *harness) agent(t *testing.T, id string, m Minter) (*Client, context.CancelFunc) {
+func (h *harness) agent(t *testing.T, id string, m Minter, tune ...func(*ClientConfig)) (*Client, context.CancelFunc) {
 	t.Helper()
-	c, err := NewClient(ClientConfig{
+	cfg := ClientConfig{
 		Address:        "passthrough:///bufnet",
 		Credentials:    insecure.NewCredentials(),
 		Minter:         m,
@@ -118,7 +176,11 @@ func (h *harness) agent(t *testing.T, id string, m Minter) (*Client, context.Can
 				return streamer(metadata.AppendToOutgoingContext(ctx, "test-agent-id", id), desc, cc, method, opts...)
 			}),
 		},
-	})
+	}
+	for _, f := range tune {
+		f(&cfg)
+	}
+	c, err := NewClient(cfg)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -271,6 +333,62 @@ func TestUnknownAgentIsRefused(t *testing.T) {
 	}
 }
 
+func TestAgentLeavesStreamAdmittedForAnotherCluster(t *testing.T) {
+	h := newHarness(t, time.Second)
+	log := &lineLog{}
+	m := &fakeMinter{}
+	c, _ := h.agent(t, agentA, m, func(cfg *ClientConfig) {
+		cfg.Cluster = "fleet/b"
+		cfg.Log = funcr.New(log.add, funcr.Options{})
+	})
+
+	// The broker admits agentA for fleet/a; the agent expects fleet/b, so it
+	// closes every stream it is given and retries.
+	require.Eventually(t, func() bool { return log.count("broker admitted the agent for another ClusterProfile") >= 2 },
+		10*time.Second, 5*time.Millisecond)
+	assert.Contains(t, log.String(), `"admittedFor"="fleet/a" "expected"="fleet/b"`)
+	select {
+	case <-c.Connected():
+		t.Fatal("the agent counted a stream for another cluster as connected")
+	default:
+	}
+	_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+	if err == nil {
+		t.Fatal("a mint reached an agent that does not serve the cluster")
+	}
+	assert.Zero(t, m.calls.Load())
+}
+
+// lineLog collects log lines for funcr.
+type lineLog struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *lineLog) add(prefix, args string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, prefix+" "+args)
+}
+
+func (l *lineLog) count(substr string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, line := range l.lines {
+		if strings.Contains(line, substr) {
+			n++
+		}
+	}
+	return n
+}
+
+func (l *lineLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Join(l.lines, "\n")
+}
+
 func TestFirstFrameMustBeHello(t *testing.T) {
 	h := newHarness(t, time.Second)
 	stream := h.rawStream(t, agentA)
@@ -360,4 +478,58 @@ func TestStreamsPerClusterAreBounded(t *testing.T) {
 	assert.Equal(t, codes.ResourceExhausted, statusCode(err))
 	assert.Contains(t, err.Error(), "cluster fleet/a already has 2 agent streams to this broker")
 	assert.Equal(t, 2, h.srv.Connected(clusterA))
+}
+
+func TestStreamEndsWithTheAgentsSVID(t *testing.T) {
+	clk := testingclock.NewFakeClock(time.Now())
+	h := newHarness(t, time.Second, func(cfg *ServerConfig) { cfg.Clock = clk })
+	h.peers.setSVID(agentA, 30*time.Second)
+	log := &lineLog{}
+	h.agent(t, agentA, &fakeMinter{}, func(cfg *ClientConfig) { cfg.Log = funcr.New(log.add, funcr.Options{}) })
+	waitConnected(t, h, clusterA, 1)
+
+	// The SVID expires: the stream closes, and a new stream presenting the
+	// same SVID is refused.
+	clk.Step(30 * time.Second)
+	waitConnected(t, h, clusterA, 0)
+	require.Eventually(t, func() bool { return log.count("does not verify against the current trust bundle") > 0 },
+		10*time.Second, 5*time.Millisecond)
+	assert.Contains(t, log.String(), "its SVID expired at")
+	_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+	assert.Equal(t, codes.Unavailable, errdefs.Code(err), "a mint reached an agent whose SVID expired")
+
+	// The agent's next stream presents the SVID its source holds then.
+	h.peers.setSVID(agentA, time.Hour)
+	waitConnected(t, h, clusterA, 1)
+}
+
+func TestReverifyClosesStreamsTheBundleNoLongerTrusts(t *testing.T) {
+	h := newHarness(t, time.Second)
+	h.agent(t, agentA, &fakeMinter{})
+	waitConnected(t, h, clusterA, 1)
+
+	h.srv.Reverify()
+	assert.Equal(t, 1, h.srv.Connected(clusterA), "a stream the bundle still trusts was closed")
+
+	// The trust domain moves to a new CA; the agent's SVID is from the old one.
+	next, err := testpki.NewCA("test.example")
+	require.NoError(t, err)
+	h.bundles.Add(x509bundle.FromX509Authorities(next.TrustDomain(), []*x509.Certificate{next.Certificate()}))
+	h.srv.Reverify()
+	assert.Equal(t, 0, h.srv.Connected(clusterA))
+	_, err = h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+	assert.Equal(t, codes.Unavailable, errdefs.Code(err))
+}
+
+func TestAgentWithoutCertificateIsRefused(t *testing.T) {
+	h := newHarness(t, time.Second, func(cfg *ServerConfig) {
+		cfg.Peer = func(context.Context) (spiffeid.ID, []*x509.Certificate, error) {
+			return spiffeid.RequireFromString(agentA), nil, nil
+		}
+	})
+	stream := h.rawStream(t, agentA)
+	_ = stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}})
+	_, err := stream.Recv()
+	assert.Equal(t, codes.Unauthenticated, statusCode(err))
+	assert.Contains(t, err.Error(), "presented no certificate")
 }

@@ -18,6 +18,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
@@ -154,6 +155,28 @@ func AgentID(name string) string {
 // broker has admitted its stream, or with an error when ctx ends first. The
 // agent runs until the returned func or Stop is called.
 func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) (stop func(), err error) {
+	return d.StartAgentWith(ctx, spoke, AgentOptions{ID: id})
+}
+
+// AgentOptions configure StartAgentWith.
+type AgentOptions struct {
+	// ID is the SPIFFE ID of the agent's SVID; required.
+	ID string
+	// SVIDTTL is how long the SVID is valid from now. Default 1h.
+	SVIDTTL time.Duration
+	// Cluster is the agent's --cluster; empty serves whichever
+	// ClusterProfile the broker admits it for.
+	Cluster string
+	// NoWait returns once the agent runs, without waiting for the broker to
+	// admit it.
+	NoWait bool
+	// Log replaces the deployment's log for this agent.
+	Log *logr.Logger
+}
+
+// StartAgentWith is StartAgent with options.
+func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts AgentOptions) (stop func(), err error) {
+	id := opts.ID
 	if err := spoke.EnsureNamespace(ctx, AgentNamespace); err != nil {
 		return nil, err
 	}
@@ -171,8 +194,19 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
-	cert, key, err := d.CA.WriteSVID(dir, id)
+	ttl := opts.SVIDTTL
+	if ttl == 0 {
+		ttl = time.Hour
+	}
+	certPEM, keyPEM, err := d.CA.IssueSVID(id, ttl)
 	if err != nil {
+		return nil, err
+	}
+	cert, key := filepath.Join(dir, "svid.crt"), filepath.Join(dir, "svid.key")
+	if err := testpki.WriteFileAtomic(cert, certPEM, 0o600); err != nil {
+		return nil, err
+	}
+	if err := testpki.WriteFileAtomic(key, keyPEM, 0o600); err != nil {
 		return nil, err
 	}
 	cfg := agent.Default()
@@ -185,6 +219,13 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 	cfg.Spoke = spoke.TokenConfig(tok)
 	cfg.InitialBackoff, cfg.MaxBackoff = 50*time.Millisecond, time.Second
 	cfg.Log = d.opts.Log.WithName("agent").WithValues("spoke", spoke.Name)
+	if opts.Log != nil {
+		cfg.Log = *opts.Log
+	}
+	if opts.Cluster != "" {
+		ns, name, _ := strings.Cut(opts.Cluster, "/")
+		cfg.Cluster = types.NamespacedName{Namespace: ns, Name: name}
+	}
 	a, err := agent.New(cfg)
 	if err != nil {
 		return nil, err
@@ -204,6 +245,9 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 		d.mu.Unlock()
 		cancel()
 		<-done
+	}
+	if opts.NoWait {
+		return stopAgent, nil
 	}
 	select {
 	case <-a.Connected():
