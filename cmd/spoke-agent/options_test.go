@@ -1,0 +1,51 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"k8s.io/apimachinery/pkg/types"
+)
+
+func TestParseFlagsCluster(t *testing.T) {
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	require.NoError(t, os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: spoke, cluster: {server: "https://127.0.0.1:6443"}}]
+contexts: [{name: spoke, context: {cluster: spoke, user: agent}}]
+current-context: spoke
+users: [{name: agent, user: {token: x}}]
+`), 0o600))
+	required := []string{
+		"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example",
+		"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b", "--kubeconfig", kubeconfig,
+	}
+	tests := []struct {
+		name    string
+		cluster []string
+		want    types.NamespacedName
+		wantErr string
+	}{
+		{name: "not set", want: types.NamespacedName{}},
+		{name: "set", cluster: []string{"--cluster", "fleet/east-1"}, want: types.NamespacedName{Namespace: "fleet", Name: "east-1"}},
+		{name: "no slash", cluster: []string{"--cluster", "east-1"}, wantErr: `--cluster "east-1": want namespace/name`},
+		{name: "no name", cluster: []string{"--cluster", "fleet/"}, wantErr: `--cluster "fleet/": want namespace/name`},
+		{name: "too many parts", cluster: []string{"--cluster", "fleet/east/1"}, wantErr: `--cluster "fleet/east/1": want namespace/name`},
+		{name: "not a name", cluster: []string{"--cluster", "Fleet/east_1"}, wantErr: `the cluster "Fleet/east_1" is not a ClusterProfile namespace/name`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(append([]string(nil), required...), tt.cluster...))
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, cfg.Cluster)
+		})
+	}
+}
