@@ -5,7 +5,10 @@
 // ClusterProfile through a Resolver, and keeps a registry of live sessions per
 // cluster. Server.Mint sends a request down one live session of a cluster,
 // spreading requests over the sessions round robin, and waits for the answer
-// that carries the same correlation id, or for its deadline.
+// that carries the same correlation id, or for its deadline. An agent's
+// refusal keeps its code only if it is one an agent may give, and its message
+// reaches the consumer without control characters or links, clipped to 1 KiB;
+// the agent logs the full text.
 //
 //	srv, err := tunnel.NewServer(tunnel.ServerConfig{Resolver: r, PeerID: identity.PeerID})
 //	credbrokerv1alpha1.RegisterAgentTunnelServer(grpcServer, srv)
