@@ -58,16 +58,24 @@ func Fingerprint(s string) string {
 	return "sha256:" + hex.EncodeToString(sum[:8])
 }
 
+// payload returns the decoded payload segment of a JWT-shaped token.
+func payload(s string) ([]byte, error) {
+	if err := CheckShape(s); err != nil {
+		return nil, err
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(s[strings.IndexByte(s, '.')+1 : strings.LastIndexByte(s, '.')])
+	if err != nil {
+		return nil, fmt.Errorf("%w: the payload is not base64url", ErrMalformed)
+	}
+	return raw, nil
+}
+
 // claims decodes the payload of a JWT-shaped token without verifying it.
 func claims(s string) (c struct {
 	JTI string `json:"jti"`
 	Exp int64  `json:"exp"`
 }, ok bool) {
-	if CheckShape(s) != nil {
-		return c, false
-	}
-	payload := s[strings.IndexByte(s, '.')+1 : strings.LastIndexByte(s, '.')]
-	raw, err := base64.RawURLEncoding.DecodeString(payload)
+	raw, err := payload(s)
 	if err != nil {
 		return c, false
 	}
@@ -85,12 +93,16 @@ func Expiry(s string) (time.Time, bool) {
 }
 
 // ID returns the token's credential id as the Kubernetes audit log records it
-// ("JTI=<jti>") when the token carries a jti claim, and its Fingerprint
-// otherwise. It reads the claims without verifying them: use it only to name
-// a token that an API server has issued or accepted.
+// ("JTI=<jti>") when the token carries a jti claim of at most 128 printable
+// ASCII characters without spaces (Kubernetes writes a UUID), and its
+// Fingerprint otherwise. It reads the claims without verifying them: use it
+// only to name a token that an API server has issued or accepted, or whose
+// claims have been checked.
 func ID(s string) string {
-	if c, ok := claims(s); ok && c.JTI != "" && len(c.JTI) <= 128 {
+	if c, ok := claims(s); ok && c.JTI != "" && len(c.JTI) <= 128 && !strings.ContainsFunc(c.JTI, notVisibleASCII) {
 		return "JTI=" + c.JTI
 	}
 	return Fingerprint(s)
 }
+
+func notVisibleASCII(r rune) bool { return r <= ' ' || r > '~' }

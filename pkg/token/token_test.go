@@ -54,6 +54,10 @@ func TestID(t *testing.T) {
 		{name: "jti", token: jwt(`{"jti":"5b3d2c"}`), want: "JTI=5b3d2c"},
 		{name: "no jti", token: jwt(`{"sub":"a"}`), want: Fingerprint(jwt(`{"sub":"a"}`))},
 		{name: "payload not json", token: jwt(`not json`), want: Fingerprint(jwt(`not json`))},
+		{name: "jti with a line break", token: jwt(`{"jti":"a\nb"}`), want: Fingerprint(jwt(`{"jti":"a\nb"}`))},
+		{name: "jti with a space", token: jwt(`{"jti":"a b"}`), want: Fingerprint(jwt(`{"jti":"a b"}`))},
+		{name: "jti not ascii", token: jwt(`{"jti":"é"}`), want: Fingerprint(jwt(`{"jti":"é"}`))},
+		{name: "jti too long", token: jwt(`{"jti":"` + strings.Repeat("a", 129) + `"}`), want: Fingerprint(jwt(`{"jti":"` + strings.Repeat("a", 129) + `"}`))},
 		{name: "not a jwt", token: "opaque", want: Fingerprint("opaque")},
 	}
 	for _, tt := range tests {

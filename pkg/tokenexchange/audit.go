@@ -9,14 +9,14 @@ import (
 
 // auditRecord collects what one exchange learned, for its audit line.
 type auditRecord struct {
-	user         *userInfo
-	cacheHit     bool
-	minted       *pb.MintResponse
-	credentialID string
+	user     *userInfo
+	cacheHit bool
+	minted   *minted // the checked claims of the token answered
 }
 
 // audit writes the exchange's one audit line and records its metrics. It
-// never writes a token; the minted token appears as its credential id.
+// never writes a token; the minted token appears as its credential id, and
+// its ServiceAccount, audiences and expiry are those of its checked claims.
 func (s *Service) audit(rec *auditRecord, req *pb.ExchangeRequest, err error, latency time.Duration) {
 	code := errdefs.Code(err)
 	// The request is logged as received, before validation: clip it.
@@ -36,10 +36,12 @@ func (s *Service) audit(rec *auditRecord, req *pb.ExchangeRequest, err error, la
 		kv = append(kv, "user", rec.user.Username, "uid", rec.user.UID)
 	}
 	if rec.minted != nil {
+		// The token's checked claims, not what the agent said beside it.
 		kv = append(kv,
-			"serviceAccount", refString(rec.minted.GetServiceAccount()),
-			"expiration", rec.minted.GetExpirationTime().AsTime().UTC().Format(time.RFC3339),
-			"credentialID", rec.credentialID)
+			"serviceAccount", rec.minted.serviceAccount.String(),
+			"tokenAudiences", clipAll(rec.minted.audiences),
+			"expiration", rfc3339(rec.minted.expiry),
+			"credentialID", rec.minted.credentialID)
 	}
 	if err != nil {
 		kv = append(kv, "reason", err.Error())

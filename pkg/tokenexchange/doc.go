@@ -14,10 +14,20 @@
 //  4. reuse a minted token for the same cluster incarnation, consumer, spoke
 //     ServiceAccount and audiences while at least half its lifetime remains,
 //     with one mint for concurrent misses;
-//  5. mint through the agent tunnel.
+//  5. mint through the agent tunnel, and check the agent's answer.
+//
+// The agent may be compromised, so its answer is checked before it is cached,
+// audited or returned: the token's claims, read without verifying the spoke's
+// signature, must name the ServiceAccount the answer names (and the requested
+// one, if any) in sub, carry the requested audiences (or, when none were
+// requested, some), expire after now and no later than MaxExpiration plus
+// MaxClockSkew from now, and agree with the answer's expiration_time. An
+// answer that fails is Unavailable for the consumer and an error in the log
+// that names the cluster and the check.
 //
 // Every call writes one audit line. Tokens never reach a log, an error or a
-// metric; the audit line names the minted token by its credential id.
+// metric; the audit line names the minted token by its credential id, and
+// records its checked claims, not what the agent said beside it.
 //
 //	svc, err := tokenexchange.New(tokenexchange.Config{
 //		TokenReviews: hub.AuthenticationV1().TokenReviews(),

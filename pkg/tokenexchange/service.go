@@ -93,7 +93,7 @@ type Service struct {
 	cfg      Config
 	authn    *store.Cache[authnResult]
 	authz    *store.Cache[bool]
-	tokens   *store.Cache[*pb.MintResponse]
+	tokens   *store.Cache[minted]
 	limiters *store.Cache[*rate.Limiter]
 	reviews  *rate.Limiter
 }
@@ -141,7 +141,7 @@ func New(cfg Config) (*Service, error) {
 	if s.authz, err = store.New[bool](decisions); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
-	if s.tokens, err = store.New[*pb.MintResponse](store.Config{Size: cfg.CacheSize, MaxTTL: cfg.MaxExpiration, Clock: cfg.Clock}); err != nil {
+	if s.tokens, err = store.New[minted](store.Config{Size: cfg.CacheSize, MaxTTL: cfg.MaxExpiration, Clock: cfg.Clock}); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
 	if s.limiters, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
@@ -200,27 +200,34 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 		Audiences:         r.audiences,
 		ExpirationSeconds: int64(r.expiration / time.Second),
 	}
-	minted, hit, err := s.tokens.Do(ctx, tokenKey(cluster.Ref, user, r), func(ctx context.Context) (*pb.MintResponse, time.Time, error) {
+	m, hit, err := s.tokens.Do(ctx, tokenKey(cluster.Ref, user, r), func(ctx context.Context) (minted, time.Time, error) {
 		issued := s.cfg.Clock.Now()
 		resp, err := s.cfg.Minter.Mint(ctx, cluster.Ref, mintReq)
 		if err != nil {
-			return nil, time.Time{}, err
+			return minted{}, time.Time{}, err
 		}
-		return resp, store.Halfway(issued, resp.GetExpirationTime().AsTime()), nil
+		// The agent may be compromised: nothing it says is cached, audited or
+		// answered before the token's own claims agree with the request.
+		m, err := checkAnswer(resp, r, s.cfg.Clock.Now(), s.cfg.MaxExpiration)
+		if err != nil {
+			s.cfg.Log.Error(err, "agent answer failed the broker's checks", "cluster", cluster.Ref.String(), "check", checkOf(err))
+			return minted{}, time.Time{}, fmt.Errorf("the agent of cluster %s answered with a token that failed the broker's checks: %w",
+				cluster.Ref, errdefs.ErrUnavailable)
+		}
+		return m, store.Halfway(issued, m.expiry), nil
 	})
 	rec.cacheHit = hit
 	if err != nil {
 		return nil, err
 	}
-	rec.minted = minted
-	rec.credentialID = token.ID(minted.GetToken())
+	rec.minted = &m
 	return &pb.ExchangeResponse{
-		Token:                    minted.GetToken(),
-		ExpirationTime:           timestamppb.New(minted.GetExpirationTime().AsTime()),
+		Token:                    m.token,
+		ExpirationTime:           timestamppb.New(m.expiry),
 		Server:                   cluster.Server,
 		CertificateAuthorityData: cluster.CAData,
-		ServiceAccount:           minted.GetServiceAccount(),
-		CredentialId:             rec.credentialID,
+		ServiceAccount:           &pb.ObjectReference{Namespace: m.serviceAccount.Namespace, Name: m.serviceAccount.Name},
+		CredentialId:             m.credentialID,
 	}, nil
 }
 

@@ -3,6 +3,7 @@ package tokenexchange
 import (
 	"context"
 	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -108,12 +109,16 @@ func (f *fakeClusters) Cluster(namespace, name string) (Cluster, error) {
 	}, nil
 }
 
-// fakeMinter mints a distinct token per call, valid for the requested time.
+// fakeMinter mints a distinct token per call, like an honest agent: for the
+// requested ServiceAccount (spoke/reader when none is named) and audiences
+// (the spoke's default when none are), valid for the requested time.
 type fakeMinter struct {
 	clock *clocktesting.FakeClock
 	calls atomic.Int32
 	err   error
 	gate  chan struct{} // when set, Mint waits for it
+	// tamper, when set, changes the answer before it is returned.
+	tamper func(*pb.MintResponse)
 }
 
 func (m *fakeMinter) Mint(ctx context.Context, _ tunnel.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
@@ -124,11 +129,30 @@ func (m *fakeMinter) Mint(ctx context.Context, _ tunnel.ClusterRef, req *pb.Mint
 	if m.err != nil {
 		return nil, m.err
 	}
-	return &pb.MintResponse{
-		Token:          jwt(fmt.Sprintf(`{"jti":"minted-%d"}`, n)),
-		ExpirationTime: timestamppb.New(m.clock.Now().Add(time.Duration(req.GetExpirationSeconds()) * time.Second)),
-		ServiceAccount: &pb.ObjectReference{Namespace: "spoke", Name: "reader"},
-	}, nil
+	sa := &pb.ObjectReference{Namespace: "spoke", Name: "reader"}
+	if req.GetServiceAccount() != nil {
+		sa = req.GetServiceAccount()
+	}
+	aud := req.GetAudiences()
+	if len(aud) == 0 {
+		aud = []string{"https://kubernetes.default.svc"}
+	}
+	exp := m.clock.Now().Add(time.Duration(req.GetExpirationSeconds()) * time.Second)
+	resp := &pb.MintResponse{
+		Token:          spokeToken("system:serviceaccount:"+sa.GetNamespace()+":"+sa.GetName(), aud, exp, fmt.Sprintf("minted-%d", n)),
+		ExpirationTime: timestamppb.New(exp),
+		ServiceAccount: sa,
+	}
+	if m.tamper != nil {
+		m.tamper(resp)
+	}
+	return resp, nil
+}
+
+// spokeToken is shaped like a spoke ServiceAccount token with these claims.
+func spokeToken(sub string, aud []string, exp time.Time, jti string) string {
+	b, _ := json.Marshal(map[string]any{"iss": "https://spoke", "sub": sub, "aud": aud, "exp": exp.Unix(), "jti": jti})
+	return jwt(string(b))
 }
 
 type fixture struct {
@@ -178,7 +202,7 @@ func TestExchange(t *testing.T) {
 	f := newFixture(t)
 	resp, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
 	require.NoError(t, err)
-	assert.Equal(t, jwt(`{"jti":"minted-1"}`), resp.GetToken())
+	assert.Equal(t, spokeToken("system:serviceaccount:spoke:reader", []string{"https://kubernetes.default.svc"}, t0.Add(time.Hour), "minted-1"), resp.GetToken())
 	assert.Equal(t, t0.Add(time.Hour), resp.GetExpirationTime().AsTime(), "zero expiration means the maximum")
 	assert.Equal(t, "https://spoke.example", resp.GetServer())
 	assert.Equal(t, []byte("ca"), resp.GetCertificateAuthorityData())
@@ -187,7 +211,8 @@ func TestExchange(t *testing.T) {
 
 	line := f.audit.String()
 	for _, want := range []string{`"user"="system:serviceaccount:hub:consumer"`, `"uid"="consumer-uid"`, `"cluster"="fleet/a"`,
-		`"code"="OK"`, `"cacheHit"=false`, `"credentialID"="JTI=minted-1"`, `"serviceAccount"="spoke/reader"`, `"expiration"="2026-01-01T01:00:00Z"`} {
+		`"code"="OK"`, `"cacheHit"=false`, `"credentialID"="JTI=minted-1"`, `"serviceAccount"="spoke/reader"`, `"expiration"="2026-01-01T01:00:00Z"`,
+		`"tokenAudiences"=["https://kubernetes.default.svc"]`} {
 		assert.Contains(t, line, want)
 	}
 	assert.NotContains(t, line, resp.GetToken())

@@ -8,7 +8,10 @@
 // that carries the same correlation id, or for its deadline. A session lives
 // no longer than the SVID its agent presented: the Server verifies the chain
 // again when a stream opens and on Reverify, and closes the stream at the
-// chain's earliest NotAfter.
+// chain's earliest NotAfter. An agent's refusal keeps its code only if it is
+// one an agent may give, and its message reaches the consumer without
+// control characters or links, clipped to 1 KiB; the agent logs the full
+// text.
 //
 //	srv, err := tunnel.NewServer(tunnel.ServerConfig{Resolver: r, Peer: identity.PeerSVID, Bundles: src})
 //	credbrokerv1alpha1.RegisterAgentTunnelServer(grpcServer, srv)

@@ -446,24 +446,17 @@ func answerOf(f *pb.AgentFrame) (*pb.MintResponse, error) {
 			// its rate) and are not the agent's to give.
 			code = codes.Unavailable
 		}
-		msg := body.Error.GetMessage()
-		if len(msg) > maxAgentMessage {
-			msg = msg[:maxAgentMessage] + "..."
-		}
-		return nil, errdefs.FromCode(code, "agent: "+msg)
+		return nil, errdefs.FromCode(code, "agent: "+agentMessage(body.Error.GetMessage()))
 	default:
 		return nil, fmt.Errorf("the agent answered with an unexpected frame %T", body)
 	}
 }
 
-// agentCodes are the codes an agent may answer with; maxAgentMessage bounds
-// the reason it gives.
+// agentCodes are the codes an agent may answer with.
 var agentCodes = []codes.Code{
 	codes.PermissionDenied, codes.NotFound, codes.InvalidArgument, codes.FailedPrecondition,
 	codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Internal,
 }
-
-const maxAgentMessage = 1024
 
 func newCorrelationID() string {
 	var b [12]byte

@@ -264,6 +264,15 @@ func TestMintErrors(t *testing.T) {
 			wantMsg:  "cluster fleet/a: agent: spoke ServiceAccount x/y does not allow u: permission denied",
 		},
 		{
+			name: "agent message with line breaks, escapes and a link",
+			minter: func(context.Context, *pb.MintRequest) (*pb.MintResponse, error) {
+				return nil, fmt.Errorf("no\nFAKE: log in at https://evil.example/x \x1b[31mnow: %w", errdefs.ErrPermissionDenied)
+			},
+			cluster:  clusterA,
+			wantCode: codes.PermissionDenied,
+			wantMsg:  "cluster fleet/a: agent: no FAKE: log in at [link removed] [31mnow: permission denied",
+		},
+		{
 			name: "agent answers with a code that is not its to give",
 			minter: func(context.Context, *pb.MintRequest) (*pb.MintResponse, error) {
 				return nil, fmt.Errorf("odd: %w", errdefs.ErrUnauthenticated)
