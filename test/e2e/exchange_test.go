@@ -151,8 +151,9 @@ func TestTokenLifetime(t *testing.T) {
 func TestRefusals(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
-	// A ClusterProfile whose agent never connects.
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, "no-agent", nil)
+	// A ClusterProfile whose agent never connects. It has a server: one
+	// without is refused before the agent is asked.
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, "no-agent", spoke.Access(plugin.Name, nil))
 	require.NoError(t, err)
 
 	granted := newConsumer(t, "credbroker", spoke.Name, "no-agent", "missing")
