@@ -36,8 +36,9 @@
 //
 // Policy is read from an informer's cache, so a check costs no API call and
 // a change to an annotation takes effect once the informer sees it. The
-// TokenRequest carries the cached ServiceAccount's UID, so the API server
-// refuses to mint for a ServiceAccount deleted and recreated since then.
+// TokenRequest carries the cached ServiceAccount's UID, so a spoke API
+// server of Kubernetes 1.34 or later refuses to mint for a ServiceAccount
+// deleted and recreated since then; older API servers ignore the UID.
 //
 // # Use
 //

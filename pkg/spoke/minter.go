@@ -166,7 +166,9 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	tr := &authenticationv1.TokenRequest{
 		// The UID makes the API server refuse with a Conflict if the
 		// ServiceAccount was replaced since the informer saw it, so a token is
-		// never minted for an object whose annotation was not checked.
+		// never minted for an object whose annotation was not checked. Only
+		// API servers of Kubernetes 1.34 and later enforce it; older ones
+		// ignore it.
 		ObjectMeta: metav1.ObjectMeta{UID: sa.UID},
 		Spec: authenticationv1.TokenRequestSpec{
 			Audiences:         slices.Clone(req.GetAudiences()),
