@@ -40,6 +40,7 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.IntVar(&cfg.RateBurst, "rate-burst", cfg.RateBurst, "burst of exchanges allowed per consumer")
 	fs.Float64Var(&cfg.ReviewRateLimit, "review-rate-limit", cfg.ReviewRateLimit, "TokenReviews per second of tokens not in the cache, all callers together")
 	fs.IntVar(&cfg.ReviewBurst, "review-burst", cfg.ReviewBurst, "burst of TokenReviews of tokens not in the cache")
+	fs.BoolVar(&cfg.EnableReflection, "enable-reflection", cfg.EnableReflection, "serve gRPC server reflection on the exchange port, for debugging")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err

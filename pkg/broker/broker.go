@@ -200,7 +200,9 @@ func (b *Broker) Run(ctx context.Context) error {
 		MinVersion:     tls.VersionTLS12,
 	}))
 	pb.RegisterTokenExchangeServer(exchange, b.exchange)
-	reflection.Register(exchange)
+	if b.cfg.EnableReflection {
+		reflection.Register(exchange)
+	}
 
 	agents := b.grpcServer(identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain))
 	pb.RegisterAgentTunnelServer(agents, b.tunnel)
