@@ -3,6 +3,8 @@ package main
 import (
 	"flag"
 	"fmt"
+	"math"
+	"strconv"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/client-go/tools/clientcmd"
@@ -65,13 +67,14 @@ func parseFlags(args []string) (broker.Config, error) {
 	return cfg, cfg.Validate()
 }
 
+// floatFlag parses a finite float32; the whole value must be the number.
 func floatFlag(p *float32) func(string) error {
 	return func(s string) error {
-		var f float32
-		if _, err := fmt.Sscan(s, &f); err != nil {
-			return fmt.Errorf("not a number: %q", s)
+		f, err := strconv.ParseFloat(s, 32)
+		if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
+			return fmt.Errorf("not a finite number: %q", s)
 		}
-		*p = f
+		*p = float32(f)
 		return nil
 	}
 }
