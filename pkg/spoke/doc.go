@@ -30,7 +30,9 @@
 //     request is refused; when the agent picks the ServiceAccount, it picks
 //     as above and then checks the audiences. A token for an audience that
 //     a cloud trusts for this ServiceAccount (sts.amazonaws.com for IRSA, a
-//     workload identity pool, Vault's JWT auth) is a credential there:
+//     workload identity pool, Vault's JWT auth) is a credential there.
+//
+// So a ServiceAccount whose IRSA role a consumer may assume also carries
 //
 //	credbroker.io/allowed-audiences: sts.amazonaws.com
 //
