@@ -3,6 +3,8 @@ package main
 import (
 	"flag"
 	"fmt"
+	"math"
+	"strconv"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/client-go/tools/clientcmd"
@@ -42,6 +44,7 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.IntVar(&cfg.RateBurst, "rate-burst", cfg.RateBurst, "burst of exchanges allowed per consumer")
 	fs.Float64Var(&cfg.ReviewRateLimit, "review-rate-limit", cfg.ReviewRateLimit, "TokenReviews per second of tokens not in the cache, all callers together")
 	fs.IntVar(&cfg.ReviewBurst, "review-burst", cfg.ReviewBurst, "burst of TokenReviews of tokens not in the cache")
+	fs.BoolVar(&cfg.EnableReflection, "enable-reflection", cfg.EnableReflection, "serve gRPC server reflection on the exchange port, for debugging")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
@@ -66,13 +69,14 @@ func parseFlags(args []string) (broker.Config, error) {
 	return cfg, cfg.Validate()
 }
 
+// floatFlag parses a finite float32; the whole value must be the number.
 func floatFlag(p *float32) func(string) error {
 	return func(s string) error {
-		var f float32
-		if _, err := fmt.Sscan(s, &f); err != nil {
-			return fmt.Errorf("not a number: %q", s)
+		f, err := strconv.ParseFloat(s, 32)
+		if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
+			return fmt.Errorf("not a finite number: %q", s)
 		}
-		*p = f
+		*p = float32(f)
 		return nil
 	}
 }

@@ -6,8 +6,13 @@
 // set provideClusterInfo: true; the ClusterProfile to ask for comes from
 // spec.cluster.config (see package plugin) or from --cluster.
 //
+// The token is printed only when spec.cluster.server, where client-go will
+// send it, is the server the broker reports for that ClusterProfile (see
+// package plugin).
+//
 // Exit status: 0 with an ExecCredential on stdout; 1 when no token could be
-// had; 2 for bad flags. Errors go to stderr as "[credbroker] <message>".
+// had, or it was refused for another server; 2 for bad flags. Errors go to
+// stderr as "[credbroker] <message>".
 //
 // A cluster-inventory-api provider file entry:
 //

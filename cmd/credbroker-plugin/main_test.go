@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"encoding/json"
@@ -48,13 +49,25 @@ const (
 
 var expiry = time.Date(2031, 1, 2, 3, 4, 5, 0, time.UTC)
 
+// spokeServer is the spoke API server the fake broker reports, and the one
+// execInfo names, unless a test says otherwise.
+const spokeServer = "https://spoke.example:6443"
+
 // fakeBroker checks the bearer token, records requests, denies the
-// ClusterProfile fleet/denied and answers every other one with spokeToken.
+// ClusterProfile fleet/denied and answers every other one with spokeToken
+// and the server set by setServer (default spokeServer).
 type fakeBroker struct {
 	credbrokerv1alpha1.UnimplementedTokenExchangeServer
 
 	mu       sync.Mutex
 	requests []*credbrokerv1alpha1.ExchangeRequest
+	server   string
+}
+
+func (f *fakeBroker) setServer(s string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.server = s
 }
 
 func (f *fakeBroker) Exchange(ctx context.Context, req *credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
@@ -64,11 +77,12 @@ func (f *fakeBroker) Exchange(ctx context.Context, req *credbrokerv1alpha1.Excha
 	}
 	f.mu.Lock()
 	f.requests = append(f.requests, proto.CloneOf(req))
+	server := cmp.Or(f.server, spokeServer)
 	f.mu.Unlock()
 	if req.GetCluster().GetName() == "denied" {
 		return nil, status.Error(codes.PermissionDenied, denied)
 	}
-	return &credbrokerv1alpha1.ExchangeResponse{Token: spokeToken, ExpirationTime: timestamppb.New(expiry)}, nil
+	return &credbrokerv1alpha1.ExchangeResponse{Token: spokeToken, ExpirationTime: timestamppb.New(expiry), Server: server}, nil
 }
 
 func (f *fakeBroker) received() []*credbrokerv1alpha1.ExchangeRequest {
@@ -88,8 +102,11 @@ func buildPlugin(t *testing.T) string {
 	return bin
 }
 
-func execInfo(config string) string {
-	cluster := `{"server":"https://spoke.example:6443"`
+func execInfo(config string) string { return execInfoFor(spokeServer, config) }
+
+// execInfoFor is execInfo for a cluster whose server is server.
+func execInfoFor(server, config string) string {
+	cluster := `{"server":"` + server + `"`
 	if config != "" {
 		cluster += `,"config":` + config
 	}
@@ -140,6 +157,19 @@ func TestBinary(t *testing.T) {
 			wantCode: 1, wantCluster: "fleet/denied",
 			wantStderr: "[credbroker] exchange for cluster fleet/denied: PermissionDenied: " + denied,
 		},
+		{
+			// A ClusterProfile status writer pointed an access provider at
+			// their own server, with the exec config naming fleet/prod-eu-1.
+			name: "server is not the cluster's", args: base, execInfo: execInfoFor("https://attacker.example", prod),
+			wantCode: 1, wantCluster: "fleet/prod-eu-1",
+			wantStderr: "https://attacker.example",
+		},
+		{
+			name: "server is not the --cluster's", args: withBase("--cluster", "fleet/staging"), execInfo: execInfoFor("https://attacker.example", prod),
+			wantCode: 1, wantCluster: "fleet/staging",
+			wantStderr: spokeServer,
+		},
+		{name: "server in another spelling", args: base, execInfo: execInfoFor("https://SPOKE.example:6443/", prod), wantCluster: "fleet/prod-eu-1"},
 		{name: "no cluster", args: base, execInfo: execInfo(""), wantCode: 1, wantStderr: "[credbroker] no ClusterProfile to get a token for"},
 		{name: "no exec info", args: base, wantCode: 1, wantStderr: "[credbroker] failed to read KUBERNETES_EXEC_INFO"},
 		{
@@ -171,6 +201,7 @@ func TestBinary(t *testing.T) {
 			require.Equal(t, tt.wantCode, code, "stderr: %s", stderr.String())
 			assert.NotContains(t, stderr.String(), hubToken)
 			assert.NotContains(t, stdout.String(), hubToken)
+			assert.NotContains(t, stderr.String(), spokeToken)
 
 			got := fake.received()[before:]
 			if tt.wantCluster == "" {
@@ -214,6 +245,8 @@ func TestBinary(t *testing.T) {
 			_, _ = w.Write([]byte(`{"kind":"APIVersions","versions":["v1"]}`))
 		}))
 		t.Cleanup(spoke.Close)
+		fake.setServer(spoke.URL)
+		t.Cleanup(func() { fake.setServer("") })
 
 		cp := clusterinventoryv1alpha1.ClusterProfile{
 			ObjectMeta: metav1.ObjectMeta{Namespace: "fleet", Name: "prod-eu-1"},

@@ -30,6 +30,7 @@ import (
 	inventoryinformers "sigs.k8s.io/cluster-inventory-api/client/informers/externalversions"
 
 	"github.com/credbroker/credbroker/pkg/clusterprofile"
+	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
 	"github.com/credbroker/credbroker/pkg/tunnel"
@@ -203,7 +204,9 @@ func (b *Broker) Run(ctx context.Context) error {
 		MinVersion:     tls.VersionTLS12,
 	}), keepaliveParams)
 	pb.RegisterTokenExchangeServer(exchange, b.exchange)
-	reflection.Register(exchange)
+	if b.cfg.EnableReflection {
+		reflection.Register(exchange)
+	}
 
 	// Agent connections are renewed now and then, so that each handshake
 	// is made again with the SVIDs and the bundle of the day; a stream also
@@ -319,7 +322,14 @@ func (c clusterLookup) Cluster(namespace, name string) (tokenexchange.Cluster, e
 	if err := c.profiles.CheckAgent(cp); err != nil {
 		return tokenexchange.Cluster{}, err
 	}
-	server, ca, _ := clusterprofile.Access(cp, c.provider)
+	server, ca, ok := clusterprofile.Access(cp, c.provider)
+	if !ok {
+		// Never answer an empty server: the plugin checks that the token
+		// goes to this cluster's server, and could not check against none.
+		return tokenexchange.Cluster{}, fmt.Errorf("ClusterProfile %s/%s has no server: neither its access provider %q nor any other "+
+			"in its status has a cluster.server; its cluster manager must set status.accessProviders[name=%s].cluster.server: %w",
+			namespace, name, c.provider, c.provider, errdefs.ErrFailedPrecondition)
+	}
 	return tokenexchange.Cluster{
 		Ref:    tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID},
 		Server: server,

@@ -65,6 +65,11 @@ type Config struct {
 	ReviewRateLimit float64
 	ReviewBurst     int
 
+	// EnableReflection registers gRPC server reflection on the exchange
+	// port, for debugging with grpcurl and the like. Off by default: the
+	// port faces every consumer.
+	EnableReflection bool
+
 	// Log receives operational logs; Audit receives one line per exchange.
 	Log, Audit logr.Logger
 }

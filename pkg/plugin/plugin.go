@@ -140,11 +140,29 @@ func (p *Provider) Name() string { return Name }
 // (see ParseExecConfig). A failed exchange returns an error that reads
 // "exchange for cluster <ns>/<name>: <gRPC code>: <message>"; errdefs.Code
 // reports its gRPC code and errors.Is matches the errdefs sentinel.
+//
+// The token is returned only when in.Spec.Cluster.Server, where client-go
+// will send it, is the server the broker reports for that ClusterProfile,
+// spelling aside (scheme and host case, default port, trailing slash).
+// Otherwise the error wraps errdefs.ErrPermissionDenied and names both
+// servers. Without in.Spec.Cluster.Server, GetToken asks for no token and
+// returns an error wrapping errdefs.ErrFailedPrecondition.
 func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecCredential) (clientauthenticationv1.ExecCredentialStatus, error) {
 	var none clientauthenticationv1.ExecCredentialStatus
 	cluster, err := p.cluster(&in)
 	if err != nil {
 		return none, err
+	}
+	// client-go sends the token to spec.cluster.server. Without it there
+	// is nothing to check the broker's answer against, so no token is
+	// asked for.
+	var execServer string
+	if in.Spec.Cluster != nil {
+		execServer = in.Spec.Cluster.Server
+	}
+	if execServer == "" {
+		return none, fmt.Errorf("exchange for cluster %s: ExecCredential has no spec.cluster.server to check the cluster's "+
+			"server against; set provideClusterInfo: true in the exec config: %w", cluster, errdefs.ErrFailedPrecondition)
 	}
 	hubToken, err := readToken(p.cfg.TokenFile)
 	if err != nil {
@@ -187,6 +205,9 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 	}
 	if err := exp.CheckValid(); err != nil {
 		return none, fmt.Errorf("exchange for cluster %s: broker returned an invalid expiration time: %w", cluster, err)
+	}
+	if err := sameServer(cluster, execServer, resp.GetServer()); err != nil {
+		return none, err
 	}
 	expiry := metav1.NewTime(exp.AsTime().UTC())
 	return clientauthenticationv1.ExecCredentialStatus{

@@ -39,9 +39,14 @@ func okResponse(*credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.Exchan
 // execCredential is what client-go passes with provideClusterInfo: true;
 // config is spec.cluster.config, omitted when empty.
 func execCredential(config string) clientauthenticationv1.ExecCredential {
+	return execCredentialFor("https://spoke.example:6443", config)
+}
+
+// execCredentialFor is execCredential for a cluster whose server is server.
+func execCredentialFor(server, config string) clientauthenticationv1.ExecCredential {
 	ec := clientauthenticationv1.ExecCredential{
 		Spec: clientauthenticationv1.ExecCredentialSpec{
-			Cluster: &clientauthenticationv1.Cluster{Server: "https://spoke.example:6443"},
+			Cluster: &clientauthenticationv1.Cluster{Server: server},
 		},
 	}
 	if config != "" {
@@ -100,10 +105,70 @@ func TestGetToken(t *testing.T) {
 			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "staging")},
 		},
 		{
-			name: "Config.Cluster without cluster info",
-			cfg:  func(c *plugin.Config) { c.Cluster = ref("fleet", "staging") },
-			in:   clientauthenticationv1.ExecCredential{},
-			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "staging")},
+			// Nothing to check the broker's server against: refused before
+			// any token is minted.
+			name:    "Config.Cluster without cluster info",
+			cfg:     func(c *plugin.Config) { c.Cluster = ref("fleet", "staging") },
+			in:      clientauthenticationv1.ExecCredential{},
+			wantErr: []string{"no spec.cluster.server", "provideClusterInfo: true"},
+			code:    codes.FailedPrecondition,
+		},
+		{
+			name:    "Config.Cluster with cluster info without a server",
+			cfg:     func(c *plugin.Config) { c.Cluster = ref("fleet", "staging") },
+			in:      execCredentialFor("", prodConfig),
+			wantErr: []string{"no spec.cluster.server", "provideClusterInfo: true"},
+			code:    codes.FailedPrecondition,
+		},
+		{
+			// The attack: a ClusterProfile status writer points some
+			// profile's access provider at a server of theirs, with the
+			// exec config naming fleet/prod-eu-1.
+			name:    "exec info server is not the cluster's",
+			in:      execCredentialFor("https://attacker.example", prodConfig),
+			want:    &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+			wantErr: []string{"fleet/prod-eu-1", "https://attacker.example", "https://spoke.example:6443"},
+			code:    codes.PermissionDenied,
+			is:      errdefs.ErrPermissionDenied,
+		},
+		{
+			name:    "exec info server differs only in port",
+			in:      execCredentialFor("https://spoke.example:443", prodConfig),
+			want:    &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+			wantErr: []string{"https://spoke.example:443", "https://spoke.example:6443"},
+			code:    codes.PermissionDenied,
+		},
+		{
+			name:    "exec info server differs only in path",
+			in:      execCredentialFor("https://spoke.example:6443/proxy", prodConfig),
+			want:    &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+			wantErr: []string{"https://spoke.example:6443/proxy", "https://spoke.example:6443"},
+			code:    codes.PermissionDenied,
+		},
+		{
+			name:    "Config.Cluster names another cluster than the exec info server",
+			cfg:     func(c *plugin.Config) { c.Cluster = ref("fleet", "staging") },
+			in:      execCredentialFor("https://attacker.example", prodConfig),
+			want:    &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "staging")},
+			wantErr: []string{"fleet/staging", "https://attacker.example", "https://spoke.example:6443"},
+			code:    codes.PermissionDenied,
+		},
+		{
+			name: "exec info server in another spelling of the cluster's",
+			in:   execCredentialFor("HTTPS://Spoke.Example:6443/", prodConfig),
+			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+		},
+		{
+			name: "broker returns no server",
+			respond: func(req *credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
+				resp, _ := okResponse(req)
+				resp.Server = ""
+				return resp, nil
+			},
+			in:      execCredential(prodConfig),
+			want:    &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+			wantErr: []string{"fleet/prod-eu-1", "no server"},
+			code:    codes.PermissionDenied,
 		},
 		{
 			name:    "no cluster info",

@@ -24,13 +24,23 @@
 //   - The lifetime is the request's, clamped to [MinExpiration,
 //     MaxExpiration]; zero asks for MaxExpiration. The spoke API server may
 //     shorten it further, and the response reports what it granted.
-//   - Audiences pass through; none means the spoke API server's default
-//     audiences.
+//   - Audiences: a request that names none gets the spoke API server's
+//     default audiences. Any other audience must be listed, exactly, in the
+//     ServiceAccount's AllowedAudiencesAnnotation (comma-separated), or the
+//     request is refused; when the agent picks the ServiceAccount, it picks
+//     as above and then checks the audiences. A token for an audience that
+//     a cloud trusts for this ServiceAccount (sts.amazonaws.com for IRSA, a
+//     workload identity pool, Vault's JWT auth) is a credential there.
+//
+// So a ServiceAccount whose IRSA role a consumer may assume also carries
+//
+//	credbroker.io/allowed-audiences: sts.amazonaws.com
 //
 // Policy is read from an informer's cache, so a check costs no API call and
 // a change to an annotation takes effect once the informer sees it. The
-// TokenRequest carries the cached ServiceAccount's UID, so the API server
-// refuses to mint for a ServiceAccount deleted and recreated since then.
+// TokenRequest carries the cached ServiceAccount's UID, so a spoke API
+// server of Kubernetes 1.34 or later refuses to mint for a ServiceAccount
+// deleted and recreated since then; older API servers ignore the UID.
 //
 // # Use
 //

@@ -30,6 +30,14 @@ import (
 // ServiceAccount without it allows nobody.
 const AllowedSubjectsAnnotation = "credbroker.io/allowed-subjects"
 
+// AllowedAudiencesAnnotation, on a spoke ServiceAccount, lists the token
+// audiences a hub subject may ask for, separated by commas, such as
+// "sts.amazonaws.com" or "https://vault.example". A ServiceAccount without
+// it allows only the spoke API server's default audiences, that is a
+// request that names none: a token for an audience that a cloud or Vault
+// trusts for this ServiceAccount is a credential there.
+const AllowedAudiencesAnnotation = "credbroker.io/allowed-audiences"
+
 const (
 	// DefaultMinExpiration is the default and the smallest MinExpiration: the
 	// shortest lifetime the TokenRequest API accepts.
@@ -132,10 +140,12 @@ func New(cfg Config) (*Minter, error) {
 // Mint mints a token for the ServiceAccount that req names, or, when it
 // names none, for the single ServiceAccount that allows req's subject. The
 // ServiceAccount must list the subject's username in its
-// AllowedSubjectsAnnotation. Errors wrap a sentinel from package errdefs:
+// AllowedSubjectsAnnotation, and every audience req asks for in its
+// AllowedAudiencesAnnotation. Errors wrap a sentinel from package errdefs:
 // ErrInvalidArgument for a malformed request, ErrNotFound for a missing
 // ServiceAccount, ErrPermissionDenied when no ServiceAccount allows the
-// subject, ErrFailedPrecondition when several do and req names none, and
+// subject or the ServiceAccount does not allow an audience,
+// ErrFailedPrecondition when several allow the subject and req names none, and
 // ErrUnavailable when the spoke API server fails or refuses the agent.
 func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
 	if err := validate(req); err != nil {
@@ -144,6 +154,9 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	}
 	user := req.GetSubject().GetUsername()
 	sa, err := m.pick(user, req.GetServiceAccount())
+	if err == nil {
+		err = allowAudiences(sa, req.GetAudiences())
+	}
 	if err != nil {
 		m.log.Info("refused mint request", "subject", user, "error", err.Error())
 		return nil, err
@@ -153,7 +166,9 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	tr := &authenticationv1.TokenRequest{
 		// The UID makes the API server refuse with a Conflict if the
 		// ServiceAccount was replaced since the informer saw it, so a token is
-		// never minted for an object whose annotation was not checked.
+		// never minted for an object whose annotation was not checked. Only
+		// API servers of Kubernetes 1.34 and later enforce it; older ones
+		// ignore it.
 		ObjectMeta: metav1.ObjectMeta{UID: sa.UID},
 		Spec: authenticationv1.TokenRequestSpec{
 			Audiences:         slices.Clone(req.GetAudiences()),
@@ -205,6 +220,40 @@ func AllowedSubjects(sa *corev1.ServiceAccount) []string {
 
 func allows(sa *corev1.ServiceAccount, user string) bool {
 	return slices.Contains(AllowedSubjects(sa), user)
+}
+
+// AllowedAudiences returns the audiences that sa's
+// AllowedAudiencesAnnotation lists, trimmed of spaces, without empty
+// entries, in the annotation's order. It returns nil for a nil sa or one
+// without the annotation.
+func AllowedAudiences(sa *corev1.ServiceAccount) []string {
+	if sa == nil {
+		return nil
+	}
+	var audiences []string
+	for a := range strings.SplitSeq(sa.Annotations[AllowedAudiencesAnnotation], ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			audiences = append(audiences, a)
+		}
+	}
+	return audiences
+}
+
+// allowAudiences returns an error wrapping ErrPermissionDenied unless sa's
+// AllowedAudiencesAnnotation lists every one of audiences. No audiences,
+// the spoke API server's default, is always allowed.
+func allowAudiences(sa *corev1.ServiceAccount, audiences []string) error {
+	if len(audiences) == 0 {
+		return nil
+	}
+	allowed := AllowedAudiences(sa)
+	for _, a := range audiences {
+		if !slices.Contains(allowed, a) {
+			return fmt.Errorf("spoke ServiceAccount %s/%s does not allow audience %q; a spoke admin must add it to its %s annotation: %w",
+				sa.Namespace, sa.Name, a, AllowedAudiencesAnnotation, errdefs.ErrPermissionDenied)
+		}
+	}
+	return nil
 }
 
 // validate returns an error wrapping ErrInvalidArgument that lists every

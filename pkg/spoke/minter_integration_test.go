@@ -95,9 +95,19 @@ func tokenReview(t *testing.T, cs kubernetes.Interface, tok string, audiences ..
 
 func createServiceAccount(t *testing.T, cs kubernetes.Interface, name, allowed string) *corev1.ServiceAccount {
 	t.Helper()
-	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name}}
+	return createServiceAccountWithAudiences(t, cs, name, allowed, "")
+}
+
+// createServiceAccountWithAudiences is createServiceAccount that also sets
+// AllowedAudiencesAnnotation, unless audiences is empty.
+func createServiceAccountWithAudiences(t *testing.T, cs kubernetes.Interface, name, allowed, audiences string) *corev1.ServiceAccount {
+	t.Helper()
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: name, Annotations: map[string]string{}}}
 	if allowed != "" {
-		sa.Annotations = map[string]string{AllowedSubjectsAnnotation: allowed}
+		sa.Annotations[AllowedSubjectsAnnotation] = allowed
+	}
+	if audiences != "" {
+		sa.Annotations[AllowedAudiencesAnnotation] = audiences
 	}
 	sa, err := cs.CoreV1().ServiceAccounts(testNamespace).Create(t.Context(), sa, metav1.CreateOptions{})
 	require.NoError(t, err)
@@ -110,8 +120,10 @@ func TestMinterIntegration(t *testing.T) {
 
 	_, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	createServiceAccount(t, cs, "deployer", argocd)
+	createServiceAccountWithAudiences(t, cs, "deployer", argocd, "credbroker-test, vault")
 	createServiceAccount(t, cs, "closed", "")
+	createServiceAccount(t, cs, "cloud-trusted", flux)
+	createServiceAccountWithAudiences(t, cs, "irsa", flux, "sts.amazonaws.com")
 
 	// The agent's view of the spoke: a real informer, as in the agent.
 	factory := informers.NewSharedInformerFactory(cs, 0)
@@ -216,6 +228,39 @@ func TestMinterIntegration(t *testing.T) {
 		assert.ErrorIs(t, err, errdefs.ErrPermissionDenied)
 	})
 
+	t.Run("an audience the ServiceAccount does not list is refused", func(t *testing.T) {
+		for _, name := range []string{"cloud-trusted", "deployer"} {
+			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+				Subject:        subject(flux),
+				ServiceAccount: ref(testNamespace, name),
+				Audiences:      []string{"sts.amazonaws.com"},
+			})
+			if name == "deployer" {
+				// Not allowed for flux at all: the subject check comes first.
+				require.ErrorContains(t, err, AllowedSubjectsAnnotation)
+			} else {
+				require.EqualError(t, err, `spoke ServiceAccount spoke-apps/cloud-trusted does not allow audience "sts.amazonaws.com"; `+
+					`a spoke admin must add it to its credbroker.io/allowed-audiences annotation: permission denied`)
+			}
+			assert.ErrorIs(t, err, errdefs.ErrPermissionDenied)
+			assert.Nil(t, resp)
+		}
+	})
+
+	t.Run("a listed audience is minted, and TokenReview accepts it for that audience only", func(t *testing.T) {
+		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+			Subject:        subject(flux),
+			ServiceAccount: ref(testNamespace, "irsa"),
+			Audiences:      []string{"sts.amazonaws.com"},
+		})
+		require.NoError(t, err)
+		assert.Equal(t, audience{"sts.amazonaws.com"}, decodeClaims(t, resp.GetToken()).Aud)
+		st := tokenReview(t, cs, resp.GetToken(), "sts.amazonaws.com")
+		require.True(t, st.Authenticated, "TokenReview error: %s", st.Error)
+		assert.Equal(t, "system:serviceaccount:"+testNamespace+":irsa", st.User.Username)
+		assert.False(t, tokenReview(t, cs, resp.GetToken()).Authenticated, "the token must not pass for the API server's own audiences")
+	})
+
 	t.Run("informer sees an annotation being added and removed", func(t *testing.T) {
 		createServiceAccount(t, cs, "late", "")
 		req := &credbrokerv1alpha1.MintRequest{Subject: subject(flux), ServiceAccount: ref(testNamespace, "late")}
@@ -260,6 +305,8 @@ func TestMinterIntegration(t *testing.T) {
 		assert.ErrorIs(t, err, errdefs.ErrUnavailable)
 	})
 
+	// The UID pin needs a 1.34 or later API server; the test binaries are
+	// newer.
 	t.Run("stale cache: the API server refuses a replaced or deleted ServiceAccount", func(t *testing.T) {
 		old := createServiceAccount(t, cs, "replaced", argocd)
 		require.NoError(t, cs.CoreV1().ServiceAccounts(testNamespace).Delete(t.Context(), "replaced", metav1.DeleteOptions{}))

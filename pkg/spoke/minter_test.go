@@ -406,7 +406,7 @@ func TestMintExpirationAndAudiences(t *testing.T) {
 		{name: "custom bounds, zero", min: 20 * time.Minute, max: 24 * time.Hour, requested: 0, wantSeconds: 86400},
 		{name: "custom bounds, low", min: 20 * time.Minute, max: 24 * time.Hour, requested: 700, wantSeconds: 1200},
 		{
-			name:          "audiences pass through in order",
+			name:          "allowed audiences pass through in order",
 			requested:     900,
 			audiences:     []string{"vault", "https://kubernetes.default.svc", "vault"},
 			wantSeconds:   900,
@@ -418,7 +418,7 @@ func TestMintExpirationAndAudiences(t *testing.T) {
 			tokens := &fakeTokens{}
 			m, err := New(Config{
 				Tokens:          tokens,
-				ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd)),
+				ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault,https://kubernetes.default.svc")),
 				MinExpiration:   tt.min,
 				MaxExpiration:   tt.max,
 			})
@@ -537,7 +537,7 @@ func TestMintLogsWithoutToken(t *testing.T) {
 	tokens := &fakeTokens{}
 	m, err := New(Config{
 		Tokens:          tokens,
-		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd)),
+		ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault")),
 		Log:             log,
 	})
 	require.NoError(t, err)

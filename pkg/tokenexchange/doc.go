@@ -10,7 +10,8 @@
 //  2. authorize it with a hub SubjectAccessReview for create on
 //     multicluster.x-k8s.io clusterprofiles/token, for the named
 //     ClusterProfile (allowed and denied decisions cached separately);
-//  3. look up the ClusterProfile;
+//  3. look up the ClusterProfile, which must name the spoke's server (the
+//     consumer's plugin hands the token to no other);
 //  4. reuse a minted token for the same cluster incarnation, consumer, spoke
 //     ServiceAccount and audiences while at least half its lifetime remains,
 //     with one mint for concurrent misses;

@@ -27,13 +27,17 @@ type Cluster struct {
 	// Ref names the ClusterProfile incarnation; its UID is part of the token
 	// cache key.
 	Ref tunnel.ClusterRef
-	// Server and CAData tell the consumer how to reach the spoke.
+	// Server and CAData tell the consumer how to reach the spoke. Server
+	// is required: the consumer's plugin hands the token only to it, and
+	// Exchange refuses a Cluster without one (FailedPrecondition) before
+	// minting.
 	Server string
 	CAData []byte
 }
 
 // Clusters looks up ClusterProfiles. Errors wrap errdefs.ErrNotFound when
-// the profile is absent or being deleted.
+// the profile is absent or being deleted, and errdefs.ErrFailedPrecondition
+// when it names no server.
 type Clusters interface {
 	Cluster(namespace, name string) (Cluster, error)
 }
@@ -192,6 +196,11 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 	cluster, err := s.cfg.Clusters.Cluster(r.cluster.Namespace, r.cluster.Name)
 	if err != nil {
 		return nil, err
+	}
+	if cluster.Server == "" {
+		// The consumer checks that the token goes to this server; with
+		// none it could not, so nothing is minted.
+		return nil, fmt.Errorf("ClusterProfile %s has no server to return with a token: %w", r.cluster, errdefs.ErrFailedPrecondition)
 	}
 
 	mintReq := &pb.MintRequest{

@@ -291,7 +291,14 @@ func (d *demo) createConsumer(ctx context.Context) error {
 // 5. The spoke decides what the consumer gets: a ServiceAccount that opts
 // in, with the spoke's own RBAC.
 func (d *demo) createSpokeAccount(ctx context.Context) error {
-	annotations := map[string]string{spoke.AllowedSubjectsAnnotation: consumerUser()}
+	// The consumer may name the spoke API server's own audience (its
+	// issuer), which the timings below ask for; without the audiences
+	// annotation it could get only a token for the default audiences,
+	// requested by naming none.
+	annotations := map[string]string{
+		spoke.AllowedSubjectsAnnotation:  consumerUser(),
+		spoke.AllowedAudiencesAnnotation: d.spoke.Issuer,
+	}
 	sa, err := d.spoke.CreateServiceAccount(ctx, spokeNamespace, spokeAccount, annotations)
 	if err != nil {
 		return err
@@ -306,6 +313,7 @@ func (d *demo) createSpokeAccount(ctx context.Context) error {
 	}
 	d.say("ServiceAccount %s/%s", spokeNamespace, spokeAccount)
 	d.say("  annotation %s=%s", spoke.AllowedSubjectsAnnotation, consumerUser())
+	d.say("  annotation %s=%s", spoke.AllowedAudiencesAnnotation, d.spoke.Issuer)
 	for _, rule := range rules {
 		d.say("  ClusterRole and ClusterRoleBinding: %s", describeRule(rule))
 	}

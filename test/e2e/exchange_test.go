@@ -151,8 +151,9 @@ func TestTokenLifetime(t *testing.T) {
 func TestRefusals(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
-	// A ClusterProfile whose agent never connects.
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, "no-agent", nil)
+	// A ClusterProfile whose agent never connects. It has a server: one
+	// without is refused before the agent is asked.
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, "no-agent", spoke.Access(plugin.Name, nil))
 	require.NoError(t, err)
 
 	granted := newConsumer(t, "credbroker", spoke.Name, "no-agent", "missing")
@@ -229,13 +230,14 @@ func TestRefusals(t *testing.T) {
 	}
 }
 
-// Requirement 5: the minted token's audience is exactly what was asked for,
-// or the spoke's default; never the broker's; and the hub refuses it.
+// Requirement 5: the minted token's audience is exactly what was asked for
+// (and the spoke ServiceAccount allows), or the spoke's default; never the
+// broker's; and the hub refuses it.
 func TestAudiences(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
 	c := newConsumer(t, "credbroker", spoke.Name)
-	optIn(t, spoke, "aud-sa", c.username())
+	optInAudiences(t, spoke, "aud-sa", []string{"https://vault.example", "argocd"}, c.username())
 
 	tests := []struct {
 		name      string
@@ -269,7 +271,7 @@ func TestAudiences(t *testing.T) {
 func TestCachedExchange(t *testing.T) {
 	spoke := env.Spokes[1]
 	c := newConsumer(t, "credbroker", spoke.Name)
-	optIn(t, spoke, "cached-sa", c.username())
+	optInAudiences(t, spoke, "cached-sa", []string{"cache-test"}, c.username())
 	req := &pb.ExchangeRequest{Cluster: clusterRef(spoke), Audiences: []string{"cache-test"}}
 	first, err := exchange(t, c, req)
 	require.NoError(t, err)

@@ -115,7 +115,7 @@ func TestHubStoresNoSpokeToken(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
 	c := newConsumer(t, "credbroker", spoke.Name)
-	optIn(t, spoke, "stored-sa", c.username())
+	optInAudiences(t, spoke, "stored-sa", []string{"a", "b", "c"}, c.username())
 	for _, aud := range []string{"a", "b", "c"} {
 		_, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(spoke), Audiences: []string{aud}})
 		require.NoError(t, err)

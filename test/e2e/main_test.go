@@ -155,6 +155,21 @@ func optIn(t testing.TB, spoke *framework.Cluster, name string, allowed ...strin
 	return ns
 }
 
+// optInAudiences is optIn for a ServiceAccount that also lists audiences in
+// its credbroker.io/allowed-audiences annotation.
+func optInAudiences(t testing.TB, spoke *framework.Cluster, name string, audiences []string, allowed ...string) string {
+	t.Helper()
+	ns := uniqueName(t, "spoke")
+	ann := map[string]string{"credbroker.io/allowed-audiences": strings.Join(audiences, ",")}
+	if len(allowed) > 0 {
+		ann["credbroker.io/allowed-subjects"] = strings.Join(allowed, ",")
+	}
+	sa, err := spoke.CreateServiceAccount(context.Background(), ns, name, ann)
+	require.NoError(t, err)
+	require.NoError(t, deployment.WaitForServiceAccount(context.Background(), spoke, sa))
+	return ns
+}
+
 var nameSeq struct {
 	sync.Mutex
 	n int

@@ -1,0 +1,84 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// kubeconfig writes a minimal kubeconfig for the hub and returns its path.
+func kubeconfig(t *testing.T) string {
+	t.Helper()
+	name := filepath.Join(t.TempDir(), "kubeconfig")
+	require.NoError(t, os.WriteFile(name, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: hub, cluster: {server: "https://hub.example:6443"}}]
+users: [{name: broker, user: {token: not-a-real-token}}]
+contexts: [{name: hub, context: {cluster: hub, user: broker}}]
+current-context: hub
+`), 0o600))
+	return name
+}
+
+// requiredFlags are the flags parseFlags cannot do without. The files need
+// not exist: parseFlags does not read them.
+func requiredFlags(t *testing.T) []string {
+	t.Helper()
+	return []string{
+		"--tls-cert-file", "/tls/tls.crt", "--tls-key-file", "/tls/tls.key",
+		"--svid-cert-file", "/svid/cert.pem", "--svid-key-file", "/svid/key.pem", "--trust-bundle-file", "/svid/bundle.pem",
+		"--trust-domain", "fleet.example", "--kubeconfig", kubeconfig(t),
+	}
+}
+
+func TestParseFlagsNumbers(t *testing.T) {
+	required := requiredFlags(t)
+	tests := []struct {
+		name    string
+		args    []string
+		wantQPS float32
+		wantErr string
+	}{
+		{name: "default", wantQPS: 200},
+		{name: "integer", args: []string{"--hub-qps", "250"}, wantQPS: 250},
+		{name: "fraction", args: []string{"--hub-qps=12.5"}, wantQPS: 12.5},
+		{name: "exponent", args: []string{"--hub-qps=1e3"}, wantQPS: 1000},
+		{name: "trailing garbage", args: []string{"--hub-qps=200abc"}, wantErr: `invalid value "200abc" for flag -hub-qps`},
+		{name: "trailing space", args: []string{"--hub-qps=200 "}, wantErr: `invalid value "200 " for flag -hub-qps`},
+		{name: "two numbers", args: []string{"--hub-qps=200 300"}, wantErr: `invalid value "200 300" for flag -hub-qps`},
+		{name: "empty", args: []string{"--hub-qps="}, wantErr: `invalid value "" for flag -hub-qps`},
+		{name: "not a number", args: []string{"--hub-qps=fast"}, wantErr: `invalid value "fast" for flag -hub-qps`},
+		{name: "NaN", args: []string{"--hub-qps=NaN"}, wantErr: `invalid value "NaN" for flag -hub-qps`},
+		{name: "infinite", args: []string{"--hub-qps=Inf"}, wantErr: `invalid value "Inf" for flag -hub-qps`},
+		{name: "beyond float32", args: []string{"--hub-qps=1e39"}, wantErr: `invalid value "1e39" for flag -hub-qps`},
+		{name: "zero", args: []string{"--hub-qps=0"}, wantErr: "hub QPS and burst must be positive"},
+		{name: "negative", args: []string{"--hub-qps=-1"}, wantErr: "hub QPS and burst must be positive"},
+		{name: "integer flag with trailing garbage", args: []string{"--hub-burst=400x"}, wantErr: `invalid value "400x" for flag -hub-burst`},
+		{name: "float64 flag with trailing garbage", args: []string{"--rate-limit=20/s"}, wantErr: `invalid value "20/s" for flag -rate-limit`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(append([]string(nil), required...), tt.args...))
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.wantQPS, cfg.HubQPS)
+		})
+	}
+}
+
+func TestParseFlagsReflection(t *testing.T) {
+	required := requiredFlags(t)
+	cfg, err := parseFlags(required)
+	require.NoError(t, err)
+	assert.False(t, cfg.EnableReflection, "reflection is off by default")
+
+	cfg, err = parseFlags(append(required, "--enable-reflection"))
+	require.NoError(t, err)
+	assert.True(t, cfg.EnableReflection)
+}

@@ -1,0 +1,130 @@
+package plugin
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"net/url"
+	"strconv"
+	"strings"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+)
+
+// canonicalServer returns the canonical form of an API server URL, so that
+// two spellings of one server compare equal: the scheme (http or https) and
+// the host in lower case, an IP address in its canonical form without
+// brackets, the port always present (https 443, http 80 when absent), and
+// the path without trailing slashes ("" for none or "/"). The path is
+// otherwise kept as it is, case and escapes included, since a path can lead
+// to another cluster behind one proxy. A URL with a user, a query or a
+// fragment is refused, and so is an IPv6 zone: an API server URL has none of
+// them, and none is compared.
+//
+// The result is "<scheme>://<host>:<port><path>", with an IPv6 host in
+// brackets. Errors quote no user information.
+func canonicalServer(raw string) (string, error) {
+	if raw == "" {
+		return "", errors.New("the URL is empty")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", errors.New("it is not a URL")
+	}
+	scheme := strings.ToLower(u.Scheme)
+	var defaultPort string
+	switch scheme {
+	case "https":
+		defaultPort = "443"
+	case "http":
+		defaultPort = "80"
+	default:
+		return "", errors.New("it is not an http or https URL")
+	}
+	if u.Opaque != "" {
+		return "", errors.New("it is not an http or https URL")
+	}
+	if u.User != nil {
+		return "", errors.New("it has user information")
+	}
+	if u.RawQuery != "" || u.ForceQuery {
+		return "", errors.New("it has a query")
+	}
+	if u.Fragment != "" || strings.Contains(raw, "#") {
+		return "", errors.New("it has a fragment")
+	}
+
+	host, port := u.Hostname(), u.Port()
+	if host == "" {
+		return "", errors.New("it has no host")
+	}
+	if strings.HasSuffix(u.Host, ":") {
+		return "", errors.New("it has an empty port")
+	}
+	if port == "" {
+		port = defaultPort
+	}
+	n, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || n == 0 {
+		return "", errors.New("it has an invalid port")
+	}
+	// url.Parse has checked that a bracketed host is an IPv6 address.
+	if addr, err := netip.ParseAddr(host); err == nil {
+		if addr.Zone() != "" {
+			return "", errors.New("it has an IPv6 zone")
+		}
+		host = addr.String()
+	} else if strings.IndexFunc(host, notHostRune) >= 0 {
+		return "", errors.New("its host is neither an IP address nor a DNS name in ASCII")
+	} else {
+		host = strings.ToLower(host)
+	}
+
+	path := strings.TrimRight(u.EscapedPath(), "/")
+	return scheme + "://" + net.JoinHostPort(host, strconv.FormatUint(n, 10)) + path, nil
+}
+
+// notHostRune reports whether r cannot appear in a DNS name.
+func notHostRune(r rune) bool {
+	return !('a' <= r && r <= 'z' || 'A' <= r && r <= 'Z' || '0' <= r && r <= '9' || r == '-' || r == '.' || r == '_')
+}
+
+// displayServer is raw as an error message may show it: without user
+// information, which may hold a password.
+func displayServer(raw string) string {
+	if u, err := url.Parse(raw); err == nil && u.User != nil {
+		return u.Redacted()
+	}
+	if strings.Contains(raw, "@") {
+		return "(a URL with user information)"
+	}
+	return raw
+}
+
+// sameServer reports whether the ExecCredential's server, where client-go
+// will send the token, is the ClusterProfile's server that the broker
+// answered, returning an error that names both otherwise.
+func sameServer(cluster Reference, execServer, brokerServer string) error {
+	if brokerServer == "" {
+		return fmt.Errorf("exchange for cluster %s: the broker returned no server for it, so the token's destination "+
+			"%s cannot be checked; refusing the token: %w", cluster, displayServer(execServer), errdefs.ErrPermissionDenied)
+	}
+	want, err := canonicalServer(brokerServer)
+	if err != nil {
+		return fmt.Errorf("exchange for cluster %s: its server %q, from the broker, is unusable: %v; refusing the token: %w",
+			cluster, displayServer(brokerServer), err, errdefs.ErrPermissionDenied)
+	}
+	got, err := canonicalServer(execServer)
+	if err != nil {
+		return fmt.Errorf("exchange for cluster %s: the exec info's server %q is unusable: %v; refusing the token: %w",
+			cluster, displayServer(execServer), err, errdefs.ErrPermissionDenied)
+	}
+	if got != want {
+		return fmt.Errorf("exchange for cluster %s: refusing to hand its token to %s (ExecCredential spec.cluster.server): "+
+			"the cluster's server is %s; the access provider that runs this plugin names ClusterProfile %s "+
+			"in its exec config but points at another server: %w",
+			cluster, displayServer(execServer), displayServer(brokerServer), cluster, errdefs.ErrPermissionDenied)
+	}
+	return nil
+}
