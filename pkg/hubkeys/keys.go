@@ -143,6 +143,16 @@ func (k *Keys) Run(ctx context.Context) error {
 	}
 }
 
+// Load fetches the key set now, whenever the last fetch was, and returns
+// why it failed, if it did. Use it to fail fast at start-up on a key set
+// that is known to be at hand, such as a file.
+func (k *Keys) Load(ctx context.Context) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.lastFetch = k.cfg.Clock.Now()
+	return k.fetch(ctx)
+}
+
 // Loaded reports whether a key set has been loaded.
 func (k *Keys) Loaded() bool { return k.set.Load() != nil }
 
@@ -247,7 +257,7 @@ func (k *Keys) refresh(ctx context.Context) *keySet {
 			return nil, nil
 		}
 		k.lastFetch = now
-		k.fetch(context.WithoutCancel(ctx))
+		_ = k.fetch(context.WithoutCancel(ctx)) // logged; the current set stays
 		return nil, nil
 	})
 	select {
@@ -257,9 +267,9 @@ func (k *Keys) refresh(ctx context.Context) *keySet {
 	return k.set.Load()
 }
 
-// fetch loads the key set once; a failure keeps the current set. Callers
-// hold k.mu.
-func (k *Keys) fetch(ctx context.Context) {
+// fetch loads the key set once; a failure keeps the current set, and is
+// logged and returned. Callers hold k.mu.
+func (k *Keys) fetch(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, k.cfg.FetchTimeout)
 	defer cancel()
 	doc, err := k.cfg.Fetcher.Fetch(ctx)
@@ -267,7 +277,7 @@ func (k *Keys) fetch(ctx context.Context) {
 		if cur := k.set.Load(); cur != nil && cur.digest == sha256.Sum256(doc) {
 			k.lastErr = ""
 			fetches.WithLabelValues("unchanged").Inc()
-			return
+			return nil
 		}
 	}
 	var set *keySet
@@ -280,7 +290,7 @@ func (k *Keys) fetch(ctx context.Context) {
 			k.lastErr = msg
 			k.cfg.Log.Error(err, "cannot fetch the hub issuer's keys, keeping the loaded ones", "loaded", k.set.Load() != nil)
 		}
-		return
+		return err
 	}
 	k.lastErr = ""
 	k.set.Store(set)
@@ -290,6 +300,7 @@ func (k *Keys) fetch(ctx context.Context) {
 		kids = append(kids, key.KeyID)
 	}
 	k.cfg.Log.Info("loaded the hub issuer's keys", "kids", kids)
+	return nil
 }
 
 // parse reads a JWKS document and keeps its RSA and EC public keys for
