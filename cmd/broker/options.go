@@ -45,6 +45,11 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.Float64Var(&cfg.ReviewRateLimit, "review-rate-limit", cfg.ReviewRateLimit, "TokenReviews per second of tokens not in the cache, all callers together")
 	fs.IntVar(&cfg.ReviewBurst, "review-burst", cfg.ReviewBurst, "burst of TokenReviews of tokens not in the cache")
 	fs.BoolVar(&cfg.EnableReflection, "enable-reflection", cfg.EnableReflection, "serve gRPC server reflection on the exchange port, for debugging")
+	fs.Float64Var(&cfg.PeerReviewRateLimit, "peer-review-rate-limit", cfg.PeerReviewRateLimit, "TokenReviews per second of tokens not in the cache, per caller IP address")
+	fs.IntVar(&cfg.PeerReviewBurst, "peer-review-burst", cfg.PeerReviewBurst, "burst of TokenReviews of tokens not in the cache, per caller IP address")
+	fs.StringVar(&cfg.IssuerJWKSFile, "issuer-jwks-file", "", "JWKS (JSON) file of the hub service-account issuer's public keys, reloaded on change; empty means the hub's /openid/v1/jwks")
+	fs.DurationVar(&cfg.IssuerKeysRefresh, "issuer-keys-refresh", cfg.IssuerKeysRefresh, "how often the hub issuer's public keys are fetched from the hub")
+	fs.DurationVar(&cfg.IssuerKeysMinRefresh, "issuer-keys-min-refresh", cfg.IssuerKeysMinRefresh, "least time between two fetches of the hub issuer's keys, which a token naming an unknown key also triggers")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err

@@ -31,6 +31,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/clusterprofile"
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/hubkeys"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
 	"github.com/credbroker/credbroker/pkg/tunnel"
@@ -49,6 +50,7 @@ type Broker struct {
 	informers inventoryinformers.SharedInformerFactory
 	profiles  *clusterprofile.Index
 	tunnel    *tunnel.Server
+	keys      *hubkeys.Keys
 	exchange  *tokenexchange.Service
 	health    *health.Server
 	registry  *prometheus.Registry
@@ -110,9 +112,14 @@ func New(cfg Config) (b *Broker, err error) {
 	// A new bundle may have dropped the CA of a connected agent.
 	b.svid.OnChange(b.tunnel.Reverify)
 
+	if b.keys, err = newIssuerKeys(cfg, hubClient); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+
 	if b.exchange, err = tokenexchange.New(tokenexchange.Config{
 		TokenReviews:    hubClient.AuthenticationV1().TokenReviews(),
 		AccessReviews:   hubClient.AuthorizationV1().SubjectAccessReviews(),
+		Verifier:        b.keys,
 		Clusters:        clusterLookup{profiles: b.profiles, provider: cfg.AccessProviderName},
 		Minter:          b.tunnel,
 		Audience:        cfg.Audience,
@@ -126,6 +133,9 @@ func New(cfg Config) (b *Broker, err error) {
 		ReviewBurst:     cfg.ReviewBurst,
 		Log:             cfg.Log.WithName("exchange"),
 		Audit:           cfg.Audit,
+
+		PeerReviewRateLimit: rate.Limit(cfg.PeerReviewRateLimit),
+		PeerReviewBurst:     cfg.PeerReviewBurst,
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
@@ -136,6 +146,7 @@ func New(cfg Config) (b *Broker, err error) {
 	b.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	b.registry.MustRegister(tunnel.Collectors()...)
 	b.registry.MustRegister(tokenexchange.Collectors()...)
+	b.registry.MustRegister(hubkeys.Collectors()...)
 
 	if b.exchangeLis, err = net.Listen("tcp", cfg.ExchangeAddress); err != nil {
 		return nil, fmt.Errorf("broker: exchange listener: %w", err)
@@ -183,6 +194,7 @@ func (b *Broker) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return b.svid.Run(ctx) })
 	g.Go(func() error { return b.keyPair.Run(ctx) })
+	g.Go(func() error { return b.keys.Run(ctx) })
 
 	b.informers.Start(ctx.Done())
 	defer b.informers.Shutdown()
@@ -267,6 +279,10 @@ func (b *Broker) serveMetrics(ctx context.Context) error {
 			http.Error(w, "ClusterProfile informer not synced", http.StatusServiceUnavailable)
 			return
 		}
+		if !b.keys.Loaded() {
+			http.Error(w, "the hub issuer's keys are not loaded", http.StatusServiceUnavailable)
+			return
+		}
 		_, _ = w.Write([]byte("ok"))
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
@@ -295,6 +311,36 @@ func stopGracefully(s *grpc.Server, grace time.Duration) {
 	case <-time.After(grace):
 		s.Stop()
 	}
+}
+
+// newIssuerKeys returns the hub issuer's key set, from cfg.IssuerJWKSFile,
+// which must load now and is read again every FileCheckInterval, or else
+// from the hub's /openid/v1/jwks, fetched first by Run or the first
+// exchange.
+func newIssuerKeys(cfg Config, hub kubernetes.Interface) (*hubkeys.Keys, error) {
+	kc := hubkeys.Config{
+		Fetcher:            hubkeys.FromHub(hub.CoreV1().RESTClient()),
+		Audience:           cfg.Audience,
+		RefreshInterval:    cfg.IssuerKeysRefresh,
+		MinRefreshInterval: cfg.IssuerKeysMinRefresh,
+		Log:                cfg.Log.WithName("hubkeys"),
+	}
+	if cfg.IssuerJWKSFile == "" {
+		return hubkeys.New(kc)
+	}
+	kc.Fetcher = hubkeys.FromFile(cfg.IssuerJWKSFile)
+	if cfg.FileCheckInterval > 0 {
+		kc.RefreshInterval = cfg.FileCheckInterval
+	}
+	kc.MinRefreshInterval = min(kc.MinRefreshInterval, kc.RefreshInterval)
+	keys, err := hubkeys.New(kc)
+	if err != nil {
+		return nil, err
+	}
+	if err := keys.Load(context.Background()); err != nil {
+		return nil, fmt.Errorf("issuer keys in %s: %w", cfg.IssuerJWKSFile, err)
+	}
+	return keys, nil
 }
 
 // agentResolver admits agents through the ClusterProfile index.

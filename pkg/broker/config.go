@@ -64,6 +64,19 @@ type Config struct {
 	// all callers together.
 	ReviewRateLimit float64
 	ReviewBurst     int
+	// PeerReviewRateLimit and PeerReviewBurst limit TokenReviews of new
+	// tokens from one peer address (IP).
+	PeerReviewRateLimit float64
+	PeerReviewBurst     int
+	// IssuerJWKSFile, when set, is a JSON Web Key Set file of the hub's
+	// service-account issuer, read every FileCheckInterval, instead of the
+	// hub's /openid/v1/jwks. Tokens are verified against these keys before
+	// any TokenReview.
+	IssuerJWKSFile string
+	// IssuerKeysRefresh is how often the issuer's keys are fetched from the
+	// hub; IssuerKeysMinRefresh is the least time between two fetches, which
+	// a token naming an unknown key id also triggers.
+	IssuerKeysRefresh, IssuerKeysMinRefresh time.Duration
 
 	// EnableReflection registers gRPC server reflection on the exchange
 	// port, for debugging with grpcurl and the like. Off by default: the
@@ -100,6 +113,10 @@ func Default() Config {
 		RateBurst:                  40,
 		ReviewRateLimit:            100,
 		ReviewBurst:                200,
+		PeerReviewRateLimit:        10,
+		PeerReviewBurst:            20,
+		IssuerKeysRefresh:          5 * time.Minute,
+		IssuerKeysMinRefresh:       15 * time.Second,
 	}
 }
 
@@ -127,5 +144,8 @@ func (c *Config) Validate() error {
 	need(c.DenyTTL <= c.AllowTTL, "denials must not be cached longer than approvals (%s > %s)", c.DenyTTL, c.AllowTTL)
 	need(c.RateLimit > 0 && c.RateBurst > 0, "the rate limit and burst must be positive")
 	need(c.ReviewRateLimit > 0 && c.ReviewBurst > 0, "the review rate limit and burst must be positive")
+	need(c.PeerReviewRateLimit > 0 && c.PeerReviewBurst > 0, "the per-peer review rate limit and burst must be positive")
+	need(c.IssuerKeysMinRefresh > 0 && c.IssuerKeysMinRefresh <= c.IssuerKeysRefresh,
+		"the issuer keys' minimum refresh interval must be positive and at most their refresh interval (%s, %s)", c.IssuerKeysMinRefresh, c.IssuerKeysRefresh)
 	return errors.Join(errs...)
 }

@@ -31,6 +31,10 @@ func TestValidate(t *testing.T) {
 		{name: "denials cached longer", mutate: func(c *Config) { c.DenyTTL = time.Minute },
 			want: "denials must not be cached longer than approvals (1m0s > 10s)"},
 		{name: "client-go default QPS", mutate: func(c *Config) { c.HubQPS = 0 }, want: "hub QPS and burst must be positive"},
+		{name: "no per-peer review limit", mutate: func(c *Config) { c.PeerReviewBurst = 0 },
+			want: "the per-peer review rate limit and burst must be positive"},
+		{name: "issuer keys refreshed faster than allowed", mutate: func(c *Config) { c.IssuerKeysRefresh = time.Second },
+			want: "the issuer keys' minimum refresh interval must be positive and at most their refresh interval (15s, 1s)"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -6,11 +6,14 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 	"time"
 
+	"golang.org/x/time/rate"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -53,6 +56,8 @@ func bearerToken(ctx context.Context) (string, error) {
 // authenticate checks bearer with a hub TokenReview for the broker's
 // audience. Results are cached under an HMAC of the token: successes for
 // AuthnTTL but never past the token's exp claim, failures for DenyTTL.
+// Before its review, a token not in the cache must pass the Verifier and
+// the review limits of its peer address and of the broker.
 func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, error) {
 	mac := hmac.New(sha256.New, s.cfg.HMACKey)
 	mac.Write([]byte(bearer))
@@ -72,7 +77,24 @@ func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, er
 }
 
 func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, time.Time, error) {
+	// Forged, expired and wrong-audience tokens end here, costing no hub
+	// call and no review budget. Their refusal is not cached: checking
+	// again is cheaper than the cache entry.
+	if err := s.cfg.Verifier.Verify(ctx, bearer); err != nil {
+		return authnResult{}, time.Time{}, err
+	}
 	now := s.cfg.Clock.Now()
+	addr := peerAddress(ctx)
+	lim, _, err := s.peerReviews.Do(ctx, addr, func(context.Context) (*rate.Limiter, time.Time, error) {
+		return rate.NewLimiter(s.cfg.PeerReviewRateLimit, s.cfg.PeerReviewBurst), now.Add(time.Hour), nil
+	})
+	if err != nil {
+		return authnResult{}, time.Time{}, err
+	}
+	if !lim.AllowN(now, 1) {
+		return authnResult{}, time.Time{}, fmt.Errorf("your address sent more than %v new tokens per second for review; retry shortly: %w",
+			s.cfg.PeerReviewRateLimit, errdefs.ErrResourceExhausted)
+	}
 	if !s.reviews.AllowN(now, 1) {
 		return authnResult{}, time.Time{}, fmt.Errorf("the broker is reviewing more than %v new tokens per second; retry shortly: %w",
 			s.cfg.ReviewRateLimit, errdefs.ErrResourceExhausted)
@@ -107,4 +129,21 @@ func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, 
 		Groups:   st.User.Groups,
 		Extra:    st.User.Extra,
 	}}, until, nil
+}
+
+// peerAddress returns the IP address of the caller, without its port, or
+// "unknown" when the transport did not say.
+func peerAddress(ctx context.Context) string {
+	p, ok := peer.FromContext(ctx)
+	if !ok || p.Addr == nil {
+		return "unknown"
+	}
+	if tcp, ok := p.Addr.(*net.TCPAddr); ok {
+		return tcp.IP.String()
+	}
+	addr := p.Addr.String()
+	if host, _, err := net.SplitHostPort(addr); err == nil {
+		return host
+	}
+	return addr
 }

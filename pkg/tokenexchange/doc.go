@@ -6,7 +6,10 @@
 //
 //  1. authenticate the caller's bearer token with a hub TokenReview for the
 //     broker's audience (cached by an HMAC of the token, never past the
-//     token's own expiry);
+//     token's own expiry). A token not in the cache must first pass the
+//     Verifier (its signature against the hub issuer's keys, its expiry
+//     and audience; forged tokens cost no hub call), then a limit on the
+//     reviews that its peer address triggers, then the broker-wide one;
 //  2. authorize it with a hub SubjectAccessReview for create on
 //     multicluster.x-k8s.io clusterprofiles/token, for the named
 //     ClusterProfile (allowed and denied decisions cached separately);
@@ -33,6 +36,7 @@
 //	svc, err := tokenexchange.New(tokenexchange.Config{
 //		TokenReviews: hub.AuthenticationV1().TokenReviews(),
 //		AccessReviews: hub.AuthorizationV1().SubjectAccessReviews(),
+//		Verifier: hubKeys, // a *hubkeys.Keys
 //		Clusters: clusters, Minter: tunnelServer,
 //	})
 //	credbrokerv1alpha1.RegisterTokenExchangeServer(grpcServer, svc)

@@ -47,11 +47,23 @@ type Minter interface {
 	Mint(ctx context.Context, cluster tunnel.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error)
 }
 
+// Verifier checks a bearer token locally, without a hub call: its
+// signature against the hub issuer's keys, its expiry and its audience. It
+// returns an error wrapping errdefs.ErrUnauthenticated for a token that
+// fails, or another errdefs sentinel (such as ErrUnavailable) when it
+// cannot tell. The broker passes a *hubkeys.Keys.
+type Verifier interface {
+	Verify(ctx context.Context, token string) error
+}
+
 // Config configures the service. Durations left zero take their defaults.
 type Config struct {
 	// TokenReviews and AccessReviews are the hub's review APIs; required.
 	TokenReviews  authenticationv1client.TokenReviewInterface
 	AccessReviews authorizationv1client.SubjectAccessReviewInterface
+	// Verifier checks every token not in the authentication cache before
+	// its TokenReview, so that forged tokens cost no hub call; required.
+	Verifier Verifier
 	// Clusters and Minter are required.
 	Clusters Clusters
 	Minter   Minter
@@ -72,6 +84,13 @@ type Config struct {
 	// forged tokens cannot crowd out the hub. Defaults 100/s and 200.
 	ReviewRateLimit rate.Limit
 	ReviewBurst     int
+	// PeerReviewRateLimit and PeerReviewBurst bound the TokenReviews that
+	// the calls from one peer address (IP, port ignored) trigger, so that
+	// one pod cannot spend the budget above alone. Tokens served from the
+	// authentication cache and tokens the Verifier refuses do not count.
+	// Defaults 10/s and 20.
+	PeerReviewRateLimit rate.Limit
+	PeerReviewBurst     int
 	// ReviewTimeout bounds each TokenReview and SubjectAccessReview on the
 	// hub. Default 5s.
 	ReviewTimeout time.Duration
@@ -100,14 +119,16 @@ type Service struct {
 	tokens   *store.Cache[minted]
 	limiters *store.Cache[*rate.Limiter]
 	reviews  *rate.Limiter
+	// peerReviews holds a TokenReview limiter per peer address.
+	peerReviews *store.Cache[*rate.Limiter]
 }
 
 var _ pb.TokenExchangeServer = (*Service)(nil)
 
 // New validates cfg, applies defaults and returns a Service.
 func New(cfg Config) (*Service, error) {
-	if cfg.TokenReviews == nil || cfg.AccessReviews == nil || cfg.Clusters == nil || cfg.Minter == nil {
-		return nil, errors.New("tokenexchange: TokenReviews, AccessReviews, Clusters and Minter are required")
+	if cfg.TokenReviews == nil || cfg.AccessReviews == nil || cfg.Verifier == nil || cfg.Clusters == nil || cfg.Minter == nil {
+		return nil, errors.New("tokenexchange: TokenReviews, AccessReviews, Verifier, Clusters and Minter are required")
 	}
 	setDefault(&cfg.Audience, "credbroker")
 	setDefault(&cfg.MaxExpiration, time.Hour)
@@ -118,6 +139,8 @@ func New(cfg Config) (*Service, error) {
 	setDefault(&cfg.ReviewTimeout, 5*time.Second)
 	setDefault(&cfg.ReviewRateLimit, 100)
 	setDefault(&cfg.ReviewBurst, 200)
+	setDefault(&cfg.PeerReviewRateLimit, 10)
+	setDefault(&cfg.PeerReviewBurst, 20)
 	setDefault(&cfg.CacheSize, 10000)
 	setDefault(&cfg.RateLimit, 20)
 	setDefault(&cfg.RateBurst, 40)
@@ -149,6 +172,9 @@ func New(cfg Config) (*Service, error) {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
 	if s.limiters, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
+		return nil, fmt.Errorf("tokenexchange: %w", err)
+	}
+	if s.peerReviews, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
 	return s, nil

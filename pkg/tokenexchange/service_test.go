@@ -37,8 +37,19 @@ func jwt(claims string) string {
 	return enc([]byte(`{"alg":"RS256"}`)) + "." + enc([]byte(claims)) + "." + enc([]byte("sig"))
 }
 
-// The fake hub accepts the tokens whose payload starts with consumerClaim.
-var consumerClaim = base64.RawURLEncoding.EncodeToString([]byte(`{"sub":"consumer",`))[:20]
+// isConsumerToken tells the fake hub which tokens to accept: those whose
+// sub claim is "consumer".
+func isConsumerToken(tok string) bool {
+	parts := strings.Split(tok, ".")
+	if len(parts) != 3 {
+		return false
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
+	var claims struct {
+		Sub string `json:"sub"`
+	}
+	return err == nil && json.Unmarshal(raw, &claims) == nil && claims.Sub == "consumer"
+}
 
 // consumerToken expires an hour after t0.
 var consumerToken = consumerTokenExpiring(t0.Add(time.Hour))
@@ -65,7 +76,7 @@ func (f *fakeReviews) Create(ctx context.Context, tr *authenticationv1.TokenRevi
 		return nil, errors.New("connection refused")
 	}
 	out := tr.DeepCopy()
-	if !strings.Contains(tr.Spec.Token, consumerClaim) || len(tr.Spec.Audiences) != 1 || tr.Spec.Audiences[0] != "credbroker" {
+	if !isConsumerToken(tr.Spec.Token) || len(tr.Spec.Audiences) != 1 || tr.Spec.Audiences[0] != "credbroker" {
 		out.Status = authenticationv1.TokenReviewStatus{Error: "invalid bearer token"}
 		return out, nil
 	}
@@ -168,6 +179,8 @@ type fixture struct {
 	minter  *fakeMinter
 	cluster *fakeClusters
 	audit   *strings.Builder
+	// verifier accepts every token unless told otherwise.
+	verifier *fakeVerifier
 }
 
 func newFixture(t *testing.T, mutate ...func(*Config)) *fixture {
@@ -175,9 +188,11 @@ func newFixture(t *testing.T, mutate ...func(*Config)) *fixture {
 	f := &fixture{clock: clocktesting.NewFakeClock(t0), reviews: &fakeReviews{}, cluster: &fakeClusters{uid: "uid-1"}, audit: &strings.Builder{}}
 	f.minter = &fakeMinter{clock: f.clock}
 	var mu sync.Mutex
+	f.verifier = &fakeVerifier{}
 	cfg := Config{
 		TokenReviews:  f.reviews,
 		AccessReviews: fakeAccessReviews{f.reviews},
+		Verifier:      f.verifier,
 		Clusters:      f.cluster,
 		Minter:        f.minter,
 		Clock:         f.clock,
@@ -501,9 +516,11 @@ func TestNewTokensAreReviewedAtABoundedRate(t *testing.T) {
 
 func TestNewValidates(t *testing.T) {
 	_, err := New(Config{})
-	assert.EqualError(t, err, "tokenexchange: TokenReviews, AccessReviews, Clusters and Minter are required")
+	assert.EqualError(t, err, "tokenexchange: TokenReviews, AccessReviews, Verifier, Clusters and Minter are required")
 	f := &fakeReviews{}
-	_, err = New(Config{TokenReviews: f, AccessReviews: fakeAccessReviews{f}, Clusters: &fakeClusters{}, Minter: &fakeMinter{},
+	_, err = New(Config{TokenReviews: f, AccessReviews: fakeAccessReviews{f}, Clusters: &fakeClusters{}, Minter: &fakeMinter{}})
+	assert.EqualError(t, err, "tokenexchange: TokenReviews, AccessReviews, Verifier, Clusters and Minter are required", "without a Verifier")
+	_, err = New(Config{TokenReviews: f, AccessReviews: fakeAccessReviews{f}, Verifier: &fakeVerifier{}, Clusters: &fakeClusters{}, Minter: &fakeMinter{},
 		MaxExpiration: 5 * time.Minute})
 	assert.EqualError(t, err, "tokenexchange: want 10m <= MinExpiration (10m0s) <= MaxExpiration (5m0s)")
 }

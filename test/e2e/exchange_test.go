@@ -179,7 +179,7 @@ func TestRefusals(t *testing.T) {
 			consumer: newConsumer(t, "", spoke.Name),
 			req:      &pb.ExchangeRequest{Cluster: clusterRef(spoke)},
 			wantCode: codes.Unauthenticated,
-			wantMsg:  `the hub rejected the token for audience "credbroker"`,
+			wantMsg:  `the token is not for audience "credbroker"`,
 		},
 		{
 			name:     "spoke ServiceAccount not opted in",

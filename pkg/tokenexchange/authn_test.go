@@ -1,0 +1,257 @@
+package tokenexchange
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-jose/go-jose/v4"
+	josejwt "github.com/go-jose/go-jose/v4/jwt"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/hubkeys"
+)
+
+// fakeVerifier accepts every token, unless refuse says otherwise.
+type fakeVerifier struct {
+	calls  atomic.Int32
+	refuse func(token string) error
+}
+
+func (v *fakeVerifier) Verify(_ context.Context, token string) error {
+	v.calls.Add(1)
+	if v.refuse != nil {
+		return v.refuse(token)
+	}
+	return nil
+}
+
+// fakeJWKS serves a fixed JWKS document.
+type fakeJWKS struct {
+	doc   []byte
+	calls atomic.Int32
+}
+
+func (f *fakeJWKS) Fetch(context.Context) ([]byte, error) {
+	f.calls.Add(1)
+	return f.doc, nil
+}
+
+// issuer is the hub's service-account issuer in these tests, and other a
+// key the hub does not know.
+var testIssuer = sync.OnceValue(func() (k struct{ issuer, other *rsa.PrivateKey }) {
+	var err error
+	if k.issuer, err = rsa.GenerateKey(rand.Reader, 2048); err != nil {
+		panic(err)
+	}
+	if k.other, err = rsa.GenerateKey(rand.Reader, 2048); err != nil {
+		panic(err)
+	}
+	return k
+})
+
+func signToken(t *testing.T, alg jose.SignatureAlgorithm, key any, kid string, claims josejwt.Claims) string {
+	t.Helper()
+	signer, err := jose.NewSigner(jose.SigningKey{Algorithm: alg, Key: jose.JSONWebKey{Key: key, KeyID: kid}}, nil)
+	require.NoError(t, err)
+	tok, err := josejwt.Signed(signer).Claims(claims).Serialize()
+	require.NoError(t, err)
+	return tok
+}
+
+// consumerClaims are the claims of the consumer's token, as the hub issues
+// it; mutate changes them.
+func consumerClaims(mutate ...func(*josejwt.Claims)) josejwt.Claims {
+	c := josejwt.Claims{
+		Subject:   "consumer",
+		Audience:  josejwt.Audience{"credbroker"},
+		Expiry:    josejwt.NewNumericDate(t0.Add(time.Hour)),
+		NotBefore: josejwt.NewNumericDate(t0),
+		IssuedAt:  josejwt.NewNumericDate(t0),
+	}
+	for _, m := range mutate {
+		m(&c)
+	}
+	return c
+}
+
+// withIssuerKeys makes the fixture verify tokens with hubkeys against the
+// test issuer's key, "hub-key".
+func withIssuerKeys(t *testing.T, f *fixture) *fakeJWKS {
+	t.Helper()
+	doc, err := json.Marshal(jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &testIssuer().issuer.PublicKey, KeyID: "hub-key", Use: "sig", Algorithm: "RS256"}}})
+	require.NoError(t, err)
+	fetcher := &fakeJWKS{doc: doc}
+	keys, err := hubkeys.New(hubkeys.Config{Fetcher: fetcher, Audience: "credbroker", Clock: f.clock})
+	require.NoError(t, err)
+	f.svc.cfg.Verifier = keys
+	return fetcher
+}
+
+// Attack: tokens that the hub's issuer did not sign, or that are expired,
+// not yet valid or for another audience, each cost a hub TokenReview.
+// Defence: they are refused locally, before any hub call.
+func TestForgedTokensCostNoTokenReview(t *testing.T) {
+	k := testIssuer()
+	enc := base64.RawURLEncoding.EncodeToString
+	pubPEM := func() []byte {
+		der, err := x509.MarshalPKIXPublicKey(&k.issuer.PublicKey)
+		require.NoError(t, err)
+		return pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: der})
+	}()
+	claimsJSON, err := json.Marshal(consumerClaims())
+	require.NoError(t, err)
+
+	tests := []struct {
+		name        string
+		token       string
+		wantCode    codes.Code
+		wantMsg     string
+		wantReviews int32
+	}{
+		{name: "signed by the hub", token: signToken(t, jose.RS256, k.issuer, "hub-key", consumerClaims()), wantCode: codes.OK, wantReviews: 1},
+		{
+			name: "bad signature", token: signToken(t, jose.RS256, k.other, "hub-key", consumerClaims()),
+			wantCode: codes.Unauthenticated, wantMsg: "the token's signature does not verify with the hub issuer's keys: unauthenticated",
+		},
+		{
+			name: "unknown kid", token: signToken(t, jose.RS256, k.other, "attacker-key", consumerClaims()),
+			wantCode: codes.Unauthenticated, wantMsg: "the token names a signing key that the hub issuer does not publish: unauthenticated",
+		},
+		{
+			name: "expired", token: signToken(t, jose.RS256, k.issuer, "hub-key", consumerClaims(func(c *josejwt.Claims) { c.Expiry = josejwt.NewNumericDate(t0.Add(-time.Hour)) })),
+			wantCode: codes.Unauthenticated, wantMsg: "the token has expired: unauthenticated",
+		},
+		{
+			name: "nbf in the future", token: signToken(t, jose.RS256, k.issuer, "hub-key", consumerClaims(func(c *josejwt.Claims) { c.NotBefore = josejwt.NewNumericDate(t0.Add(time.Hour)) })),
+			wantCode: codes.Unauthenticated, wantMsg: "the token is not valid yet (nbf or iat in the future); check the clocks: unauthenticated",
+		},
+		{
+			name: "wrong audience", token: signToken(t, jose.RS256, k.issuer, "hub-key", consumerClaims(func(c *josejwt.Claims) { c.Audience = josejwt.Audience{"https://kubernetes.default.svc"} })),
+			wantCode: codes.Unauthenticated, wantMsg: `the token is not for audience "credbroker"; request a token with that audience: unauthenticated`,
+		},
+		{
+			name: "alg none", token: enc([]byte(`{"alg":"none","kid":"hub-key"}`)) + "." + enc(claimsJSON) + ".",
+			wantCode: codes.Unauthenticated, wantMsg: "the token is not signed with an asymmetric algorithm",
+		},
+		{
+			name: "HS256 with the hub's public key as the secret", token: signToken(t, jose.HS256, pubPEM, "hub-key", consumerClaims()),
+			wantCode: codes.Unauthenticated, wantMsg: "the token is not signed with an asymmetric algorithm",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFixture(t)
+			withIssuerKeys(t, f)
+			_, err := f.svc.Exchange(withBearer(tt.token), fleetA())
+			st := status.Convert(err)
+			assert.Equal(t, tt.wantCode, st.Code(), st.Message())
+			assert.Contains(t, st.Message(), tt.wantMsg)
+			assert.Equal(t, tt.wantReviews, f.reviews.tokenReviews.Load(), "hub TokenReviews")
+			assert.NotContains(t, st.Message(), tt.token)
+			assert.NotContains(t, f.audit.String(), tt.token)
+		})
+	}
+}
+
+func TestForgedTokensSpendNoReviewBudget(t *testing.T) {
+	f := newFixture(t, func(c *Config) {
+		c.ReviewRateLimit, c.ReviewBurst = 1, 1
+		c.PeerReviewRateLimit, c.PeerReviewBurst = 1, 1
+	})
+	withIssuerKeys(t, f)
+	k := testIssuer()
+	ctx := fromPeer(withBearer, "10.0.0.1:1000")
+	for i := range 100 {
+		forged := signToken(t, jose.RS256, k.other, "hub-key", consumerClaims(func(c *josejwt.Claims) { c.ID = fmt.Sprint(i) }))
+		_, err := f.svc.Exchange(ctx(forged), fleetA())
+		require.Equal(t, codes.Unauthenticated, status.Code(err))
+	}
+	_, err := f.svc.Exchange(ctx(signToken(t, jose.RS256, k.issuer, "hub-key", consumerClaims())), fleetA())
+	require.NoError(t, err, "a real token from the same address is still reviewed")
+	assert.Equal(t, int32(1), f.reviews.tokenReviews.Load())
+}
+
+func TestUnloadedKeysAreUnavailable(t *testing.T) {
+	f := newFixture(t)
+	f.verifier.refuse = func(string) error {
+		return fmt.Errorf("the broker has not yet loaded the hub issuer's signing keys; retry shortly: %w", errdefs.ErrUnavailable)
+	}
+	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+	assert.Equal(t, codes.Unavailable, status.Code(err))
+	assert.Equal(t, int32(0), f.reviews.tokenReviews.Load())
+}
+
+// fromPeer returns a function that makes an incoming context for token,
+// from the peer at addr.
+func fromPeer(bearer func(string) context.Context, addr string) func(token string) context.Context {
+	tcp, err := net.ResolveTCPAddr("tcp", addr)
+	if err != nil {
+		panic(err)
+	}
+	return func(token string) context.Context {
+		return peer.NewContext(bearer(token), &peer.Peer{Addr: tcp})
+	}
+}
+
+// Attack: one pod sends many tokens that pass local verification (real but
+// revoked tokens, say) to spend the broker's shared review budget.
+// Defence: TokenReviews per peer address are limited too.
+func TestTokenReviewsArePerPeerLimited(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.PeerReviewRateLimit, c.PeerReviewBurst = 1, 2 })
+	attacker := fromPeer(withBearer, "10.0.0.1:1000")
+	sameHostOtherPort := fromPeer(withBearer, "10.0.0.1:2000")
+	neighbour := fromPeer(withBearer, "10.0.0.2:1000")
+	revoked := func(i int) string { return jwt(fmt.Sprintf(`{"sub":"revoked-%d"}`, i)) }
+
+	// A real token, reviewed and cached before the flood.
+	_, err := f.svc.Exchange(attacker(consumerToken), fleetA())
+	require.NoError(t, err)
+
+	_, err = f.svc.Exchange(attacker(revoked(1)), fleetA())
+	require.Equal(t, codes.Unauthenticated, status.Code(err))
+	for _, ctx := range []context.Context{attacker(revoked(2)), sameHostOtherPort(revoked(3))} {
+		_, err = f.svc.Exchange(ctx, fleetA())
+		st := status.Convert(err)
+		require.Equal(t, codes.ResourceExhausted, st.Code(), st.Message())
+		assert.Equal(t, "your address sent more than 1 new tokens per second for review; retry shortly: resource exhausted", st.Message())
+	}
+	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load())
+
+	// Cached tokens do not count, and other addresses have budgets of their own.
+	_, err = f.svc.Exchange(attacker(consumerToken), fleetA())
+	require.NoError(t, err, "a cached token is served whatever its address's review budget")
+	_, err = f.svc.Exchange(neighbour(consumerTokenExpiring(t0.Add(2*time.Hour))), fleetA())
+	require.NoError(t, err, "another address has its own budget")
+	assert.Equal(t, int32(3), f.reviews.tokenReviews.Load())
+
+	// Tokens refused locally do not count either.
+	f.verifier.refuse = func(string) error { return fmt.Errorf("forged: %w", errdefs.ErrUnauthenticated) }
+	f.clock.Step(time.Second)
+	for i := range 10 {
+		_, err = f.svc.Exchange(neighbour(revoked(100+i)), fleetA())
+		require.Equal(t, codes.Unauthenticated, status.Code(err))
+	}
+	f.verifier.refuse = nil
+	_, err = f.svc.Exchange(neighbour(consumerTokenExpiring(t0.Add(3*time.Hour))), fleetA())
+	require.NoError(t, err)
+
+	// The budget refills.
+	_, err = f.svc.Exchange(attacker(revoked(4)), fleetA())
+	assert.Equal(t, codes.Unauthenticated, status.Code(err), "the hub's answer, after a second")
+}
