@@ -61,14 +61,14 @@ const serviceAccountPrefix = "system:serviceaccount:"
 //     named, and sub is system:serviceaccount:<namespace>:<name> of it;
 //   - aud equals the requested audiences as a set, or, when none were
 //     requested (the spoke's defaults), holds 1 to maxAudiences printable
-//     audiences;
+//     audiences, none of them brokerAudience (which no request may ask for);
 //   - exp lies in (now, now + maxExp + MaxClockSkew];
 //   - expiration_time is exp: the same second, or the second before, since
 //     kube-apiserver reads its clock for the status just before it signs the
 //     token.
 //
 // Errors are *answerError and never contain the token.
-func checkAnswer(resp *pb.MintResponse, r request, now time.Time, maxExp time.Duration) (minted, error) {
+func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now time.Time, maxExp time.Duration) (minted, error) {
 	c, err := token.ParseClaims(resp.GetToken())
 	if err != nil {
 		return minted{}, failed("claims", "%v", err)
@@ -97,6 +97,9 @@ func checkAnswer(resp *pb.MintResponse, r request, now time.Time, maxExp time.Du
 		for _, a := range c.Audiences {
 			if a == "" || len(a) > maxAudienceLength || strings.ContainsFunc(a, isControl) {
 				return minted{}, failed("aud", "aud %q is not 1 to %d printable characters", clip(a), maxAudienceLength)
+			}
+			if a == brokerAudience {
+				return minted{}, failed("aud", "aud holds %q, the broker's own audience", a)
 			}
 		}
 	}

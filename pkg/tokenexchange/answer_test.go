@@ -38,6 +38,10 @@ func TestCheckAnswer(t *testing.T) {
 		{name: "agent picked the ServiceAccount", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp), req: request{audiences: []string{"a", "b"}}},
 		{name: "audiences in another order, repeated", resp: answer(spokeToken(sub, []string{"b", "a", "b"}, exp, "j"), exp), req: named},
 		{name: "spoke's default audiences", resp: answer(spokeToken(sub, []string{"https://kubernetes.default.svc", "k3s"}, exp, "j"), exp)},
+		{
+			name: "the broker's own audience among the defaults", resp: answer(spokeToken(sub, []string{"https://kubernetes.default.svc", "credbroker"}, exp, "j"), exp),
+			wantCheck: "aud", wantErr: `aud: aud holds "credbroker", the broker's own audience`,
+		},
 		{name: "aud as one string", resp: answer(jwt(`{"sub":"`+sub+`","aud":"a","exp":`+unix(exp)+`}`), exp), req: request{audiences: []string{"a"}}},
 		{name: "exp at the latest allowed", resp: answer(spokeToken(sub, []string{"a", "b"}, t0.Add(time.Hour+MaxClockSkew), "j"), t0.Add(time.Hour+MaxClockSkew)), req: named},
 		{name: "expiration_time a second before exp", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-time.Second)), req: named},
@@ -154,7 +158,7 @@ func TestCheckAnswer(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := checkAnswer(tt.resp, tt.req, t0, time.Hour)
+			got, err := checkAnswer(tt.resp, tt.req, "credbroker", t0, time.Hour)
 			if tt.wantErr != "" {
 				require.EqualError(t, err, tt.wantErr)
 				assert.Equal(t, tt.wantCheck, checkOf(err))
@@ -246,7 +250,7 @@ func FuzzCheckAnswer(f *testing.F) {
 		}
 		resp := &pb.MintResponse{Token: tok, ExpirationTime: &timestamppb.Timestamp{Seconds: expirationTime},
 			ServiceAccount: &pb.ObjectReference{Namespace: "spoke", Name: "reader"}}
-		got, err := checkAnswer(resp, r, t0, time.Hour)
+		got, err := checkAnswer(resp, r, "credbroker", t0, time.Hour)
 		if err != nil {
 			if len(tok) > 3 && strings.Contains(err.Error(), tok) {
 				t.Fatalf("error %q repeats the token", err)

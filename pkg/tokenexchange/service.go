@@ -243,7 +243,7 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 		}
 		// The agent may be compromised: nothing it says is cached, audited or
 		// answered before the token's own claims agree with the request.
-		m, err := checkAnswer(resp, r, s.cfg.Clock.Now(), s.cfg.MaxExpiration)
+		m, err := checkAnswer(resp, r, s.cfg.Audience, s.cfg.Clock.Now(), s.cfg.MaxExpiration)
 		if err != nil {
 			s.cfg.Log.Error(err, "agent answer failed the broker's checks", "cluster", cluster.Ref.String(), "check", checkOf(err))
 			return minted{}, time.Time{}, fmt.Errorf("the agent of cluster %s answered with a token that failed the broker's checks: %w",

@@ -428,15 +428,18 @@ func waitErr(ctx context.Context) error {
 	return ctx.Err()
 }
 
+// answerOf reads an agent's answer. An answer that is not a well-formed
+// token is the agent's failure, so the consumer sees Unavailable, as for
+// any answer that fails the exchange's checks.
 func answerOf(f *pb.AgentFrame) (*pb.MintResponse, error) {
 	switch body := f.GetBody().(type) {
 	case *pb.AgentFrame_MintResponse:
 		r := body.MintResponse
 		if r.GetToken() == "" || r.GetExpirationTime() == nil {
-			return nil, errors.New("the agent answered without a token or an expiry")
+			return nil, fmt.Errorf("the agent answered without a token or an expiry: %w", errdefs.ErrUnavailable)
 		}
 		if err := token.CheckShape(r.GetToken()); err != nil {
-			return nil, fmt.Errorf("the agent answered with a malformed token: %w", err)
+			return nil, fmt.Errorf("the agent answered with a malformed token: %w: %w", err, errdefs.ErrUnavailable)
 		}
 		return r, nil
 	case *pb.AgentFrame_Error:
@@ -448,7 +451,7 @@ func answerOf(f *pb.AgentFrame) (*pb.MintResponse, error) {
 		}
 		return nil, errdefs.FromCode(code, "agent: "+agentMessage(body.Error.GetMessage()))
 	default:
-		return nil, fmt.Errorf("the agent answered with an unexpected frame %T", body)
+		return nil, fmt.Errorf("the agent answered with an unexpected frame %T: %w", body, errdefs.ErrUnavailable)
 	}
 }
 

@@ -306,8 +306,17 @@ func TestMintErrors(t *testing.T) {
 				return &pb.MintResponse{Token: "not a jwt", ExpirationTime: timestamppb.Now()}, nil
 			},
 			cluster:  clusterA,
-			wantCode: codes.Internal,
-			wantMsg:  "cluster fleet/a: the agent answered with a malformed token: bearer token is not a JWT: 1 segments, want 3",
+			wantCode: codes.Unavailable,
+			wantMsg:  "cluster fleet/a: the agent answered with a malformed token: bearer token is not a JWT: 1 segments, want 3: unavailable",
+		},
+		{
+			name: "agent answers without a token",
+			minter: func(context.Context, *pb.MintRequest) (*pb.MintResponse, error) {
+				return &pb.MintResponse{ExpirationTime: timestamppb.Now()}, nil
+			},
+			cluster:  clusterA,
+			wantCode: codes.Unavailable,
+			wantMsg:  "cluster fleet/a: the agent answered without a token or an expiry: unavailable",
 		},
 	}
 	for _, tt := range tests {
