@@ -27,7 +27,7 @@ func TestAgentStreamEndsWithItsSVID(t *testing.T) {
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)
-	optIn(t, spoke, "expiring-sa", c.username())
+	optInAudiences(t, spoke, "expiring-sa", []string{"before-expiry", "after-expiry"}, c.username())
 
 	issued := time.Now()
 	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{ID: framework.AgentID(name), SVIDTTL: ttl})

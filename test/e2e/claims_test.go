@@ -78,7 +78,7 @@ func seen(t *testing.T, c consumer, ns, name string) {
 func TestClusterProfileCannotClaimAnotherAgent(t *testing.T) {
 	spoke := env.Spokes[0]
 	c := newConsumer(t, "credbroker", spoke.Name)
-	optIn(t, spoke, "claimed-sa", c.username())
+	optInAudiences(t, spoke, "claimed-sa", []string{"seen", "after-claim"}, c.username())
 
 	claimant(t, spoke, "other", "evil", framework.AgentID(spoke.Name))
 	require.NoError(t, env.Hub.GrantClusterProfileToken(context.Background(), "other", "evil", c.namespace, c.name))
@@ -111,7 +111,7 @@ func TestClusterProfileCannotInheritATerminatingAgent(t *testing.T) {
 	defer stop()
 
 	c := newConsumer(t, "credbroker", "victim")
-	optIn(t, spoke, "victim-sa", c.username())
+	optInAudiences(t, spoke, "victim-sa", []string{"seen"}, c.username())
 	_, err = exchange(t, c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: "victim"}})
 	require.NoError(t, err, "the victim serves before the attack")
 
