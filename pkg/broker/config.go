@@ -3,6 +3,7 @@ package broker
 import (
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -134,7 +135,9 @@ func (c *Config) Validate() error {
 	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(c.Hub != nil, "a hub client config is required")
-	need(c.HubQPS > 0 && c.HubBurst > 0, "hub QPS and burst must be positive")
+	// A rate of +Inf would switch its limiter off; NaN fails > 0.
+	finite := func(f float64) bool { return f > 0 && !math.IsInf(f, 1) }
+	need(finite(float64(c.HubQPS)) && c.HubBurst > 0, "hub QPS and burst must be positive and finite")
 	need(c.Audience != "", "the audience is required")
 	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
@@ -142,9 +145,9 @@ func (c *Config) Validate() error {
 	need(c.AgentMaxConnectionAgeGrace >= c.MintTimeout, "the agent connection age grace (%s) must be at least the mint timeout (%s), so that mints in flight finish",
 		c.AgentMaxConnectionAgeGrace, c.MintTimeout)
 	need(c.DenyTTL <= c.AllowTTL, "denials must not be cached longer than approvals (%s > %s)", c.DenyTTL, c.AllowTTL)
-	need(c.RateLimit > 0 && c.RateBurst > 0, "the rate limit and burst must be positive")
-	need(c.ReviewRateLimit > 0 && c.ReviewBurst > 0, "the review rate limit and burst must be positive")
-	need(c.PeerReviewRateLimit > 0 && c.PeerReviewBurst > 0, "the per-peer review rate limit and burst must be positive")
+	need(finite(c.RateLimit) && c.RateBurst > 0, "the rate limit and burst must be positive and finite")
+	need(finite(c.ReviewRateLimit) && c.ReviewBurst > 0, "the review rate limit and burst must be positive and finite")
+	need(finite(c.PeerReviewRateLimit) && c.PeerReviewBurst > 0, "the per-peer review rate limit and burst must be positive and finite")
 	need(c.IssuerKeysMinRefresh > 0 && c.IssuerKeysMinRefresh <= c.IssuerKeysRefresh,
 		"the issuer keys' minimum refresh interval must be positive and at most their refresh interval (%s, %s)", c.IssuerKeysMinRefresh, c.IssuerKeysRefresh)
 	return errors.Join(errs...)

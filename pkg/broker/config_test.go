@@ -1,6 +1,7 @@
 package broker
 
 import (
+	"math"
 	"testing"
 	"time"
 
@@ -30,9 +31,15 @@ func TestValidate(t *testing.T) {
 			want: "the maximum expiration must be at least 10m (TokenRequest's floor), got 5m0s"},
 		{name: "denials cached longer", mutate: func(c *Config) { c.DenyTTL = time.Minute },
 			want: "denials must not be cached longer than approvals (1m0s > 10s)"},
-		{name: "client-go default QPS", mutate: func(c *Config) { c.HubQPS = 0 }, want: "hub QPS and burst must be positive"},
+		{name: "client-go default QPS", mutate: func(c *Config) { c.HubQPS = 0 }, want: "hub QPS and burst must be positive and finite"},
 		{name: "no per-peer review limit", mutate: func(c *Config) { c.PeerReviewBurst = 0 },
-			want: "the per-peer review rate limit and burst must be positive"},
+			want: "the per-peer review rate limit and burst must be positive and finite"},
+		{name: "infinite rates switch limiters off", mutate: func(c *Config) {
+			c.HubQPS, c.RateLimit, c.ReviewRateLimit, c.PeerReviewRateLimit = float32(math.Inf(1)), math.Inf(1), math.Inf(1), math.Inf(1)
+		}, want: "hub QPS and burst must be positive and finite\nthe rate limit and burst must be positive and finite\n" +
+			"the review rate limit and burst must be positive and finite\nthe per-peer review rate limit and burst must be positive and finite"},
+		{name: "not a number", mutate: func(c *Config) { c.RateLimit = math.NaN() },
+			want: "the rate limit and burst must be positive and finite"},
 		{name: "issuer keys refreshed faster than allowed", mutate: func(c *Config) { c.IssuerKeysRefresh = time.Second },
 			want: "the issuer keys' minimum refresh interval must be positive and at most their refresh interval (15s, 1s)"},
 	}

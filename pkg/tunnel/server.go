@@ -164,9 +164,13 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		return errdefs.ToStatus(err).Err()
 	}
 	defer s.remove(sess)
-	// The ClusterProfile may have changed while the hello was awaited, before
-	// Revalidate could see this session.
+	// The ClusterProfile or the trust bundle may have changed while the
+	// hello was awaited, before Revalidate or Reverify could see this
+	// session.
 	s.revalidate(sess)
+	if _, err := s.verify(id, chain); err != nil {
+		sess.cancel(err)
+	}
 	// The stream ends with the agent's identity; the agent reconnects with
 	// whatever SVID it holds by then.
 	timer := s.cfg.Clock.AfterFunc(expires.Sub(s.cfg.Clock.Now()), func() {

@@ -551,3 +551,31 @@ func TestAgentWithoutCertificateIsRefused(t *testing.T) {
 	assert.Equal(t, codes.Unauthenticated, statusCode(err))
 	assert.Contains(t, err.Error(), "presented no certificate")
 }
+
+func TestBundleChangeDuringHelloIsNotMissed(t *testing.T) {
+	h := newHarness(t, time.Second)
+	stream := h.rawStream(t, agentA)
+	// The stream is open and verified, but not yet a session: Reverify
+	// cannot see it while the broker awaits the hello.
+	require.Eventually(t, func() bool { h.peers.mu.Lock(); defer h.peers.mu.Unlock(); return h.peers.chains[agentA] != nil },
+		10*time.Second, 5*time.Millisecond)
+	next, err := testpki.NewCA("test.example")
+	require.NoError(t, err)
+	h.bundles.Add(x509bundle.FromX509Authorities(next.TrustDomain(), []*x509.Certificate{next.Certificate()}))
+	h.srv.Reverify()
+
+	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}))
+	closed := make(chan error, 1)
+	go func() {
+		_, err := stream.Recv()
+		closed <- err
+	}()
+	select {
+	case err := <-closed:
+		assert.Equal(t, codes.Unauthenticated, statusCode(err))
+		assert.Contains(t, err.Error(), "does not verify against the current trust bundle")
+	case <-time.After(10 * time.Second):
+		t.Fatal("a stream that the new bundle does not trust was admitted")
+	}
+	assert.Equal(t, 0, h.srv.Connected(clusterA))
+}
