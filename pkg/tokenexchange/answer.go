@@ -129,7 +129,7 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 		serviceAccount: sa,
 		audiences:      c.Audiences,
 		expiry:         c.Expiry,
-		credentialID:   token.ID(resp.GetToken()),
+		credentialID:   token.IDOf(c, resp.GetToken()),
 	}, nil
 }
 
