@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -95,7 +94,7 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 			return minted{}, failed("aud", "aud has %d audiences; want 1 to %d", len(c.Audiences), maxAudiences)
 		}
 		for _, a := range c.Audiences {
-			if a == "" || len(a) > maxAudienceLength || strings.ContainsFunc(a, isControl) {
+			if !validAudience(a) {
 				return minted{}, failed("aud", "aud %q is not 1 to %d printable characters", clip(a), maxAudienceLength)
 			}
 			if a == brokerAudience {
