@@ -73,12 +73,15 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 		return minted{}, failed("claims", "%v", err)
 	}
 
-	ref := resp.GetServiceAccount()
-	sa := types.NamespacedName{Namespace: ref.GetNamespace(), Name: ref.GetName()}
-	switch {
-	case len(validation.IsDNS1123Label(sa.Namespace)) > 0 || len(validation.IsDNS1123Subdomain(sa.Name)) > 0:
-		return minted{}, failed("service_account", "the answer names no valid ServiceAccount (%q)", clip(sa.String()))
-	case r.serviceAccount != (types.NamespacedName{}) && sa != r.serviceAccount:
+	// The answer's ServiceAccount must be one a request could name.
+	// parseRef's error speaks to a consumer about its request, so the
+	// agent's answer gets its own.
+	sa, err := parseRef("service_account", resp.GetServiceAccount(), validation.IsDNS1123Subdomain)
+	if err != nil {
+		ref := resp.GetServiceAccount()
+		return minted{}, failed("service_account", "the answer names no valid ServiceAccount (%q)", clip(ref.GetNamespace()+"/"+ref.GetName()))
+	}
+	if r.serviceAccount != (types.NamespacedName{}) && sa != r.serviceAccount {
 		return minted{}, failed("service_account", "the answer names ServiceAccount %s, not the requested %s", sa, r.serviceAccount)
 	}
 	if want := serviceAccountPrefix + sa.Namespace + ":" + sa.Name; c.Subject != want {
