@@ -137,6 +137,8 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 
 func rfc3339(t time.Time) string { return t.UTC().Format(time.RFC3339) }
 
+// clipAll clips each of the first maxAudiences strings of ss and drops the
+// rest, for logs and errors that quote audiences not yet validated.
 func clipAll(ss []string) []string {
 	out := make([]string, 0, min(len(ss), maxAudiences))
 	for _, s := range ss[:cap(out)] {
