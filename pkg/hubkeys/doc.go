@@ -27,7 +27,9 @@
 //		Audience: "credbroker",
 //	})
 //	go keys.Run(ctx)
-//	if err := keys.Verify(ctx, bearer); err != nil {
+//	exp, err := keys.Verify(ctx, bearer)
+//	if err != nil {
 //		return err // Unauthenticated, or Unavailable before the first load
 //	}
+//	// cache what a TokenReview says of bearer no later than exp
 package hubkeys

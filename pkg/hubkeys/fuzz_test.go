@@ -34,9 +34,15 @@ func FuzzVerify(f *testing.F) {
 	}
 	keys, _ := newKeys(f, &fakeFetcher{doc: issuerJWKS(f)})
 	f.Fuzz(func(t *testing.T, tok string) {
-		err := keys.Verify(context.Background(), tok)
+		exp, err := keys.Verify(context.Background(), tok)
 		if err == nil {
+			if exp.IsZero() {
+				t.Fatal("Verify accepted a token without returning its expiry")
+			}
 			return
+		}
+		if !exp.IsZero() {
+			t.Fatalf("Verify returned expiry %v with error %v", exp, err)
 		}
 		if !errors.Is(err, errdefs.ErrUnauthenticated) {
 			t.Fatalf("Verify: %v, want an error wrapping ErrUnauthenticated", err)

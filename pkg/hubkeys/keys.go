@@ -160,27 +160,29 @@ func (k *Keys) Loaded() bool { return k.set.Load() != nil }
 // the Fetcher: that it is signed with one of Algorithms by a key of the
 // current set (named by its kid header; a token without a kid is tried
 // against every key), that it has not expired and is already valid (with
-// Leeway), and that its aud claim includes Audience.
+// Leeway), and that its aud claim includes Audience. It returns the
+// token's verified expiry, its exp claim, which may lie up to Leeway in the
+// past.
 //
 // A kid that the set lacks triggers a fetch of the key set, unless one
 // started less than MinRefreshInterval ago. Verify returns an error wrapping
 // errdefs.ErrUnauthenticated for a token that fails, and one wrapping
 // errdefs.ErrUnavailable when no key set has ever been loaded. Errors never
 // contain any part of raw.
-func (k *Keys) Verify(ctx context.Context, raw string) error {
+func (k *Keys) Verify(ctx context.Context, raw string) (time.Time, error) {
 	tok, err := jwt.ParseSigned(raw, Algorithms)
 	if err != nil {
 		if _, ok := errors.AsType[*jose.ErrUnexpectedSignatureAlgorithm](err); ok {
-			return reject(reasonAlgorithm, "the token is not signed with an asymmetric algorithm that a Kubernetes service-account issuer uses (RS256, ES256, …)")
+			return time.Time{}, reject(reasonAlgorithm, "the token is not signed with an asymmetric algorithm that a Kubernetes service-account issuer uses (RS256, ES256, …)")
 		}
-		return reject(reasonMalformed, "the token is not a signed JWT")
+		return time.Time{}, reject(reasonMalformed, "the token is not a signed JWT")
 	}
 	kid := tok.Headers[0].KeyID
 
 	set := k.set.Load()
 	if set == nil {
 		if set = k.refresh(ctx); set == nil {
-			return fmt.Errorf("the broker has not yet loaded the hub issuer's signing keys; retry shortly: %w", errdefs.ErrUnavailable)
+			return time.Time{}, fmt.Errorf("the broker has not yet loaded the hub issuer's signing keys; retry shortly: %w", errdefs.ErrUnavailable)
 		}
 	}
 	candidates := set.lookup(kid)
@@ -188,7 +190,7 @@ func (k *Keys) Verify(ctx context.Context, raw string) error {
 		// A new key of the hub, or a made-up key id: fetch at most every
 		// MinRefreshInterval to tell.
 		if candidates = k.refresh(ctx).lookup(kid); len(candidates) == 0 {
-			return reject(reasonUnknownKey, "the token names a signing key that the hub issuer does not publish")
+			return time.Time{}, reject(reasonUnknownKey, "the token names a signing key that the hub issuer does not publish")
 		}
 	}
 
@@ -201,23 +203,23 @@ func (k *Keys) Verify(ctx context.Context, raw string) error {
 		}
 	}
 	if !verified {
-		return reject(reasonSignature, "the token's signature does not verify with the hub issuer's keys")
+		return time.Time{}, reject(reasonSignature, "the token's signature does not verify with the hub issuer's keys")
 	}
 	if claims.Expiry == nil {
-		return reject(reasonExpired, "the token has no expiry (exp claim)")
+		return time.Time{}, reject(reasonExpired, "the token has no expiry (exp claim)")
 	}
 	err = claims.ValidateWithLeeway(jwt.Expected{AnyAudience: jwt.Audience{k.cfg.Audience}, Time: k.cfg.Clock.Now()}, k.cfg.Leeway)
 	switch {
 	case err == nil:
-		return nil
+		return claims.Expiry.Time(), nil
 	case errors.Is(err, jwt.ErrExpired):
-		return reject(reasonExpired, "the token has expired")
+		return time.Time{}, reject(reasonExpired, "the token has expired")
 	case errors.Is(err, jwt.ErrNotValidYet), errors.Is(err, jwt.ErrIssuedInTheFuture):
-		return reject(reasonNotYetValid, "the token is not valid yet (nbf or iat in the future); check the clocks")
+		return time.Time{}, reject(reasonNotYetValid, "the token is not valid yet (nbf or iat in the future); check the clocks")
 	case errors.Is(err, jwt.ErrInvalidAudience):
-		return reject(reasonAudience, fmt.Sprintf("the token is not for audience %q; request a token with that audience", k.cfg.Audience))
+		return time.Time{}, reject(reasonAudience, fmt.Sprintf("the token is not for audience %q; request a token with that audience", k.cfg.Audience))
 	default:
-		return reject(reasonMalformed, "the token's claims are invalid")
+		return time.Time{}, reject(reasonMalformed, "the token's claims are invalid")
 	}
 }
 

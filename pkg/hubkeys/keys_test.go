@@ -28,6 +28,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/token"
 )
 
 var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
@@ -131,6 +132,12 @@ func newKeys(t testing.TB, f Fetcher, mutate ...func(*Config)) (*Keys, *clocktes
 	k, err := New(cfg)
 	require.NoError(t, err)
 	return k, clk
+}
+
+// verifyErr is Verify for tests that check only its error.
+func verifyErr(ctx context.Context, k *Keys, raw string) error {
+	_, err := k.Verify(ctx, raw)
+	return err
 }
 
 func enc(s string) string { return base64.RawURLEncoding.EncodeToString([]byte(s)) }
@@ -243,12 +250,16 @@ func TestVerify(t *testing.T) {
 			if tt.wantReason != "" {
 				before = testutil.ToFloat64(rejections.WithLabelValues(tt.wantReason))
 			}
-			err := keys.Verify(context.Background(), tt.token)
+			exp, err := keys.Verify(context.Background(), tt.token)
 			if tt.wantReason == "" {
 				require.NoError(t, err)
+				c, err := token.ParseClaims(tt.token)
+				require.NoError(t, err)
+				assert.Equal(t, c.Expiry, exp, "the verified expiry is the token's exp")
 				return
 			}
 			require.Error(t, err)
+			assert.True(t, exp.IsZero(), "an expiry returned with an error")
 			assert.ErrorIs(t, err, errdefs.ErrUnauthenticated)
 			assert.Contains(t, err.Error(), tt.wantMsg)
 			assert.NotContains(t, err.Error(), tt.token)
@@ -286,20 +297,20 @@ func TestUnknownKidRefreshesAtMostEveryMinRefreshInterval(t *testing.T) {
 	f := &fakeFetcher{doc: issuerJWKS(t)}
 	keys, clk := newKeys(t, f)
 	ctx := context.Background()
-	require.NoError(t, keys.Verify(ctx, sign(t, jose.RS256, k.rsa1, "rsa-1", goodClaims())))
+	require.NoError(t, verifyErr(ctx, keys, sign(t, jose.RS256, k.rsa1, "rsa-1", goodClaims())))
 	require.Equal(t, int32(1), f.calls.Load(), "the first token loads the keys")
 
 	// The hub adds a key and signs with it before the broker's next fetch.
 	f.serve(jwks(t, map[string]any{"rsa-1": &k.rsa1.PublicKey, "rsa-2": &k.rsa2.PublicKey}), nil)
 	rotated := sign(t, jose.RS256, k.rsa2, "rsa-2", goodClaims())
-	err := keys.Verify(ctx, rotated)
+	err := verifyErr(ctx, keys, rotated)
 	assert.ErrorIs(t, err, errdefs.ErrUnauthenticated, "the keys were fetched less than MinRefreshInterval ago")
 	assert.Equal(t, int32(1), f.calls.Load())
 
 	clk.Step(DefaultMinRefreshInterval)
-	require.NoError(t, keys.Verify(ctx, rotated), "an unknown kid refreshes the keys")
+	require.NoError(t, verifyErr(ctx, keys, rotated), "an unknown kid refreshes the keys")
 	assert.Equal(t, int32(2), f.calls.Load(), "one refresh")
-	require.NoError(t, keys.Verify(ctx, rotated))
+	require.NoError(t, verifyErr(ctx, keys, rotated))
 	assert.Equal(t, int32(2), f.calls.Load(), "a known kid does not refresh")
 
 	// A flood of made-up key ids, one after another and all at once.
@@ -307,8 +318,8 @@ func TestUnknownKidRefreshesAtMostEveryMinRefreshInterval(t *testing.T) {
 		var wg sync.WaitGroup
 		for i := range 50 {
 			tok := sign(t, jose.RS256, k.other, fmt.Sprintf("made-up-%d", i), goodClaims())
-			require.ErrorIs(t, keys.Verify(ctx, tok), errdefs.ErrUnauthenticated)
-			wg.Go(func() { assert.ErrorIs(t, keys.Verify(ctx, tok), errdefs.ErrUnauthenticated) })
+			require.ErrorIs(t, verifyErr(ctx, keys, tok), errdefs.ErrUnauthenticated)
+			wg.Go(func() { assert.ErrorIs(t, verifyErr(ctx, keys, tok), errdefs.ErrUnauthenticated) })
 		}
 		wg.Wait()
 	}
@@ -331,7 +342,7 @@ func TestFailsClosedUntilKeysLoad(t *testing.T) {
 	good := sign(t, jose.RS256, k.rsa1, "rsa-1", goodClaims())
 
 	for range 3 {
-		err := keys.Verify(ctx, good)
+		err := verifyErr(ctx, keys, good)
 		require.ErrorIs(t, err, errdefs.ErrUnavailable)
 		assert.Equal(t, "the broker has not yet loaded the hub issuer's signing keys; retry shortly: unavailable", err.Error())
 	}
@@ -340,11 +351,11 @@ func TestFailsClosedUntilKeysLoad(t *testing.T) {
 
 	f.serve([]byte(`{"keys":[]}`), nil)
 	clk.Step(DefaultMinRefreshInterval)
-	assert.ErrorIs(t, keys.Verify(ctx, good), errdefs.ErrUnavailable, "an empty key set is no key set")
+	assert.ErrorIs(t, verifyErr(ctx, keys, good), errdefs.ErrUnavailable, "an empty key set is no key set")
 
 	f.serve(issuerJWKS(t), nil)
 	clk.Step(DefaultMinRefreshInterval)
-	require.NoError(t, keys.Verify(ctx, good))
+	require.NoError(t, verifyErr(ctx, keys, good))
 	assert.True(t, keys.Loaded())
 	assert.Equal(t, int32(3), f.calls.Load())
 }
@@ -355,7 +366,7 @@ func TestKeepsTheLastGoodKeySet(t *testing.T) {
 	keys, clk := newKeys(t, f)
 	ctx := context.Background()
 	good := sign(t, jose.RS256, k.rsa1, "rsa-1", goodClaims())
-	require.NoError(t, keys.Verify(ctx, good))
+	require.NoError(t, verifyErr(ctx, keys, good))
 
 	for _, bad := range []struct {
 		doc []byte
@@ -368,8 +379,8 @@ func TestKeepsTheLastGoodKeySet(t *testing.T) {
 		f.serve(bad.doc, bad.err)
 		clk.Step(DefaultMinRefreshInterval)
 		// An unknown kid makes the refresh happen.
-		assert.ErrorIs(t, keys.Verify(ctx, sign(t, jose.RS256, k.other, "made-up", goodClaims())), errdefs.ErrUnauthenticated)
-		require.NoError(t, keys.Verify(ctx, good), "a failed refresh dropped the loaded keys")
+		assert.ErrorIs(t, verifyErr(ctx, keys, sign(t, jose.RS256, k.other, "made-up", goodClaims())), errdefs.ErrUnauthenticated)
+		require.NoError(t, verifyErr(ctx, keys, good), "a failed refresh dropped the loaded keys")
 	}
 	assert.Equal(t, int32(4), f.calls.Load())
 }
@@ -400,7 +411,7 @@ func TestRunRefreshesPeriodically(t *testing.T) {
 	clk.Step(time.Second)
 	sleeping()
 	assert.Equal(t, int32(3), f.calls.Load())
-	assert.NoError(t, keys.Verify(ctx, sign(t, jose.RS256, k.rsa2, "rsa-2", claimsWith(func(c *jwt.Claims) {
+	assert.NoError(t, verifyErr(ctx, keys, sign(t, jose.RS256, k.rsa2, "rsa-2", claimsWith(func(c *jwt.Claims) {
 		c.Expiry = jwt.NewNumericDate(clk.Now().Add(time.Hour))
 	}))))
 	assert.Equal(t, int32(3), f.calls.Load())
@@ -415,19 +426,19 @@ func TestFromFileReloadsChanges(t *testing.T) {
 	require.NoError(t, os.WriteFile(path, issuerJWKS(t), 0o600))
 	keys, clk := newKeys(t, FromFile(path))
 	ctx := context.Background()
-	require.NoError(t, keys.Verify(ctx, sign(t, jose.RS256, k.rsa1, "rsa-1", goodClaims())))
+	require.NoError(t, verifyErr(ctx, keys, sign(t, jose.RS256, k.rsa1, "rsa-1", goodClaims())))
 
 	require.NoError(t, os.WriteFile(path, jwks(t, map[string]any{"rsa-2": &k.rsa2.PublicKey}), 0o600))
 	clk.Step(DefaultMinRefreshInterval)
-	require.NoError(t, keys.Verify(ctx, sign(t, jose.RS256, k.rsa2, "rsa-2", goodClaims())))
+	require.NoError(t, verifyErr(ctx, keys, sign(t, jose.RS256, k.rsa2, "rsa-2", goodClaims())))
 	clk.Step(DefaultMinRefreshInterval)
 	// rsa-1 is gone: a refresh (triggered by its now unknown kid) finds it no more.
-	assert.ErrorIs(t, keys.Verify(ctx, sign(t, jose.RS256, k.rsa1, "rsa-1", goodClaims())), errdefs.ErrUnauthenticated)
+	assert.ErrorIs(t, verifyErr(ctx, keys, sign(t, jose.RS256, k.rsa1, "rsa-1", goodClaims())), errdefs.ErrUnauthenticated)
 
 	require.NoError(t, os.Remove(path))
 	clk.Step(DefaultMinRefreshInterval)
-	assert.ErrorIs(t, keys.Verify(ctx, sign(t, jose.RS256, k.other, "made-up", goodClaims())), errdefs.ErrUnauthenticated)
-	require.NoError(t, keys.Verify(ctx, sign(t, jose.RS256, k.rsa2, "rsa-2", goodClaims())), "a missing file keeps the loaded keys")
+	assert.ErrorIs(t, verifyErr(ctx, keys, sign(t, jose.RS256, k.other, "made-up", goodClaims())), errdefs.ErrUnauthenticated)
+	require.NoError(t, verifyErr(ctx, keys, sign(t, jose.RS256, k.rsa2, "rsa-2", goodClaims())), "a missing file keeps the loaded keys")
 }
 
 func TestParse(t *testing.T) {

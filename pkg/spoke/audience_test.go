@@ -109,10 +109,7 @@ func TestMintAudiencePolicy(t *testing.T) {
 			m := newMinter(t, tokens, sas...)
 			resp, err := m.Mint(t.Context(), tt.req)
 			if tt.wantErr != "" {
-				require.EqualError(t, err, tt.wantErr)
-				assert.ErrorIs(t, err, tt.wantError)
-				assert.Nil(t, resp)
-				assert.Empty(t, tokens.Calls(), "a refused request must not reach the TokenRequest API")
+				requireRefused(t, tokens, resp, err, tt.wantErr, tt.wantError)
 				return
 			}
 			require.NoError(t, err)

@@ -206,16 +206,7 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 // in the annotation's order. It returns nil for a nil sa or one without the
 // annotation.
 func AllowedSubjects(sa *corev1.ServiceAccount) []string {
-	if sa == nil {
-		return nil
-	}
-	var subjects []string
-	for s := range strings.SplitSeq(sa.Annotations[AllowedSubjectsAnnotation], ",") {
-		if s = strings.TrimSpace(s); s != "" {
-			subjects = append(subjects, s)
-		}
-	}
-	return subjects
+	return annotationList(sa, AllowedSubjectsAnnotation)
 }
 
 func allows(sa *corev1.ServiceAccount, user string) bool {
@@ -227,16 +218,23 @@ func allows(sa *corev1.ServiceAccount, user string) bool {
 // entries, in the annotation's order. It returns nil for a nil sa or one
 // without the annotation.
 func AllowedAudiences(sa *corev1.ServiceAccount) []string {
+	return annotationList(sa, AllowedAudiencesAnnotation)
+}
+
+// annotationList returns the comma-separated entries of sa's annotation key,
+// trimmed of spaces, without empty entries, in the annotation's order; nil
+// for a nil sa or one without the annotation.
+func annotationList(sa *corev1.ServiceAccount, key string) []string {
 	if sa == nil {
 		return nil
 	}
-	var audiences []string
-	for a := range strings.SplitSeq(sa.Annotations[AllowedAudiencesAnnotation], ",") {
-		if a = strings.TrimSpace(a); a != "" {
-			audiences = append(audiences, a)
+	var entries []string
+	for e := range strings.SplitSeq(sa.Annotations[key], ",") {
+		if e = strings.TrimSpace(e); e != "" {
+			entries = append(entries, e)
 		}
 	}
-	return audiences
+	return entries
 }
 
 // allowAudiences returns an error wrapping ErrPermissionDenied unless sa's

@@ -122,6 +122,16 @@ func subject(username string) *credbrokerv1alpha1.Subject {
 	return &credbrokerv1alpha1.Subject{Username: username, Uid: "hub-uid", Groups: []string{"system:serviceaccounts"}}
 }
 
+// requireRefused checks that Mint refused with wantErr, wrapping sentinel,
+// and asked the TokenRequest API for nothing.
+func requireRefused(t *testing.T, tokens *fakeTokens, resp *credbrokerv1alpha1.MintResponse, err error, wantErr string, sentinel error) {
+	t.Helper()
+	require.EqualError(t, err, wantErr)
+	assert.ErrorIs(t, err, sentinel)
+	assert.Nil(t, resp)
+	assert.Empty(t, tokens.Calls(), "a refused request must not reach the TokenRequest API")
+}
+
 func TestNew(t *testing.T) {
 	tokens := &fakeTokens{}
 	sas := lister(t)
@@ -294,10 +304,7 @@ func TestMintPolicy(t *testing.T) {
 			m := newMinter(t, tokens, sas...)
 			resp, err := m.Mint(t.Context(), tt.req)
 			if tt.wantErr != "" {
-				require.EqualError(t, err, tt.wantErr)
-				assert.ErrorIs(t, err, tt.wantCode)
-				assert.Nil(t, resp)
-				assert.Empty(t, tokens.Calls(), "a refused request must not reach the TokenRequest API")
+				requireRefused(t, tokens, resp, err, tt.wantErr, tt.wantCode)
 				return
 			}
 			require.NoError(t, err)

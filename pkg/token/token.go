@@ -4,7 +4,6 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -70,37 +69,38 @@ func payload(s string) ([]byte, error) {
 	return raw, nil
 }
 
-// claims decodes the payload of a JWT-shaped token without verifying it.
-func claims(s string) (c struct {
-	JTI string `json:"jti"`
-	Exp int64  `json:"exp"`
-}, ok bool) {
-	raw, err := payload(s)
-	if err != nil {
-		return c, false
-	}
-	return c, json.Unmarshal(raw, &c) == nil
-}
-
-// Expiry returns the token's exp claim, unverified. Use it only to shorten
-// how long a decision about an accepted token is cached, never to accept one.
-func Expiry(s string) (time.Time, bool) {
-	c, ok := claims(s)
-	if !ok || c.Exp <= 0 {
+// Expiry returns the token's exp claim, unverified, as ParseClaims reads
+// it; ok is false when the token has no exp or its claims are malformed.
+// Use it only to shorten how long a decision about an accepted token is
+// cached, never to accept one.
+func Expiry(s string) (exp time.Time, ok bool) {
+	c, err := ParseClaims(s)
+	if err != nil || c.Expiry.IsZero() {
 		return time.Time{}, false
 	}
-	return time.Unix(c.Exp, 0), true
+	return c.Expiry, true
 }
 
 // ID returns the token's credential id as the Kubernetes audit log records it
 // ("JTI=<jti>") when the token carries a jti claim of at most 128 printable
 // ASCII characters without spaces (Kubernetes writes a UUID), and its
-// Fingerprint otherwise. It reads the claims without verifying them: use it
-// only to name a token that an API server has issued or accepted, or whose
-// claims have been checked.
+// Fingerprint otherwise, including when its claims are malformed (see
+// ParseClaims). It reads the claims without verifying them: use it only to
+// name a token that an API server has issued or accepted, or whose claims
+// have been checked.
 func ID(s string) string {
-	if c, ok := claims(s); ok && c.JTI != "" && len(c.JTI) <= 128 && !strings.ContainsFunc(c.JTI, notVisibleASCII) {
-		return "JTI=" + c.JTI
+	c, err := ParseClaims(s)
+	if err != nil {
+		return Fingerprint(s)
+	}
+	return IDOf(c, s)
+}
+
+// IDOf is ID for a caller that has already parsed s: c must be what
+// ParseClaims(s) returned.
+func IDOf(c Claims, s string) string {
+	if c.ID != "" && len(c.ID) <= 128 && !strings.ContainsFunc(c.ID, notVisibleASCII) {
+		return "JTI=" + c.ID
 	}
 	return Fingerprint(s)
 }

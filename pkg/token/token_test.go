@@ -59,10 +59,14 @@ func TestID(t *testing.T) {
 		{name: "jti not ascii", token: jwt(`{"jti":"é"}`), want: Fingerprint(jwt(`{"jti":"é"}`))},
 		{name: "jti too long", token: jwt(`{"jti":"` + strings.Repeat("a", 129) + `"}`), want: Fingerprint(jwt(`{"jti":"` + strings.Repeat("a", 129) + `"}`))},
 		{name: "not a jwt", token: "opaque", want: Fingerprint("opaque")},
+		{name: "jti beside a malformed claim", token: jwt(`{"jti":"5b3d2c","sub":5}`), want: Fingerprint(jwt(`{"jti":"5b3d2c","sub":5}`))},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			assert.Equal(t, tt.want, ID(tt.token))
+			if c, err := ParseClaims(tt.token); err == nil {
+				assert.Equal(t, tt.want, IDOf(c, tt.token), "IDOf of the parsed claims")
+			}
 		})
 	}
 }
@@ -78,6 +82,8 @@ func TestExpiry(t *testing.T) {
 		{name: "no exp", token: jwt(`{"sub":"a"}`)},
 		{name: "exp not a number", token: jwt(`{"exp":"soon"}`)},
 		{name: "negative exp", token: jwt(`{"exp":-1}`)},
+		{name: "exp past year 9999", token: jwt(`{"exp":253402300800}`)},
+		{name: "exp beside a malformed claim", token: jwt(`{"exp":2000000000,"aud":[1]}`)},
 		{name: "not a jwt", token: "opaque"},
 	}
 	for _, tt := range tests {
@@ -110,6 +116,9 @@ func FuzzCheckShapeAndID(f *testing.F) {
 		id := ID(s)
 		if id == "" {
 			t.Fatal("empty id")
+		}
+		if c, err := ParseClaims(s); err == nil && IDOf(c, s) != id {
+			t.Fatalf("IDOf %q is not ID %q", IDOf(c, s), id)
 		}
 	})
 }

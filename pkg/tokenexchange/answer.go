@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -74,12 +73,15 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 		return minted{}, failed("claims", "%v", err)
 	}
 
-	ref := resp.GetServiceAccount()
-	sa := types.NamespacedName{Namespace: ref.GetNamespace(), Name: ref.GetName()}
-	switch {
-	case len(validation.IsDNS1123Label(sa.Namespace)) > 0 || len(validation.IsDNS1123Subdomain(sa.Name)) > 0:
-		return minted{}, failed("service_account", "the answer names no valid ServiceAccount (%q)", clip(sa.String()))
-	case r.serviceAccount != (types.NamespacedName{}) && sa != r.serviceAccount:
+	// The answer's ServiceAccount must be one a request could name.
+	// parseRef's error speaks to a consumer about its request, so the
+	// agent's answer gets its own.
+	sa, err := parseRef("service_account", resp.GetServiceAccount(), validation.IsDNS1123Subdomain)
+	if err != nil {
+		ref := resp.GetServiceAccount()
+		return minted{}, failed("service_account", "the answer names no valid ServiceAccount (%q)", clip(ref.GetNamespace()+"/"+ref.GetName()))
+	}
+	if r.serviceAccount != (types.NamespacedName{}) && sa != r.serviceAccount {
 		return minted{}, failed("service_account", "the answer names ServiceAccount %s, not the requested %s", sa, r.serviceAccount)
 	}
 	if want := serviceAccountPrefix + sa.Namespace + ":" + sa.Name; c.Subject != want {
@@ -95,7 +97,7 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 			return minted{}, failed("aud", "aud has %d audiences; want 1 to %d", len(c.Audiences), maxAudiences)
 		}
 		for _, a := range c.Audiences {
-			if a == "" || len(a) > maxAudienceLength || strings.ContainsFunc(a, isControl) {
+			if !validAudience(a) {
 				return minted{}, failed("aud", "aud %q is not 1 to %d printable characters", clip(a), maxAudienceLength)
 			}
 			if a == brokerAudience {
@@ -129,12 +131,14 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 		serviceAccount: sa,
 		audiences:      c.Audiences,
 		expiry:         c.Expiry,
-		credentialID:   token.ID(resp.GetToken()),
+		credentialID:   token.IDOf(c, resp.GetToken()),
 	}, nil
 }
 
 func rfc3339(t time.Time) string { return t.UTC().Format(time.RFC3339) }
 
+// clipAll clips each of the first maxAudiences strings of ss and drops the
+// rest, for logs and errors that quote audiences not yet validated.
 func clipAll(ss []string) []string {
 	out := make([]string, 0, min(len(ss), maxAudiences))
 	for _, s := range ss[:cap(out)] {

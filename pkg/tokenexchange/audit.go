@@ -20,14 +20,10 @@ type auditRecord struct {
 func (s *Service) audit(rec *auditRecord, req *pb.ExchangeRequest, err error, latency time.Duration) {
 	code := errdefs.Code(err)
 	// The request is logged as received, before validation: clip it.
-	audiences := make([]string, 0, min(len(req.GetAudiences()), maxAudiences))
-	for _, a := range req.GetAudiences()[:cap(audiences)] {
-		audiences = append(audiences, clip(a))
-	}
 	kv := []any{
 		"cluster", clip(refString(req.GetCluster())),
 		"requestedServiceAccount", clip(refString(req.GetServiceAccount())),
-		"audiences", audiences,
+		"audiences", clipAll(req.GetAudiences()),
 		"code", code.String(),
 		"cacheHit", rec.cacheHit,
 		"latency", latency.String(),

@@ -55,7 +55,8 @@ func bearerToken(ctx context.Context) (string, error) {
 
 // authenticate checks bearer with a hub TokenReview for the broker's
 // audience. Results are cached under an HMAC of the token: successes for
-// AuthnTTL but never past the token's exp claim, failures for DenyTTL.
+// AuthnTTL but never past the token's exp claim as the Verifier verified
+// it, failures for DenyTTL.
 // Before its review, a token not in the cache must pass the Verifier and
 // the review limits of its peer address and of the broker.
 func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, error) {
@@ -80,7 +81,8 @@ func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, 
 	// Forged, expired and wrong-audience tokens end here, costing no hub
 	// call and no review budget. Their refusal is not cached: checking
 	// again is cheaper than the cache entry.
-	if err := s.cfg.Verifier.Verify(ctx, bearer); err != nil {
+	exp, err := s.cfg.Verifier.Verify(ctx, bearer)
+	if err != nil {
 		return authnResult{}, time.Time{}, err
 	}
 	now := s.cfg.Clock.Now()
@@ -120,7 +122,7 @@ func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, 
 		return authnResult{reason: "the hub did not confirm the audience"}, now.Add(s.cfg.DenyTTL), nil
 	}
 	until := now.Add(s.cfg.AuthnTTL)
-	if exp, ok := token.Expiry(bearer); ok && exp.Before(until) {
+	if exp.Before(until) {
 		until = exp
 	}
 	return authnResult{user: userInfo{

@@ -25,20 +25,25 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/hubkeys"
+	"github.com/credbroker/credbroker/pkg/token"
 )
 
-// fakeVerifier accepts every token, unless refuse says otherwise.
+// fakeVerifier accepts every token, unless refuse says otherwise, and
+// returns its exp claim as the verified expiry (zero when it has none).
 type fakeVerifier struct {
 	calls  atomic.Int32
 	refuse func(token string) error
 }
 
-func (v *fakeVerifier) Verify(_ context.Context, token string) error {
+func (v *fakeVerifier) Verify(_ context.Context, tok string) (time.Time, error) {
 	v.calls.Add(1)
 	if v.refuse != nil {
-		return v.refuse(token)
+		if err := v.refuse(tok); err != nil {
+			return time.Time{}, err
+		}
 	}
-	return nil
+	c, _ := token.ParseClaims(tok)
+	return c.Expiry, nil
 }
 
 // fakeJWKS serves a fixed JWKS document.
@@ -254,4 +259,33 @@ func TestTokenReviewsArePerPeerLimited(t *testing.T) {
 	// The budget refills.
 	_, err = f.svc.Exchange(attacker(revoked(4)), fleetA())
 	assert.Equal(t, codes.Unauthenticated, status.Code(err), "the hub's answer, after a second")
+}
+
+// Attack: a hub token whose exp the broker reads differently from the
+// verifier (here a fraction of a second, which the verifier accepts and a
+// strict reader of Kubernetes tokens refuses) keeps its TokenReview cached
+// for the whole AuthnTTL, past its expiry.
+// Defence: the cache is bounded by the expiry the verifier checked.
+func TestAuthnCacheBoundedByVerifiedExpiry(t *testing.T) {
+	f := newFixture(t)
+	withIssuerKeys(t, f)
+	signer, err := jose.NewSigner(jose.SigningKey{Algorithm: jose.RS256, Key: jose.JSONWebKey{Key: testIssuer().issuer, KeyID: "hub-key"}}, nil)
+	require.NoError(t, err)
+	tok, err := josejwt.Signed(signer).Claims(map[string]any{
+		"sub": "consumer", "aud": []string{"credbroker"}, "iat": t0.Unix(), "nbf": t0.Unix(),
+		"exp": float64(t0.Add(3*time.Second).Unix()) + 0.5,
+	}).Serialize()
+	require.NoError(t, err)
+
+	_, err = f.svc.Exchange(withBearer(tok), fleetA())
+	require.NoError(t, err)
+	f.clock.Step(2 * time.Second)
+	_, err = f.svc.Exchange(withBearer(tok), fleetA())
+	require.NoError(t, err)
+	assert.Equal(t, int32(1), f.reviews.tokenReviews.Load())
+
+	f.clock.Step(2 * time.Second) // past exp, within the verifier's leeway, well before AuthnTTL
+	_, err = f.svc.Exchange(withBearer(tok), fleetA())
+	require.NoError(t, err)
+	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load(), "the hub was asked again once the token expired")
 }

@@ -50,7 +50,7 @@ func parseRequest(req *pb.ExchangeRequest, brokerAudience string, minExp, maxExp
 		return r, fmt.Errorf("audiences: %d given, at most %d allowed: %w", len(req.GetAudiences()), maxAudiences, errdefs.ErrInvalidArgument)
 	}
 	for i, a := range req.GetAudiences() {
-		if a == "" || len(a) > maxAudienceLength || strings.ContainsFunc(a, isControl) {
+		if !validAudience(a) {
 			return r, fmt.Errorf("audiences[%d]: want 1 to %d printable characters: %w", i, maxAudienceLength, errdefs.ErrInvalidArgument)
 		}
 		if a == brokerAudience {
@@ -89,6 +89,13 @@ func clip(s string) string {
 		return s[:64] + "..."
 	}
 	return s
+}
+
+// validAudience reports whether a is 1 to maxAudienceLength bytes without
+// control characters: an audience a request may ask for, or an agent's
+// answer may carry.
+func validAudience(a string) bool {
+	return a != "" && len(a) <= maxAudienceLength && !strings.ContainsFunc(a, isControl)
 }
 
 func isControl(r rune) bool { return r < 0x20 || r == 0x7f }

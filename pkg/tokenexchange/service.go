@@ -49,11 +49,13 @@ type Minter interface {
 
 // Verifier checks a bearer token locally, without a hub call: its
 // signature against the hub issuer's keys, its expiry and its audience. It
-// returns an error wrapping errdefs.ErrUnauthenticated for a token that
-// fails, or another errdefs sentinel (such as ErrUnavailable) when it
-// cannot tell. The broker passes a *hubkeys.Keys.
+// returns the token's verified expiry (its exp claim), which bounds how
+// long the token's TokenReview is cached, or an error wrapping
+// errdefs.ErrUnauthenticated for a token that fails, or another errdefs
+// sentinel (such as ErrUnavailable) when it cannot tell. The broker passes
+// a *hubkeys.Keys.
 type Verifier interface {
-	Verify(ctx context.Context, token string) error
+	Verify(ctx context.Context, token string) (expiry time.Time, err error)
 }
 
 // Config configures the service. Durations left zero take their defaults.
