@@ -164,7 +164,12 @@ func (ca *CA) issue(tmpl *x509.Certificate, ttl time.Duration) (certPEM, keyPEM 
 // path with unsafe characters replaced. Writing the same id again replaces
 // the files atomically.
 func (ca *CA) WriteSVID(dir, id string) (certFile, keyFile string, err error) {
-	certPEM, keyPEM, err := ca.IssueSVID(id, writeTTL)
+	return ca.WriteSVIDFor(dir, id, writeTTL)
+}
+
+// WriteSVIDFor is WriteSVID for an SVID valid for ttl.
+func (ca *CA) WriteSVIDFor(dir, id string, ttl time.Duration) (certFile, keyFile string, err error) {
+	certPEM, keyPEM, err := ca.IssueSVID(id, ttl)
 	if err != nil {
 		return "", "", err
 	}

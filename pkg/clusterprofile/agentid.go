@@ -1,6 +1,7 @@
 package clusterprofile
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 
@@ -29,37 +30,45 @@ const reservedPath = "/clusterprofile/"
 // Without the annotation the ID is
 // spiffe://<td>/clusterprofile/<namespace>/<name>.
 func AgentID(td spiffeid.TrustDomain, cp *v1alpha1.ClusterProfile) (spiffeid.ID, error) {
+	id, err := agentID(td, cp)
+	if err != nil {
+		return spiffeid.ID{}, fmt.Errorf("%w: %w", err, errdefs.ErrInvalidArgument)
+	}
+	return id, nil
+}
+
+// agentID is AgentID with errors that wrap no sentinel, so that each caller
+// says whose fault a bad ID is.
+func agentID(td spiffeid.TrustDomain, cp *v1alpha1.ClusterProfile) (spiffeid.ID, error) {
 	if cp == nil {
-		return spiffeid.ID{}, fmt.Errorf("agent ID of a nil ClusterProfile: %w", errdefs.ErrInvalidArgument)
+		return spiffeid.ID{}, errors.New("agent ID of a nil ClusterProfile")
 	}
 	if td.IsZero() {
-		return spiffeid.ID{}, fmt.Errorf("agent ID of clusterprofile %s/%s: empty trust domain: %w",
-			cp.Namespace, cp.Name, errdefs.ErrInvalidArgument)
+		return spiffeid.ID{}, fmt.Errorf("agent ID of clusterprofile %s/%s: empty trust domain", cp.Namespace, cp.Name)
 	}
 	def, defErr := spiffeid.FromSegments(td, "clusterprofile", cp.Namespace, cp.Name)
 	v, ok := cp.Annotations[AgentSPIFFEIDAnnotation]
 	if !ok {
 		if defErr != nil {
-			return spiffeid.ID{}, fmt.Errorf("clusterprofile %q/%q has no default agent ID (%v): %w",
-				cp.Namespace, cp.Name, defErr, errdefs.ErrInvalidArgument)
+			return spiffeid.ID{}, fmt.Errorf("clusterprofile %q/%q has no default agent ID (%v)", cp.Namespace, cp.Name, defErr)
 		}
 		return def, nil
 	}
 	id, err := spiffeid.FromString(v)
 	switch {
 	case err != nil:
-		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q is not a SPIFFE ID (%v): %w",
-			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, err, errdefs.ErrInvalidArgument)
+		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q is not a SPIFFE ID (%v)",
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, err)
 	case !id.MemberOf(td):
-		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q is outside trust domain %s: %w",
-			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, td, errdefs.ErrInvalidArgument)
+		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q is outside trust domain %s",
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, td)
 	case id.Path() == "":
-		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q names the trust domain, not an agent: %w",
-			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, errdefs.ErrInvalidArgument)
+		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q names the trust domain, not an agent",
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v)
 	case strings.HasPrefix(id.Path()+"/", reservedPath) && (defErr != nil || id != def):
 		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q lies under the reserved path %s, "+
-			"where each ClusterProfile owns only its own default ID; choose an ID outside it: %w",
-			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, reservedPath, errdefs.ErrInvalidArgument)
+			"where each ClusterProfile owns only its own default ID; choose an ID outside it",
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, reservedPath)
 	}
 	return id, nil
 }

@@ -32,7 +32,8 @@ type Config struct {
 	// TrustDomain is the trust domain of every agent.
 	TrustDomain spiffeid.TrustDomain
 	// Log receives one error line per added or updated ClusterProfile whose
-	// annotation is not a valid agent ID. The zero value discards.
+	// annotation is not a valid agent ID, and one per ClusterProfile that
+	// claims an agent ID that another one holds. The zero value discards.
 	Log logr.Logger
 }
 
@@ -141,11 +142,10 @@ func (i *Index) ForAgent(id spiffeid.ID) (*v1alpha1.ClusterProfile, error) {
 // when another ClusterProfile claimed the same agent ID first and so holds
 // it; the error names the holder.
 func (i *Index) CheckAgent(cp *v1alpha1.ClusterProfile) error {
-	id, err := AgentID(i.td, cp)
+	id, err := agentID(i.td, cp)
 	if err != nil {
 		// The annotation is the ClusterProfile's fault, not the request's.
-		reason := strings.TrimSuffix(err.Error(), ": "+errdefs.ErrInvalidArgument.Error())
-		return fmt.Errorf("%s; no agent can serve this ClusterProfile: %w", reason, errdefs.ErrFailedPrecondition)
+		return fmt.Errorf("%w; no agent can serve this ClusterProfile: %w", err, errdefs.ErrFailedPrecondition)
 	}
 	if err := i.synced(); err != nil {
 		return err
@@ -300,11 +300,13 @@ func (i *Index) checkAgentID(cp *v1alpha1.ClusterProfile) {
 	if err != nil || len(claimants) < 2 {
 		return
 	}
-	for _, c := range claimants[1:] {
-		if c.UID == cp.UID || claimants[0].UID == cp.UID {
-			i.log.Error(nil, "clusterprofile claims an agent ID that another clusterprofile claimed first; no agent serves it",
-				"clusterprofile", keyOf(c).String(), "holder", keyOf(claimants[0]).String(), "agent", id.String())
-		}
+	holder, losers := claimants[0], claimants[1:]
+	if holder.UID != cp.UID {
+		losers = []*v1alpha1.ClusterProfile{cp}
+	}
+	for _, c := range losers {
+		i.log.Error(nil, "clusterprofile claims an agent ID that another clusterprofile claimed first; no agent serves it",
+			"clusterprofile", keyOf(c).String(), "holder", keyOf(holder).String(), "agent", id.String())
 	}
 }
 

@@ -20,7 +20,7 @@ import (
 // presents the SVID from svid and accepts any client whose X.509-SVID
 // verifies against bundle and is a member of td. A client of another trust
 // domain fails the handshake. Which member may do what is the server's
-// business after the handshake: see PeerID.
+// business after the handshake: see PeerSVID.
 //
 // The credentials are plain gRPC TLS credentials over go-spiffe's mTLS
 // config, so that a handler can read the peer's whole verified chain with
@@ -37,18 +37,10 @@ func ClientCredentials(svid x509svid.Source, bundle x509bundle.Source, server sp
 	return grpccredentials.MTLSClientCredentials(svid, bundle, tlsconfig.AuthorizeID(server))
 }
 
-// PeerID returns the SPIFFE ID that the peer of a gRPC call authenticated
-// with, inside a handler (or interceptor) of a server using
-// ServerCredentials. The error wraps errdefs.ErrUnauthenticated when the
-// connection carries no X.509-SVID, such as a call over other credentials.
-func PeerID(ctx context.Context) (spiffeid.ID, error) {
-	id, _, err := PeerSVID(ctx)
-	return id, err
-}
-
 // PeerSVID returns the SPIFFE ID and the certificate chain, leaf first, that
 // the peer of a gRPC call presented and the handshake of ServerCredentials
-// verified. The chain is the peer's own; do not modify it. The error wraps
+// verified, inside a handler (or interceptor) of a server using
+// ServerCredentials. The chain is the peer's own; do not modify it. The error wraps
 // errdefs.ErrUnauthenticated when the connection carries no X.509-SVID.
 func PeerSVID(ctx context.Context) (spiffeid.ID, []*x509.Certificate, error) {
 	p, ok := peer.FromContext(ctx)

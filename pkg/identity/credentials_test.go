@@ -3,6 +3,7 @@ package identity_test
 import (
 	"context"
 	"crypto/x509"
+	"errors"
 	"net"
 	"strings"
 	"sync"
@@ -49,7 +50,10 @@ func startServer(t *testing.T, creds credentials.TransportCredentials) *testServ
 	srv := grpc.NewServer(
 		grpc.Creds(handshakeRecorder{TransportCredentials: creds, s: s}),
 		grpc.UnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			id, err := identity.PeerID(ctx)
+			id, chain, err := identity.PeerSVID(ctx)
+			if err == nil && len(chain) == 0 {
+				err = errors.New("PeerSVID returned an ID without its chain")
+			}
 			s.mu.Lock()
 			if err != nil {
 				s.peerErrs = append(s.peerErrs, err)
@@ -199,7 +203,7 @@ func TestCredentials(t *testing.T) {
 	}
 }
 
-func TestPeerIDWithoutSPIFFE(t *testing.T) {
+func TestPeerSVIDWithoutSPIFFE(t *testing.T) {
 	// A server over plain credentials has no SPIFFE ID to offer.
 	srv := startServer(t, insecure.NewCredentials())
 	require.NoError(t, check(t, srv, insecure.NewCredentials()))
@@ -208,6 +212,6 @@ func TestPeerIDWithoutSPIFFE(t *testing.T) {
 	assert.ErrorIs(t, peerErrs[0], errdefs.ErrUnauthenticated)
 	assert.Equal(t, codes.Unauthenticated, errdefs.Code(peerErrs[0]))
 
-	_, err := identity.PeerID(context.Background())
+	_, _, err := identity.PeerSVID(context.Background())
 	assert.ErrorIs(t, err, errdefs.ErrUnauthenticated)
 }

@@ -22,8 +22,8 @@
 //	srv := grpc.NewServer(grpc.Creds(identity.ServerCredentials(src, src, td)))
 //
 // ServerCredentials admits any member of the trust domain; a handler learns
-// which one it is talking to with PeerID (or PeerSVID, which also returns
-// the verified chain) and decides from there. On an agent:
+// which one it is talking to, and the verified chain it presented, with
+// PeerSVID, and decides from there. On an agent:
 //
 //	broker := spiffeid.RequireFromPath(td, "/broker")
 //	conn, err := grpc.NewClient(addr,

@@ -51,7 +51,7 @@ func ExampleFileSource() {
 
 	srv := grpc.NewServer(grpc.Creds(identity.ServerCredentials(src, src, td)))
 	healthpb.RegisterHealthServer(srv, health.NewServer())
-	// srv.Serve(listener); handlers call identity.PeerID(ctx) to learn
+	// srv.Serve(listener); handlers call identity.PeerSVID(ctx) to learn
 	// which agent is calling.
 	defer srv.Stop()
 

@@ -28,16 +28,16 @@ type Cluster struct {
 	// cache key.
 	Ref tunnel.ClusterRef
 	// Server and CAData tell the consumer how to reach the spoke. Server
-	// is required: the consumer's plugin hands the token only to it, and
-	// Exchange refuses a Cluster without one (FailedPrecondition) before
-	// minting.
+	// is never empty: the consumer's plugin hands the token only to it, so
+	// Clusters refuses a ClusterProfile without one.
 	Server string
 	CAData []byte
 }
 
 // Clusters looks up ClusterProfiles. Errors wrap errdefs.ErrNotFound when
 // the profile is absent or being deleted, and errdefs.ErrFailedPrecondition
-// when it names no server.
+// when no agent can serve it or it names no server; Exchange then mints
+// nothing.
 type Clusters interface {
 	Cluster(namespace, name string) (Cluster, error)
 }
@@ -224,11 +224,6 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 	cluster, err := s.cfg.Clusters.Cluster(r.cluster.Namespace, r.cluster.Name)
 	if err != nil {
 		return nil, err
-	}
-	if cluster.Server == "" {
-		// The consumer checks that the token goes to this server; with
-		// none it could not, so nothing is minted.
-		return nil, fmt.Errorf("ClusterProfile %s has no server to return with a token: %w", r.cluster, errdefs.ErrFailedPrecondition)
 	}
 
 	mintReq := &pb.MintRequest{

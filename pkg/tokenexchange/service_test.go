@@ -106,8 +106,6 @@ func (f fakeAccessReviews) Create(_ context.Context, sar *authorizationv1.Subjec
 type fakeClusters struct {
 	mu  sync.Mutex
 	uid types.UID
-	// noServer makes the clusters' Server empty.
-	noServer bool
 }
 
 func (f *fakeClusters) Cluster(namespace, name string) (Cluster, error) {
@@ -116,14 +114,10 @@ func (f *fakeClusters) Cluster(namespace, name string) (Cluster, error) {
 	if namespace != "fleet" || (name != "a" && name != "b") {
 		return Cluster{}, fmt.Errorf("clusterprofile %s/%s not found: %w", namespace, name, errdefs.ErrNotFound)
 	}
-	c := Cluster{
+	return Cluster{
 		Ref:    tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: f.uid},
 		Server: "https://spoke.example", CAData: []byte("ca"),
-	}
-	if f.noServer {
-		c.Server = ""
-	}
-	return c, nil
+	}, nil
 }
 
 // fakeMinter mints a distinct token per call, like an honest agent: for the
@@ -338,17 +332,6 @@ func TestExchangeErrors(t *testing.T) {
 // The consumer's plugin checks that the token goes to the cluster's server,
 // so an answer never lacks one: a cluster without a server is refused
 // before anything is minted.
-func TestClusterWithoutServerIsRefusedBeforeMinting(t *testing.T) {
-	f := newFixture(t)
-	f.cluster.noServer = true
-	resp, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
-	st := status.Convert(err)
-	assert.Equal(t, codes.FailedPrecondition, st.Code(), st.Message())
-	assert.Equal(t, "ClusterProfile fleet/a has no server to return with a token: failed precondition", st.Message())
-	assert.Nil(t, resp)
-	assert.Zero(t, f.minter.calls.Load(), "nothing may be minted for a cluster without a server")
-}
-
 func TestMintedTokenIsReusedWhileHalfItsLifetimeRemains(t *testing.T) {
 	f := newFixture(t)
 	req := &pb.ExchangeRequest{Cluster: fleetA().Cluster, ExpirationSeconds: 1200}

@@ -198,15 +198,8 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	if ttl == 0 {
 		ttl = time.Hour
 	}
-	certPEM, keyPEM, err := d.CA.IssueSVID(id, ttl)
+	cert, key, err := d.CA.WriteSVIDFor(dir, id, ttl)
 	if err != nil {
-		return nil, err
-	}
-	cert, key := filepath.Join(dir, "svid.crt"), filepath.Join(dir, "svid.key")
-	if err := testpki.WriteFileAtomic(cert, certPEM, 0o600); err != nil {
-		return nil, err
-	}
-	if err := testpki.WriteFileAtomic(key, keyPEM, 0o600); err != nil {
 		return nil, err
 	}
 	cfg := agent.Default()
