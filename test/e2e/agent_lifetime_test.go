@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"strings"
 	"testing"
@@ -12,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/credbroker/credbroker/internal/testpki"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
@@ -27,7 +29,7 @@ func TestAgentStreamEndsWithItsSVID(t *testing.T) {
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)
-	optInAudiences(t, spoke, "expiring-sa", []string{"before-expiry", "after-expiry"}, c.username())
+	optInAudiences(t, spoke, "expiring-sa", []string{"before-expiry", "after-expiry", "after-renewal"}, c.username())
 
 	issued := time.Now()
 	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{ID: framework.AgentID(name), SVIDTTL: ttl})
@@ -46,6 +48,61 @@ func TestAgentStreamEndsWithItsSVID(t *testing.T) {
 		// A new audience misses the token cache, so the broker must mint.
 		_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: ref, Audiences: []string{"after-expiry"}})
 		assert.Equal(t, codes.Unavailable, status.Code(err), "replica %d: %v", i, err)
+	}
+
+	// The SVID is renewed: the agent reconnects with it, over a new
+	// connection (the old one's handshake presented the expired SVID).
+	_, _, err = deployment.WriteAgentSVID(spoke, framework.AgentID(name), deployment.CA, time.Hour)
+	require.NoError(t, err)
+	for i, b := range deployment.Brokers {
+		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 30*time.Second, 50*time.Millisecond,
+			"replica %d never readmits the agent with its renewed SVID", i)
+		_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: ref, Audiences: []string{"after-renewal"}})
+		require.NoError(t, err, "replica %d", i)
+	}
+}
+
+// Trust boundary 5.3: when the trust bundle drops a CA, the brokers close
+// the streams of agents whose SVID it issued, without waiting for those
+// SVIDs to expire.
+func TestBundleWithoutTheCAClosesItsAgentsStreams(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[1]
+	const name = "rotated"
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
+	require.NoError(t, err)
+
+	// The trust domain gains a second CA, and the agent of fleet/rotated an
+	// SVID from it.
+	second, err := testpki.NewCA(framework.TrustDomain)
+	require.NoError(t, err)
+	writeBundle := func(pems ...[]byte) {
+		t.Helper()
+		require.NoError(t, testpki.WriteFileAtomic(deployment.CAFile, bytes.Join(pems, nil), 0o600))
+	}
+	writeBundle(deployment.CA.BundlePEM(), second.BundlePEM())
+	t.Cleanup(func() { writeBundle(deployment.CA.BundlePEM()) })
+	require.Eventually(t, func() bool {
+		// Refused by the mapping, no longer by the handshake.
+		return status.Code(connectAs(t, second, framework.AgentID("no-such-profile"))) == codes.PermissionDenied
+	}, 30*time.Second, 200*time.Millisecond, "the brokers never trust the second CA")
+	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{ID: framework.AgentID(name), CA: second})
+	require.NoError(t, err)
+	defer stop()
+	for i, b := range deployment.Brokers {
+		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 30*time.Second, 50*time.Millisecond,
+			"replica %d never admits the agent", i)
+	}
+
+	// The second CA leaves the bundle; its agent's SVID is still valid.
+	writeBundle(deployment.CA.BundlePEM())
+	for i, b := range deployment.Brokers {
+		assert.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 0 }, 30*time.Second, 50*time.Millisecond,
+			"replica %d keeps the stream of an agent whose CA left the bundle", i)
+	}
+	// The other agents, whose CA stayed, keep serving.
+	for i, b := range deployment.Brokers {
+		assert.Equal(t, 1, b.Connected(framework.FleetNamespace, env.Spokes[0].Name), "replica %d", i)
 	}
 }
 

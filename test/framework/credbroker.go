@@ -158,12 +158,25 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 	return d.StartAgentWith(ctx, spoke, AgentOptions{ID: id})
 }
 
+// WriteAgentSVID issues an SVID for id from ca, valid for ttl, and writes it
+// where the agents of spoke with that ID read theirs, replacing what they
+// hold: they load it at their next file check.
+func (d *Deployment) WriteAgentSVID(spoke *Cluster, id string, ca *testpki.CA, ttl time.Duration) (certFile, keyFile string, err error) {
+	dir := filepath.Join(d.dir, "agent-"+spoke.Name+"-"+strings.NewReplacer(":", "_", "/", "_").Replace(id))
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", "", err
+	}
+	return ca.WriteSVIDFor(dir, id, ttl)
+}
+
 // AgentOptions configure StartAgentWith.
 type AgentOptions struct {
 	// ID is the SPIFFE ID of the agent's SVID; required.
 	ID string
 	// SVIDTTL is how long the SVID is valid from now. Default 1h.
 	SVIDTTL time.Duration
+	// CA issues the SVID. Default: the deployment's CA.
+	CA *testpki.CA
 	// Cluster is the agent's --cluster; empty serves whichever
 	// ClusterProfile the broker admits it for.
 	Cluster string
@@ -190,15 +203,15 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	if err != nil {
 		return nil, err
 	}
-	dir := filepath.Join(d.dir, "agent-"+spoke.Name+"-"+strings.NewReplacer(":", "_", "/", "_").Replace(id))
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, err
-	}
 	ttl := opts.SVIDTTL
 	if ttl == 0 {
 		ttl = time.Hour
 	}
-	cert, key, err := d.CA.WriteSVIDFor(dir, id, ttl)
+	ca := opts.CA
+	if ca == nil {
+		ca = d.CA
+	}
+	cert, key, err := d.WriteAgentSVID(spoke, id, ca, ttl)
 	if err != nil {
 		return nil, err
 	}
