@@ -7,11 +7,14 @@
 // spec.cluster.config (see package plugin) or from --cluster.
 //
 // The token is printed only when spec.cluster.server, where client-go will
-// send it, is the server the broker reports for that ClusterProfile (see
-// package plugin).
+// send it, is the server the broker reports for that ClusterProfile, and
+// spec.cluster.certificate-authority-data its CA bundle, with no
+// insecure-skip-tls-verify, no proxy-url and no tls-server-name other than
+// the server's host (see package plugin).
 //
 // Exit status: 0 with an ExecCredential on stdout; 1 when no token could be
-// had, or it was refused for another server; 2 for bad flags. Errors go to
+// had, or it was refused for another server, CA or transport; 2 for bad
+// flags. Errors go to
 // stderr as "[credbroker] <message>".
 //
 // A cluster-inventory-api provider file entry:

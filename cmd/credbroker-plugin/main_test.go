@@ -55,19 +55,20 @@ const spokeServer = "https://spoke.example:6443"
 
 // fakeBroker checks the bearer token, records requests, denies the
 // ClusterProfile fleet/denied and answers every other one with spokeToken
-// and the server set by setServer (default spokeServer).
+// and the server and CA set by setCluster (default spokeServer and none).
 type fakeBroker struct {
 	credbrokerv1alpha1.UnimplementedTokenExchangeServer
 
 	mu       sync.Mutex
 	requests []*credbrokerv1alpha1.ExchangeRequest
 	server   string
+	ca       []byte
 }
 
-func (f *fakeBroker) setServer(s string) {
+func (f *fakeBroker) setCluster(server string, ca []byte) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.server = s
+	f.server, f.ca = server, ca
 }
 
 func (f *fakeBroker) Exchange(ctx context.Context, req *credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
@@ -77,12 +78,12 @@ func (f *fakeBroker) Exchange(ctx context.Context, req *credbrokerv1alpha1.Excha
 	}
 	f.mu.Lock()
 	f.requests = append(f.requests, proto.CloneOf(req))
-	server := cmp.Or(f.server, spokeServer)
+	server, ca := cmp.Or(f.server, spokeServer), f.ca
 	f.mu.Unlock()
 	if req.GetCluster().GetName() == "denied" {
 		return nil, status.Error(codes.PermissionDenied, denied)
 	}
-	return &credbrokerv1alpha1.ExchangeResponse{Token: spokeToken, ExpirationTime: timestamppb.New(expiry), Server: server}, nil
+	return &credbrokerv1alpha1.ExchangeResponse{Token: spokeToken, ExpirationTime: timestamppb.New(expiry), Server: server, CertificateAuthorityData: ca}, nil
 }
 
 func (f *fakeBroker) received() []*credbrokerv1alpha1.ExchangeRequest {
@@ -245,8 +246,9 @@ func TestBinary(t *testing.T) {
 			_, _ = w.Write([]byte(`{"kind":"APIVersions","versions":["v1"]}`))
 		}))
 		t.Cleanup(spoke.Close)
-		fake.setServer(spoke.URL)
-		t.Cleanup(func() { fake.setServer("") })
+		spokeCA := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: spoke.Certificate().Raw})
+		fake.setCluster(spoke.URL, spokeCA)
+		t.Cleanup(func() { fake.setCluster("", nil) })
 
 		cp := clusterinventoryv1alpha1.ClusterProfile{
 			ObjectMeta: metav1.ObjectMeta{Namespace: "fleet", Name: "prod-eu-1"},
@@ -255,7 +257,7 @@ func TestBinary(t *testing.T) {
 					Name: plugin.Name,
 					Cluster: clientcmdv1.Cluster{
 						Server:                   spoke.URL,
-						CertificateAuthorityData: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: spoke.Certificate().Raw}),
+						CertificateAuthorityData: spokeCA,
 						Extensions: []clientcmdv1.NamedExtension{{
 							Name:      "client.authentication.k8s.io/exec",
 							Extension: runtime.RawExtension{Raw: []byte(prod)},

@@ -41,6 +41,49 @@
 // error naming both URLs (errdefs.ErrPermissionDenied), and the binary
 // exits 1 with nothing on stdout.
 //
+// The right URL is not enough: the same status writer could give profile
+// X the real server with a CA of theirs, or no verification, or a proxy of
+// theirs, and whoever sits on the path (DNS, the network, the proxy) reads
+// the token. So the rest of spec.cluster that decides where the token goes
+// is checked too, and each mismatch is refused with
+// errdefs.ErrPermissionDenied, naming every setting at fault:
+//
+//   - certificate-authority-data must be the CA bundle the broker reports
+//     for the ClusterProfile, byte for byte once surrounding white space is
+//     trimmed. When the broker reports none, the exec info must carry none:
+//     both then trust the system roots. A bundle on one side only is a
+//     mismatch, since the system roots are not the cluster's CA and a CA
+//     the cluster does not have is someone else's. A CA given by file
+//     (certificate-authority) reaches the plugin as data, while the broker
+//     ignores such paths, so it never matches: give the CA as data. Errors
+//     name bundles by size and SHA-256, never by content. The bundles are
+//     compared as bytes, not parsed: the broker and client-go both read
+//     them from the same ClusterProfile field, so an honest pair is equal.
+//   - insecure-skip-tls-verify must be false.
+//   - proxy-url must be empty. The broker reports no proxy for a cluster,
+//     so there is nothing to check a proxy against, and a proxy of the
+//     attacker's sits on the token's path: with an http server it reads
+//     the token, and over TLS it needs only one more weakness (a CA that
+//     signs other names too) to read it, while it sees where and when the
+//     token is used in any case. Spokes reached through a proxy are not
+//     supported by the pin yet; the broker would have to report the proxy
+//     from the ClusterProfile. A proxy from the consumer's own environment
+//     (HTTPS_PROXY) is not in the exec info and is not the status writer's
+//     to choose.
+//   - tls-server-name must be empty or the server URL's host (case aside,
+//     an IP address in any spelling), which is what the client verifies
+//     anyway. The broker reports no TLS server name, and another name
+//     lets the client accept any certificate the cluster's CA issued for
+//     that name: a CA shared by several clusters, or a cluster CA that also
+//     signs other serving certificates (kubelets'), would hand the token to
+//     whoever holds one of those. Refusing costs little, as access
+//     providers rarely need a TLS server name, and they can be supported
+//     when the broker reports one.
+//
+// insecure-skip-tls-verify, proxy-url and tls-server-name are checked
+// before the exchange, so they cost no mint; the CA, like the server, only
+// after it, since the broker answers the cluster's with the token.
+//
 // When the ExecCredential carries no server (provideClusterInfo: false, or
 // a Go caller that passes none), there is nothing to compare, and GetToken
 // refuses before it asks for a token (errdefs.ErrFailedPrecondition), even

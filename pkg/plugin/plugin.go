@@ -143,10 +143,15 @@ func (p *Provider) Name() string { return Name }
 //
 // The token is returned only when in.Spec.Cluster.Server, where client-go
 // will send it, is the server the broker reports for that ClusterProfile,
-// spelling aside (scheme and host case, default port, trailing slash).
-// Otherwise the error wraps errdefs.ErrPermissionDenied and names both
-// servers. Without in.Spec.Cluster.Server, GetToken asks for no token and
-// returns an error wrapping errdefs.ErrFailedPrecondition.
+// spelling aside (scheme and host case, default port, trailing slash), and
+// in.Spec.Cluster.CertificateAuthorityData is the CA bundle the broker
+// reports, surrounding white space aside (both empty is the same). Otherwise
+// the error wraps errdefs.ErrPermissionDenied and names both servers, or
+// both bundles by size and SHA-256. Exec info with InsecureSkipTLSVerify, a
+// ProxyURL, or a TLSServerName other than the server's host is refused the
+// same way before any token is asked for. Without in.Spec.Cluster.Server,
+// GetToken asks for no token and returns an error wrapping
+// errdefs.ErrFailedPrecondition.
 func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecCredential) (clientauthenticationv1.ExecCredentialStatus, error) {
 	var none clientauthenticationv1.ExecCredentialStatus
 	cluster, err := p.cluster(&in)
@@ -163,6 +168,9 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 	if execServer == "" {
 		return none, fmt.Errorf("exchange for cluster %s: ExecCredential has no spec.cluster.server to check the cluster's "+
 			"server against; set provideClusterInfo: true in the exec config: %w", cluster, errdefs.ErrFailedPrecondition)
+	}
+	if err := checkTransport(cluster, in.Spec.Cluster); err != nil {
+		return none, err
 	}
 	hubToken, err := readToken(p.cfg.TokenFile)
 	if err != nil {
@@ -207,6 +215,9 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 		return none, fmt.Errorf("exchange for cluster %s: broker returned an invalid expiration time: %w", cluster, err)
 	}
 	if err := sameServer(cluster, execServer, resp.GetServer()); err != nil {
+		return none, err
+	}
+	if err := sameCA(cluster, execServer, in.Spec.Cluster.CertificateAuthorityData, resp.GetCertificateAuthorityData()); err != nil {
 		return none, err
 	}
 	expiry := metav1.NewTime(exp.AsTime().UTC())

@@ -1,9 +1,12 @@
 package plugin_test
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/hex"
 	"net"
 	"os"
 	"path/filepath"
@@ -63,10 +66,43 @@ func objRef(ns, name string) *credbrokerv1alpha1.ObjectReference {
 	return &credbrokerv1alpha1.ObjectReference{Namespace: ns, Name: name}
 }
 
+// withCluster returns in with f applied to its spec.cluster.
+func withCluster(in clientauthenticationv1.ExecCredential, f func(*clientauthenticationv1.Cluster)) clientauthenticationv1.ExecCredential {
+	c := *in.Spec.Cluster
+	f(&c)
+	in.Spec.Cluster = &c
+	return in
+}
+
+// respondWithCA is okResponse with ca as the cluster's CA bundle.
+func respondWithCA(ca []byte) func(*credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
+	return func(req *credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
+		resp, err := okResponse(req)
+		resp.CertificateAuthorityData = ca
+		return resp, err
+	}
+}
+
+// caPEM returns the PEM certificate of a new CA.
+func caPEM(t *testing.T, name string) []byte {
+	t.Helper()
+	ca, err := testpki.NewCA(name)
+	require.NoError(t, err)
+	return ca.BundlePEM()
+}
+
+// sha256Hex is the SHA-256 of b in lower-case hex.
+func sha256Hex(b []byte) string {
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
+}
+
 func TestGetToken(t *testing.T) {
 	permissionDenied := func(*credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
 		return nil, status.Error(codes.PermissionDenied, `system:serviceaccount:apps:ci may not use fleet/prod-eu-1`)
 	}
+	clusterCA := caPEM(t, "cluster.test")
+	attackerCA := caPEM(t, "attacker.test")
 	tests := []struct {
 		name    string
 		respond func(*credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error)
@@ -75,8 +111,10 @@ func TestGetToken(t *testing.T) {
 		// want is the request the broker must see; nil means none.
 		want    *credbrokerv1alpha1.ExchangeRequest
 		wantErr []string
-		code    codes.Code
-		is      error
+		// notInErr must not appear in the error.
+		notInErr []string
+		code     codes.Code
+		is       error
 	}{
 		{
 			name: "cluster from spec.cluster.config",
@@ -156,6 +194,123 @@ func TestGetToken(t *testing.T) {
 		{
 			name: "exec info server in another spelling of the cluster's",
 			in:   execCredentialFor("HTTPS://Spoke.Example:6443/", prodConfig),
+			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+		},
+		// The bypasses of the server pin: the right server, but a client
+		// that would trust, or reach, someone else on the way to it.
+		{
+			name:    "exec info CA is not the cluster's",
+			respond: respondWithCA(clusterCA),
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.CertificateAuthorityData = attackerCA
+			}),
+			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+			wantErr: []string{"fleet/prod-eu-1", "https://spoke.example:6443", "certificate-authority-data",
+				"SHA-256 " + sha256Hex(bytes.TrimSpace(attackerCA)), "SHA-256 " + sha256Hex(bytes.TrimSpace(clusterCA))},
+			notInErr: []string{"BEGIN CERTIFICATE", string(attackerCA[30:60]), string(clusterCA[30:60])},
+			code:     codes.PermissionDenied,
+			is:       errdefs.ErrPermissionDenied,
+		},
+		{
+			// Both empty would mean system roots on both sides; a CA the
+			// cluster does not have is someone else's.
+			name: "exec info has a CA, the cluster none",
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.CertificateAuthorityData = attackerCA
+			}),
+			want:     &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+			wantErr:  []string{"certificate-authority-data", "SHA-256 " + sha256Hex(bytes.TrimSpace(attackerCA)), "none"},
+			notInErr: []string{"BEGIN CERTIFICATE"},
+			code:     codes.PermissionDenied,
+			is:       errdefs.ErrPermissionDenied,
+		},
+		{
+			// Without a CA the client trusts the system roots, not the
+			// cluster's CA.
+			name:     "exec info has no CA, the cluster one",
+			respond:  respondWithCA(clusterCA),
+			in:       execCredential(prodConfig),
+			want:     &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+			wantErr:  []string{"certificate-authority-data", "SHA-256 " + sha256Hex(bytes.TrimSpace(clusterCA)), "none"},
+			notInErr: []string{"BEGIN CERTIFICATE"},
+			code:     codes.PermissionDenied,
+			is:       errdefs.ErrPermissionDenied,
+		},
+		{
+			name:    "exec info skips TLS verification",
+			respond: respondWithCA(clusterCA),
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.CertificateAuthorityData = clusterCA
+				c.InsecureSkipTLSVerify = true
+			}),
+			wantErr: []string{"fleet/prod-eu-1", "https://spoke.example:6443", "insecure-skip-tls-verify"},
+			code:    codes.PermissionDenied,
+			is:      errdefs.ErrPermissionDenied,
+		},
+		{
+			name: "exec info skips TLS verification without a CA",
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.InsecureSkipTLSVerify = true
+			}),
+			wantErr: []string{"insecure-skip-tls-verify"},
+			code:    codes.PermissionDenied,
+		},
+		{
+			name:    "exec info goes through a proxy",
+			respond: respondWithCA(clusterCA),
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.CertificateAuthorityData = clusterCA
+				c.ProxyURL = "http://u:secret@attacker.example:3128"
+			}),
+			wantErr:  []string{"fleet/prod-eu-1", "proxy-url", "http://u:xxxxx@attacker.example:3128", "behind a proxy are not supported"},
+			notInErr: []string{"secret"},
+			code:     codes.PermissionDenied,
+			is:       errdefs.ErrPermissionDenied,
+		},
+		{
+			name:    "exec info verifies another TLS server name",
+			respond: respondWithCA(clusterCA),
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.CertificateAuthorityData = clusterCA
+				c.TLSServerName = "attacker.example"
+			}),
+			wantErr: []string{"fleet/prod-eu-1", "tls-server-name", "attacker.example", "spoke.example"},
+			code:    codes.PermissionDenied,
+			is:      errdefs.ErrPermissionDenied,
+		},
+		{
+			name: "every bypass at once is named",
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.InsecureSkipTLSVerify = true
+				c.ProxyURL = "http://attacker.example:3128"
+				c.TLSServerName = "attacker.example"
+			}),
+			wantErr: []string{"insecure-skip-tls-verify", "proxy-url", "tls-server-name"},
+			code:    codes.PermissionDenied,
+		},
+		{
+			name:    "exec info CA is the cluster's",
+			respond: respondWithCA(clusterCA),
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.CertificateAuthorityData = clusterCA
+			}),
+			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+		},
+		{
+			name:    "exec info CA is the cluster's but for surrounding white space",
+			respond: respondWithCA(append([]byte("\n "), clusterCA...)),
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.CertificateAuthorityData = bytes.TrimSpace(clusterCA)
+			}),
+			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+		},
+		{
+			name:    "exec info TLS server name is the server's host",
+			respond: respondWithCA(clusterCA),
+			in: withCluster(execCredential(prodConfig), func(c *clientauthenticationv1.Cluster) {
+				c.CertificateAuthorityData = clusterCA
+				c.TLSServerName = "Spoke.Example"
+			}),
 			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
 		},
 		{
@@ -262,6 +417,10 @@ func TestGetToken(t *testing.T) {
 					assert.Contains(t, err.Error(), s)
 				}
 				assert.NotContains(t, err.Error(), testHubToken)
+				assert.NotContains(t, err.Error(), testSpokeToken)
+				for _, s := range tt.notInErr {
+					assert.NotContains(t, err.Error(), s)
+				}
 				if tt.code != codes.OK {
 					assert.Equal(t, tt.code, errdefs.Code(err))
 				}

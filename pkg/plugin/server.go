@@ -1,6 +1,8 @@
 package plugin
 
 import (
+	"bytes"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"net"
@@ -8,6 +10,8 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+
+	clientauthenticationv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 )
@@ -127,4 +131,72 @@ func sameServer(cluster Reference, execServer, brokerServer string) error {
 			cluster, displayServer(execServer), displayServer(brokerServer), cluster, errdefs.ErrPermissionDenied)
 	}
 	return nil
+}
+
+// checkTransport refuses, before any token is asked for, exec info whose
+// client would send the token to the server by a path the broker cannot
+// vouch for: without verifying the server's certificate, through a proxy,
+// or verifying it for another name than the server's host. It names every
+// such setting.
+func checkTransport(cluster Reference, c *clientauthenticationv1.Cluster) error {
+	var problems []string
+	if c.InsecureSkipTLSVerify {
+		problems = append(problems, "insecure-skip-tls-verify is true, so the client would not verify the server it sends the token to")
+	}
+	if c.ProxyURL != "" {
+		problems = append(problems, fmt.Sprintf("proxy-url is %s, so the client would send the token through that proxy, "+
+			"and the broker answers no proxy for the cluster to check it against: spokes behind a proxy are not supported "+
+			"by the server pin yet", displayServer(c.ProxyURL)))
+	}
+	if c.TLSServerName != "" && !isHost(c.Server, c.TLSServerName) {
+		problems = append(problems, fmt.Sprintf("tls-server-name is %q, so the client would accept a certificate for that name "+
+			"instead of the server's host, and the broker answers no TLS server name for the cluster to check it against",
+			c.TLSServerName))
+	}
+	if len(problems) == 0 {
+		return nil
+	}
+	return fmt.Errorf("exchange for cluster %s: refusing to ask for a token for %s: in ExecCredential spec.cluster, %s; "+
+		"the access provider that runs this plugin must give the cluster's server and CA only: %w",
+		cluster, displayServer(c.Server), strings.Join(problems, "; "), errdefs.ErrPermissionDenied)
+}
+
+// isHost reports whether name is the host of the URL server, as the TLS
+// client would verify it without a tls-server-name: case aside, and an IP
+// address in any spelling.
+func isHost(server, name string) bool {
+	u, err := url.Parse(server)
+	if err != nil {
+		return false
+	}
+	host := u.Hostname()
+	if a, err := netip.ParseAddr(host); err == nil {
+		b, err := netip.ParseAddr(name)
+		return err == nil && a == b
+	}
+	return host != "" && strings.EqualFold(host, name)
+}
+
+// sameCA reports whether the ExecCredential's CA bundle, the one client-go
+// will verify the server with, is the ClusterProfile's bundle that the
+// broker answered, surrounding white space aside; both empty (the system
+// roots) is the same. The error names both bundles by size and SHA-256,
+// never by content.
+func sameCA(cluster Reference, execServer string, execCA, brokerCA []byte) error {
+	got, want := bytes.TrimSpace(execCA), bytes.TrimSpace(brokerCA)
+	if bytes.Equal(got, want) {
+		return nil
+	}
+	return fmt.Errorf("exchange for cluster %s: refusing to hand its token to %s: the CA bundle that would verify it "+
+		"(ExecCredential spec.cluster.certificate-authority-data) is %s, and the cluster's is %s; the access provider "+
+		"that runs this plugin names ClusterProfile %s in its exec config but trusts another CA: %w",
+		cluster, displayServer(execServer), describeCA(got), describeCA(want), cluster, errdefs.ErrPermissionDenied)
+}
+
+// describeCA names a CA bundle in an error without quoting it.
+func describeCA(b []byte) string {
+	if len(b) == 0 {
+		return "none (the system roots)"
+	}
+	return fmt.Sprintf("%d bytes with SHA-256 %x", len(b), sha256.Sum256(b))
 }

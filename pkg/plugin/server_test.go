@@ -124,6 +124,64 @@ func TestSameServer(t *testing.T) {
 	}
 }
 
+func TestIsHost(t *testing.T) {
+	tests := []struct {
+		server, name string
+		want         bool
+	}{
+		{server: "https://spoke.example:6443", name: "spoke.example", want: true},
+		{server: "https://Spoke.Example:6443/", name: "SPOKE.example", want: true},
+		{server: "https://127.0.0.1:6443", name: "127.0.0.1", want: true},
+		{server: "https://[::1]:6443", name: "0:0:0:0:0:0:0:1", want: true},
+		{server: "https://spoke.example:6443", name: "attacker.example"},
+		{server: "https://spoke.example:6443", name: "spoke.example:6443"},
+		{server: "https://spoke.example:6443", name: "spoke.example."},
+		{server: "https://127.0.0.1:6443", name: "127.0.0.2"},
+		{server: "https://127.0.0.1:6443", name: "localhost"},
+		{server: "https://", name: ""},
+		{server: "https://%zz", name: "%zz"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.server+" "+tt.name, func(t *testing.T) {
+			assert.Equal(t, tt.want, isHost(tt.server, tt.name))
+		})
+	}
+}
+
+func TestSameCA(t *testing.T) {
+	prod := Reference{Namespace: "fleet", Name: "prod"}
+	const pemA = "-----BEGIN CERTIFICATE-----\nQUFBQQ==\n-----END CERTIFICATE-----\n"
+	const pemB = "-----BEGIN CERTIFICATE-----\nQkJCQg==\n-----END CERTIFICATE-----\n"
+	tests := []struct {
+		name         string
+		exec, broker string
+		wantErr      []string
+	}{
+		{name: "both none"},
+		{name: "equal", exec: pemA, broker: pemA},
+		{name: "equal but for surrounding white space", exec: "  " + pemA + "\n\n", broker: pemA[:len(pemA)-1]},
+		{name: "white space only is none", exec: " \n", broker: ""},
+		{name: "other", exec: pemB, broker: pemA, wantErr: []string{"fleet/prod", "62 bytes with SHA-256 ", "certificate-authority-data"}},
+		{name: "exec only", exec: pemB, wantErr: []string{"none (the system roots)"}},
+		{name: "broker only", broker: pemA, wantErr: []string{"is none (the system roots), and the cluster's is 62 bytes"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := sameCA(prod, "https://prod.example", []byte(tt.exec), []byte(tt.broker))
+			if tt.wantErr == nil {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorIs(t, err, errdefs.ErrPermissionDenied)
+			for _, s := range tt.wantErr {
+				assert.Contains(t, err.Error(), s)
+			}
+			assert.NotContains(t, err.Error(), "QUFBQQ")
+			assert.NotContains(t, err.Error(), "QkJCQg")
+		})
+	}
+}
+
 // FuzzCanonicalServer checks that canonicalServer never panics, that its
 // result is its own canonical form, and that two URLs it calls equal stay
 // equal: a URL and its canonical form name the same server.
