@@ -174,7 +174,11 @@ func TestIndexAgainstAPIServer(t *testing.T) {
 		require.NoError(t, client.Delete(ctx, rogue.Name, metav1.DeleteOptions{}))
 
 		// A later claim on an annotated ID leaves it with its holder.
+		// creationTimestamp counts whole seconds, and within one second the
+		// lower UID would hold the ID: claim it a second later.
+		time.Sleep(time.Until(west.CreationTimestamp.Add(1100 * time.Millisecond)))
 		heir = create(profile("", "heir", westID))
+		require.True(t, heir.CreationTimestamp.After(west.CreationTimestamp.Time))
 		changed("default/west", west.UID) // west shares an ID with the newcomer
 		forAgent(westID, "west", west.UID, "")
 		cp, err = idx.Get("default", "heir")
