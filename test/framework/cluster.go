@@ -67,11 +67,15 @@ type Cluster struct {
 	Issuer string
 	// Inventory is a cluster-inventory-api clientset; set on the hub only.
 	Inventory inventory.Interface
+	// AuditLog is the API server's audit log (JSON lines, Metadata level,
+	// watches left out); AuditEvents reads it.
+	AuditLog string
 
-	mu     sync.Mutex
-	cp     *envtest.ControlPlane
-	admin  *envtest.AuthenticatedUser
-	output *tailBuffer
+	mu       sync.Mutex
+	cp       *envtest.ControlPlane
+	auditDir string
+	admin    *envtest.AuthenticatedUser
+	output   *tailBuffer
 }
 
 // Stop stops the cluster's kube-apiserver and etcd and removes their
@@ -87,10 +91,55 @@ func (c *Cluster) Stop() error {
 	}
 	cp := c.cp
 	c.cp = nil
-	if err := cp.Stop(); err != nil {
+	err := cp.Stop()
+	if rmErr := os.RemoveAll(c.auditDir); rmErr != nil {
+		err = errors.Join(err, rmErr)
+	}
+	if err != nil {
 		return fmt.Errorf("framework: stop %s: %w", c.Name, err)
 	}
 	return nil
+}
+
+// AuditEvent is what a test reads of one event of the audit log.
+type AuditEvent struct {
+	AuditID    string `json:"auditID"`
+	Verb       string `json:"verb"`
+	RequestURI string `json:"requestURI"`
+	User       struct {
+		Username string              `json:"username"`
+		Extra    map[string][]string `json:"extra"`
+	} `json:"user"`
+	ResponseStatus *struct {
+		Code int `json:"code"`
+	} `json:"responseStatus"`
+}
+
+// CredentialIDExtra is the user extra in which kube-apiserver records the
+// credential id of a request's token, "JTI=<jti>" for a ServiceAccount token.
+const CredentialIDExtra = "authentication.kubernetes.io/credential-id"
+
+// AuditEvents returns the events of the audit log that match, in the order
+// the API server wrote them.
+func (c *Cluster) AuditEvents(match func(AuditEvent) bool) ([]AuditEvent, error) {
+	f, err := os.Open(c.AuditLog)
+	if err != nil {
+		return nil, fmt.Errorf("framework: %s: audit log: %w", c.Name, err)
+	}
+	defer f.Close()
+	var out []AuditEvent
+	dec := json.NewDecoder(f)
+	for {
+		var ev AuditEvent
+		if err := dec.Decode(&ev); errors.Is(err, io.EOF) {
+			return out, nil
+		} else if err != nil {
+			return out, fmt.Errorf("framework: %s: audit log: %w", c.Name, err)
+		}
+		if match(ev) {
+			out = append(out, ev)
+		}
+	}
 }
 
 // Kubeconfig returns an admin kubeconfig for the cluster, for tools and

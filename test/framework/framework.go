@@ -304,6 +304,18 @@ func startClusterOnce(ctx context.Context, name, bin string, opts Options) (*Clu
 	args.Set("service-account-issuer", issuer)
 	args.Set("api-audiences", issuer)
 	args.Set("authorization-mode", "RBAC")
+	// Every cluster keeps an audit log, so that tests can follow a request
+	// made with a brokered token back to the credential id the broker
+	// audited.
+	auditDir, err := os.MkdirTemp("", "credbroker-audit-"+name+"-")
+	if err != nil {
+		return nil, fmt.Errorf("audit dir: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(auditDir, "policy.yaml"), []byte(auditPolicy), 0o600); err != nil {
+		return nil, errors.Join(fmt.Errorf("audit policy: %w", err), os.RemoveAll(auditDir))
+	}
+	args.Set("audit-policy-file", filepath.Join(auditDir, "policy.yaml"))
+	args.Set("audit-log-path", filepath.Join(auditDir, "audit.log"))
 	cp := &envtest.ControlPlane{
 		APIServer: api,
 		Etcd: &envtest.Etcd{
@@ -314,7 +326,7 @@ func startClusterOnce(ctx context.Context, name, bin string, opts Options) (*Clu
 			Err:          out,
 		},
 	}
-	c := &Cluster{Name: name, Issuer: issuer, cp: cp, output: tail}
+	c := &Cluster{Name: name, Issuer: issuer, AuditLog: filepath.Join(auditDir, "audit.log"), cp: cp, auditDir: auditDir, output: tail}
 	if err := cp.Start(); err != nil {
 		// ControlPlane.Start stops etcd but not an API server that timed out.
 		return nil, errors.Join(
@@ -326,6 +338,18 @@ func startClusterOnce(ctx context.Context, name, bin string, opts Options) (*Clu
 	}
 	return c, nil
 }
+
+// auditPolicy records who made every request but watches, at the Metadata
+// level: user, groups, extra (which carries the credential id), verb,
+// object and response code, never a body.
+const auditPolicy = `apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: None
+    verbs: ["watch"]
+  - level: Metadata
+`
 
 // connect provisions the admin user and clients, and waits for the default
 // namespace, as envtest.Environment does.

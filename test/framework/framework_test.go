@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -15,12 +16,14 @@ import (
 	"github.com/go-logr/logr/funcr"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	authenticationv1 "k8s.io/api/authentication/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/credbroker/credbroker/pkg/token"
 	"github.com/credbroker/credbroker/test/framework"
 )
 
@@ -458,4 +461,35 @@ func TestGrantClusterWide(t *testing.T) {
 		require.NoError(t, err)
 		assert.False(t, allowed)
 	})
+}
+
+// The audit log of every cluster records the credential id of a request's
+// token in the form token.ID gives it, so a brokered token's audit line can
+// be matched with the spoke's own record of what the token did.
+func TestAuditLogNamesTheCredential(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	spoke := env(t).Spokes[0]
+	_, err := spoke.CreateServiceAccount(ctx, "t-audit", "user", nil)
+	require.NoError(t, err)
+	tok, err := spoke.Token(ctx, "t-audit", "user", nil, 10*time.Minute)
+	require.NoError(t, err)
+	client, err := kubernetes.NewForConfig(spoke.TokenConfig(tok))
+	require.NoError(t, err)
+	_, err = client.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+	require.NoError(t, err)
+
+	id := token.ID(tok)
+	require.True(t, strings.HasPrefix(id, "JTI="), id)
+	var events []framework.AuditEvent
+	require.Eventually(t, func() bool {
+		events, err = spoke.AuditEvents(func(ev framework.AuditEvent) bool {
+			return slices.Contains(ev.User.Extra[framework.CredentialIDExtra], id)
+		})
+		require.NoError(t, err)
+		return len(events) > 0
+	}, 10*time.Second, 50*time.Millisecond, "no audit event carries %s", id)
+	assert.Equal(t, "system:serviceaccount:t-audit:user", events[0].User.Username)
+	assert.Equal(t, "create", events[0].Verb)
+	assert.Contains(t, events[0].RequestURI, "selfsubjectreviews")
 }
