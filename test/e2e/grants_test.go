@@ -7,12 +7,14 @@ import (
 	"errors"
 	"io"
 	"os"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -24,6 +26,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/credbroker/credbroker/pkg/spoke"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
 
@@ -181,4 +184,52 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, admin.Delete(ctx, s.Name, metav1.DeleteOptions{}))
 	})
+}
+
+// Deleting a token's grant on the spoke makes the spoke refuse the token,
+// and the grant names the same credential id as the exchange and the
+// broker's audit line.
+func TestDeletingGrantRevokesIssuedToken(t *testing.T) {
+	ctx := context.Background()
+	cluster := env.Spokes[0]
+	c := newConsumer(t, "credbroker", cluster.Name)
+	ns := optIn(t, cluster, "revocable", c.username())
+	resp, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster)})
+	require.NoError(t, err)
+	id := resp.GetCredentialId()
+	require.Regexp(t, `^JTI=`, id)
+
+	review := func() (*authenticationv1.SelfSubjectReview, error) {
+		client, err := kubernetes.NewForConfig(cluster.TokenConfig(resp.GetToken()))
+		require.NoError(t, err)
+		return client.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+	}
+	self, err := review()
+	require.NoError(t, err)
+	assert.Equal(t, "system:serviceaccount:"+ns+":revocable", self.Status.UserInfo.Username)
+	assert.Equal(t, []string{id}, []string(self.Status.UserInfo.Extra["authentication.kubernetes.io/credential-id"]))
+
+	// The spoke admin's one command: the grant of a credential id.
+	list, err := cluster.Client.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{LabelSelector: spoke.GrantLabelSelector})
+	require.NoError(t, err)
+	i := slices.IndexFunc(list.Items, func(s corev1.Secret) bool { return s.Annotations[spoke.GrantCredentialIDAnnotation] == id })
+	require.GreaterOrEqual(t, i, 0, "no grant carries credential id %s", id)
+	grant := list.Items[i]
+	assert.Equal(t, spoke.GrantType, grant.Type)
+	assert.Empty(t, grant.Data)
+	assert.Equal(t, c.username(), grant.Annotations[spoke.GrantHubUserAnnotation])
+	assert.Equal(t, framework.FleetNamespace+"/"+cluster.Name, grant.Annotations[spoke.GrantClusterProfileAnnotation])
+	assert.Equal(t, "revocable", grant.Annotations[spoke.GrantServiceAccountAnnotation])
+
+	// The broker's audit line names the same credential and hub subject.
+	line := logLine(t, `"msg"="exchange"`, `"user"="`+c.username()+`"`, `"credentialID"="`+id+`"`)
+	assert.Contains(t, line, `"uid"="`+grant.Annotations[spoke.GrantHubUIDAnnotation]+`"`)
+
+	require.NoError(t, cluster.Client.CoreV1().Secrets(ns).Delete(ctx, grant.Name, metav1.DeleteOptions{}))
+	deleted := time.Now()
+	require.Eventually(t, func() bool {
+		_, err := review()
+		return apierrors.IsUnauthorized(err)
+	}, 30*time.Second, 100*time.Millisecond, "the spoke still accepts a token whose grant was deleted")
+	t.Logf("revocation lag: the spoke refused the token %s after its grant was deleted", time.Since(deleted).Round(100*time.Millisecond))
 }
