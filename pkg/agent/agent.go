@@ -64,6 +64,7 @@ type Config struct {
 	// CollectInterval is how often the agent lists its grants to delete
 	// those whose token has expired, including those left by an agent that
 	// stopped before it could. Zero means spoke.DefaultCollectInterval.
+	// No grant outlives its token by more than this while an agent runs.
 	CollectInterval time.Duration
 
 	// InitialBackoff and MaxBackoff bound reconnect waits.
@@ -79,6 +80,7 @@ func Default() Config {
 		MaxExpiration:     time.Hour,
 		ResolveInterval:   30 * time.Second,
 		MintTimeout:       30 * time.Second,
+		CollectInterval:   spoke.DefaultCollectInterval,
 		FileCheckInterval: 5 * time.Second,
 		InitialBackoff:    500 * time.Millisecond,
 		MaxBackoff:        30 * time.Second,
@@ -101,6 +103,7 @@ func (c *Config) Validate() error {
 	}
 	need(c.ResolveInterval > 0, "the resolve interval must be positive")
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
+	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
 	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")

@@ -57,8 +57,8 @@ const (
 	grantGenerateName = "credbroker-grant-"
 )
 
-// GrantSelector selects grants: the label selector and field selector to
-// list them with.
+// GrantLabelSelector and GrantFieldSelector select grants, by label and by
+// Secret type, in a List.
 var (
 	GrantLabelSelector = GrantLabel + "=true"
 	GrantFieldSelector = fields.OneTermEqualSelector("type", string(GrantType)).String()

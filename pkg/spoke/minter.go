@@ -198,7 +198,9 @@ func New(cfg Config) (*Minter, error) {
 // ServiceAccount, ErrPermissionDenied when no ServiceAccount allows the
 // subject or the ServiceAccount does not allow an audience,
 // ErrFailedPrecondition when several allow the subject and req names none, and
-// ErrUnavailable when the spoke API server fails or refuses the agent.
+// ErrUnavailable when the spoke API server fails or refuses the agent. Each
+// token is bound to a grant Secret created first (see the package doc); Mint
+// fails rather than mint a token without one.
 func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
 	if err := validate(req); err != nil {
 		m.log.Info("refused mint request", "subject", req.GetSubject().GetUsername(), "error", err.Error())
