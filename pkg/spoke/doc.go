@@ -97,7 +97,8 @@
 // The agent's own identity needs list and watch on serviceaccounts, create
 // on serviceaccounts/token, and create, patch, delete and list on secrets.
 // RBAC cannot narrow the secrets verbs to grants; deploy/spoke/admission.yaml
-// refuses the agent any write to a Secret that is not a grant. Mint's errors wrap the sentinels of
+// refuses the agent any write to a Secret that is not a grant, and any
+// TokenRequest not bound to a Secret named credbroker-grant-…. Mint's errors wrap the sentinels of
 // package errdefs, and their messages say what to change; none contains a
 // token, and neither does the log, which names a token by its credential
 // ID (token.ID).

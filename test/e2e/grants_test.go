@@ -52,15 +52,15 @@ func readObjects(t *testing.T, path string) []any {
 	}
 }
 
-// applySpokeAdmission creates on spoke the admission policy and binding of
-// deploy/spoke/admission.yaml, as shipped, and deletes them when the test
-// ends.
-func applySpokeAdmission(t *testing.T, spoke *framework.Cluster) {
+// applySpokeAdmission creates on spoke the admission policies and bindings
+// of deploy/spoke/admission.yaml, as shipped, waits until they refuse the
+// agent a Secret in probeNamespace, and deletes them when the test ends.
+func applySpokeAdmission(t *testing.T, spoke *framework.Cluster, probeNamespace string) {
 	t.Helper()
 	ctx := context.Background()
 	client := spoke.Client.AdmissionregistrationV1()
 	objs := readObjects(t, "../../deploy/spoke/admission.yaml")
-	require.Len(t, objs, 2)
+	require.Len(t, objs, 4)
 	for _, obj := range objs {
 		var err error
 		switch o := obj.(type) {
@@ -79,6 +79,16 @@ func applySpokeAdmission(t *testing.T, spoke *framework.Cluster) {
 		}
 		require.NoError(t, err)
 	}
+	// A policy takes effect once the API server has loaded it.
+	secrets, agent := spoke.Client.CoreV1().Secrets(probeNamespace), agentClient(t, spoke).CoreV1().Secrets(probeNamespace)
+	require.Eventually(t, func() bool {
+		s, err := agent.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: "probe-"}}, metav1.CreateOptions{})
+		if err == nil {
+			_ = secrets.Delete(ctx, s.Name, metav1.DeleteOptions{})
+			return false
+		}
+		return apierrors.IsForbidden(err)
+	}, 10*time.Second, 50*time.Millisecond, "the agent still creates Secrets that are not grants")
 }
 
 // The agent's RBAC as shipped is what the e2e agents run with.
@@ -125,17 +135,7 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 	}, metav1.CreateOptions{})
 	require.NoError(t, err)
 
-	applySpokeAdmission(t, cluster)
-
-	// A policy takes effect once the API server has loaded it.
-	require.Eventually(t, func() bool {
-		s, err := agent.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: "probe-"}}, metav1.CreateOptions{})
-		if err == nil {
-			_ = admin.Delete(ctx, s.Name, metav1.DeleteOptions{})
-			return false
-		}
-		return apierrors.IsForbidden(err)
-	}, 10*time.Second, 50*time.Millisecond, "the agent still creates Secrets that are not grants")
+	applySpokeAdmission(t, cluster, ns)
 
 	refused := func(t *testing.T, err error) {
 		t.Helper()
@@ -179,6 +179,40 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 		refused(t, err)
 		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
 	})
+	t.Run("the agent may mint only tokens bound to a grant", func(t *testing.T) {
+		_, err := cluster.CreateServiceAccount(ctx, ns, "target", nil)
+		require.NoError(t, err)
+		sas := agentClient(t, cluster).CoreV1().ServiceAccounts(ns)
+		mint := func(ref *authenticationv1.BoundObjectReference) error {
+			_, err := sas.CreateToken(ctx, "target", &authenticationv1.TokenRequest{
+				Spec: authenticationv1.TokenRequestSpec{BoundObjectRef: ref},
+			}, metav1.CreateOptions{})
+			return err
+		}
+		refusedBy := func(t *testing.T, err error) {
+			t.Helper()
+			require.Error(t, err)
+			assert.True(t, apierrors.IsForbidden(err), "%v", err)
+			assert.Contains(t, err.Error(), "ValidatingAdmissionPolicy 'credbroker-agent-bound-tokens'")
+		}
+		// This policy may load a moment after the other.
+		require.Eventually(t, func() bool { return apierrors.IsForbidden(mint(nil)) }, 10*time.Second, 50*time.Millisecond,
+			"the agent still mints unbound tokens")
+		refusedBy(t, mint(nil))
+		refusedBy(t, mint(&authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Secret", Name: victim.Name, UID: victim.UID}))
+		refusedBy(t, mint(&authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Pod", Name: "credbroker-grant-x", UID: "x"}))
+
+		g := grantObject("", nil)
+		g.GenerateName = "credbroker-grant-"
+		g, err = agent.Create(ctx, g, metav1.CreateOptions{})
+		require.NoError(t, err)
+		require.NoError(t, mint(&authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Secret", Name: g.Name, UID: g.UID}))
+		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
+
+		// Anyone else may still mint unbound tokens.
+		_, err = cluster.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, "target", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+		require.NoError(t, err)
+	})
 	t.Run("everyone else is left alone", func(t *testing.T) {
 		s, err := admin.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: "admin-"}}, metav1.CreateOptions{})
 		require.NoError(t, err)
@@ -194,6 +228,8 @@ func TestDeletingGrantRevokesIssuedToken(t *testing.T) {
 	cluster := env.Spokes[0]
 	c := newConsumer(t, "credbroker", cluster.Name)
 	ns := optIn(t, cluster, "revocable", c.username())
+	// The agent works under the shipped admission policies.
+	applySpokeAdmission(t, cluster, ns)
 	resp, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster)})
 	require.NoError(t, err)
 	id := resp.GetCredentialId()
