@@ -30,6 +30,7 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.StringVar(&cfg.Namespace, "namespace", "", "only mint for ServiceAccounts of this namespace; empty means all")
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
 	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "bound on one TokenRequest; keep it at least the broker's --mint-timeout")
+	fs.DurationVar(&cfg.CollectInterval, "grant-collect-interval", cfg.CollectInterval, "how often to delete the grant Secrets of expired tokens, including those a previous agent left")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err

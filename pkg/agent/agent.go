@@ -50,7 +50,8 @@ type Config struct {
 	FileCheckInterval                          time.Duration
 
 	// Spoke is the spoke API server's client config; the agent needs
-	// create on serviceaccounts/token and list/watch on serviceaccounts.
+	// create on serviceaccounts/token, list/watch on serviceaccounts, and
+	// create, patch, delete and list on secrets for its grants.
 	Spoke *rest.Config
 	// Namespace limits the ServiceAccounts the agent may mint for; empty
 	// means all namespaces.
@@ -60,6 +61,11 @@ type Config struct {
 	// MintTimeout bounds one TokenRequest. Keep it at least the broker's
 	// mint timeout, which bounds how long the broker waits for the answer.
 	MintTimeout time.Duration
+	// CollectInterval is how often the agent lists its grants to delete
+	// those whose token has expired, including those left by an agent that
+	// stopped before it could. Zero means spoke.DefaultCollectInterval.
+	// No grant outlives its token by more than this while an agent runs.
+	CollectInterval time.Duration
 
 	// InitialBackoff and MaxBackoff bound reconnect waits.
 	InitialBackoff, MaxBackoff time.Duration
@@ -74,6 +80,7 @@ func Default() Config {
 		MaxExpiration:     time.Hour,
 		ResolveInterval:   30 * time.Second,
 		MintTimeout:       30 * time.Second,
+		CollectInterval:   spoke.DefaultCollectInterval,
 		FileCheckInterval: 5 * time.Second,
 		InitialBackoff:    500 * time.Millisecond,
 		MaxBackoff:        30 * time.Second,
@@ -96,6 +103,7 @@ func (c *Config) Validate() error {
 	}
 	need(c.ResolveInterval > 0, "the resolve interval must be positive")
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
+	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
 	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
@@ -116,6 +124,7 @@ type Agent struct {
 	synced    cache.InformerSynced
 	sas       corev1listers.ServiceAccountLister
 	targets   []*fanout
+	minter    *spoke.Minter
 }
 
 // New validates cfg and builds every part; nothing connects until Run.
@@ -145,12 +154,17 @@ func New(cfg Config) (*Agent, error) {
 	minter, err := spoke.New(spoke.Config{
 		Tokens:          spoke.NewTokenCreator(client),
 		ServiceAccounts: sas.Lister(),
+		Grants:          spoke.NewGrantStore(client, cfg.Namespace),
+		ClusterProfile:  tunnel.AdmittedClusterProfile,
+		CollectInterval: cfg.CollectInterval,
 		MaxExpiration:   cfg.MaxExpiration,
 		Log:             cfg.Log.WithName("mint"),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+
+	a.minter = minter
 
 	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
 	hello := &pb.Hello{AgentVersion: Version}
@@ -232,6 +246,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		return fmt.Errorf("agent: ServiceAccount informer did not sync within %s; check the spoke connection and the agent's RBAC (list and watch serviceaccounts)", a.cfg.CacheSyncTimeout)
 	}
+	g.Go(func() error { return a.minter.Run(ctx) })
 	for _, t := range a.targets {
 		g.Go(func() error { return t.Run(ctx) })
 	}

@@ -42,6 +42,38 @@
 // server of Kubernetes 1.34 or later refuses to mint for a ServiceAccount
 // deleted and recreated since then; older API servers ignore the UID.
 //
+// # Grants
+//
+// Every token is bound to a grant: before each TokenRequest the Minter
+// creates a Secret of type credbroker.io/grant (GrantType), named
+// credbroker-grant-<random>, in the ServiceAccount's namespace. It holds no
+// data. Its label credbroker.io/grant=true marks it, and its annotations
+// name the hub user and UID, the hub ClusterProfile the broker admitted the
+// agent for (Config.ClusterProfile reads it from the mint's context), the
+// ServiceAccount, the requested audiences and the expiry. The TokenRequest
+// names the grant in spec.boundObjectRef, and once the token is minted the
+// grant gets its credential id (credbroker.io/credential-id: JTI=<jti>, the
+// value the spoke's audit log carries in
+// authentication.kubernetes.io/credential-id and the broker's audit line in
+// credentialID) and a label credbroker.io/jti=<jti>, so
+//
+//	kubectl get secrets -A -l credbroker.io/jti=<jti> -o yaml
+//
+// names the hub consumer of any request in the spoke's audit log.
+//
+// Deleting a grant revokes its token: the spoke API server refuses it once
+// its token cache expires, about 10 s later. There is no unbound token: when
+// the grant cannot be created, Mint fails with ErrUnavailable and asks for
+// no token; when the TokenRequest fails, or the credential id cannot be
+// recorded, Mint deletes the grant and fails.
+//
+// Run collects grants: it deletes each one when its token expires (a timer
+// on Config.Clock), and every CollectInterval, starting at once, it lists
+// the grants (by label and type) and deletes those whose expiry has passed.
+// The list is what collects the grants of an agent that crashed or
+// restarted, whose timers died with it; so no grant outlives its token by
+// more than one CollectInterval while an agent runs.
+//
 // # Use
 //
 // Build a Minter from a clientset and a synced ServiceAccount informer, then
@@ -54,14 +86,19 @@
 //	factory.WaitForCacheSync(ctx.Done())
 //	m, err := spoke.New(spoke.Config{
 //		Tokens:          spoke.NewTokenCreator(client),
+//		Grants:          spoke.NewGrantStore(client, ""),
 //		ServiceAccounts: lister,
 //		Log:             log,
 //	})
 //	...
+//	go m.Run(ctx) // collects expired grants
 //	resp, err := m.Mint(ctx, req)
 //
-// The agent's own identity needs list and watch on serviceaccounts and
-// create on serviceaccounts/token. Mint's errors wrap the sentinels of
+// The agent's own identity needs list and watch on serviceaccounts, create
+// on serviceaccounts/token, and create, patch, delete and list on secrets.
+// RBAC cannot narrow the secrets verbs to grants; deploy/spoke/admission.yaml
+// refuses the agent any write to a Secret that is not a grant, and any
+// TokenRequest not bound to a Secret named credbroker-grant-…. Mint's errors wrap the sentinels of
 // package errdefs, and their messages say what to change; none contains a
 // token, and neither does the log, which names a token by its credential
 // ID (token.ID).

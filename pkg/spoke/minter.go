@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -15,9 +16,11 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	corev1listers "k8s.io/client-go/listers/core/v1"
+	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/token"
@@ -47,6 +50,11 @@ const (
 	// maxTokenRequestExpiration is the longest lifetime the TokenRequest API
 	// accepts.
 	maxTokenRequestExpiration = (1 << 32) * time.Second
+	// DefaultCollectInterval is the default CollectInterval.
+	DefaultCollectInterval = time.Minute
+	// cleanupTimeout bounds deleting a grant whose mint failed, which
+	// outlives the mint's own context.
+	cleanupTimeout = 10 * time.Second
 )
 
 // TokenCreator creates a token for a ServiceAccount with the TokenRequest
@@ -87,6 +95,20 @@ type Config struct {
 	// seconds; longer requests, and requests that name none, get it. Zero
 	// means DefaultMaxExpiration. It must be at least MinExpiration.
 	MaxExpiration time.Duration
+	// Grants creates the grant Secret each token is bound to, and deletes
+	// it when the token expires; required. Mint fails when it cannot create
+	// one: there is no unbound token.
+	Grants GrantStore
+	// ClusterProfile returns the hub ClusterProfile ("namespace/name") the
+	// mint's request came through, from the request's context; the grant
+	// records it. The agent passes tunnel.AdmittedClusterProfile. Nil
+	// records none.
+	ClusterProfile func(context.Context) string
+	// CollectInterval is how often Run lists grants to delete those whose
+	// token has expired. Zero means DefaultCollectInterval.
+	CollectInterval time.Duration
+	// Clock times grant expiry; nil means the real clock.
+	Clock clock.WithTickerAndDelayedExecution
 	// Log receives one line per mint and per refusal; the zero value
 	// discards them. It never receives a token.
 	Log logr.Logger
@@ -95,11 +117,22 @@ type Config struct {
 // Minter mints spoke ServiceAccount tokens for hub subjects under the
 // spoke's own policy. It is safe for concurrent use.
 type Minter struct {
-	tokens     TokenCreator
-	sas        corev1listers.ServiceAccountLister
-	minSeconds int64
-	maxSeconds int64
-	log        logr.Logger
+	tokens         TokenCreator
+	grants         GrantStore
+	clusterProfile func(context.Context) string
+	sas            corev1listers.ServiceAccountLister
+	minSeconds     int64
+	maxSeconds     int64
+	interval       time.Duration
+	clock          clock.WithTickerAndDelayedExecution
+	log            logr.Logger
+
+	mu sync.Mutex
+	// runCtx is Run's context while Run runs; nil otherwise. Grants minted
+	// while Run does not run are left to its first sweep.
+	runCtx context.Context
+	// timers delete grants when their token expires, by grant UID.
+	timers map[types.UID]clock.Timer
 }
 
 // New returns a Minter, or an error if cfg is incomplete or its expiration
@@ -110,6 +143,20 @@ func New(cfg Config) (*Minter, error) {
 	}
 	if cfg.ServiceAccounts == nil {
 		return nil, errors.New("spoke config: ServiceAccounts is required")
+	}
+	if cfg.Grants == nil {
+		return nil, errors.New("spoke config: Grants is required")
+	}
+	if cfg.CollectInterval < 0 {
+		return nil, fmt.Errorf("spoke config: CollectInterval %s is negative", cfg.CollectInterval)
+	}
+	interval := cfg.CollectInterval
+	if interval == 0 {
+		interval = DefaultCollectInterval
+	}
+	clk := cfg.Clock
+	if clk == nil {
+		clk = clock.RealClock{}
 	}
 	minExp, maxExp := cfg.MinExpiration, cfg.MaxExpiration
 	if minExp == 0 {
@@ -129,11 +176,16 @@ func New(cfg Config) (*Minter, error) {
 		return nil, fmt.Errorf("spoke config: MaxExpiration %s is longer than %s, the TokenRequest API's maximum", maxExp, maxTokenRequestExpiration)
 	}
 	return &Minter{
-		tokens:     cfg.Tokens,
-		sas:        cfg.ServiceAccounts,
-		minSeconds: int64(minExp / time.Second),
-		maxSeconds: int64(maxExp / time.Second),
-		log:        cfg.Log,
+		tokens:         cfg.Tokens,
+		grants:         cfg.Grants,
+		clusterProfile: cfg.ClusterProfile,
+		sas:            cfg.ServiceAccounts,
+		minSeconds:     int64(minExp / time.Second),
+		maxSeconds:     int64(maxExp / time.Second),
+		interval:       interval,
+		clock:          clk,
+		log:            cfg.Log,
+		timers:         map[types.UID]clock.Timer{},
 	}, nil
 }
 
@@ -146,7 +198,9 @@ func New(cfg Config) (*Minter, error) {
 // ServiceAccount, ErrPermissionDenied when no ServiceAccount allows the
 // subject or the ServiceAccount does not allow an audience,
 // ErrFailedPrecondition when several allow the subject and req names none, and
-// ErrUnavailable when the spoke API server fails or refuses the agent.
+// ErrUnavailable when the spoke API server fails or refuses the agent. Each
+// token is bound to a grant Secret created first (see the package doc); Mint
+// fails rather than mint a token without one.
 func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
 	if err := validate(req); err != nil {
 		m.log.Info("refused mint request", "subject", req.GetSubject().GetUsername(), "error", err.Error())
@@ -163,6 +217,29 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	}
 	ref := sa.Namespace + "/" + sa.Name
 	seconds := m.expirationSeconds(req.GetExpirationSeconds())
+	cluster := ""
+	if m.clusterProfile != nil {
+		cluster = m.clusterProfile(ctx)
+	}
+	grant, err := m.grants.Create(ctx, newGrant(grantInfo{
+		serviceAccount: sa,
+		hubUser:        user,
+		hubUID:         req.GetSubject().GetUid(),
+		clusterProfile: cluster,
+		audiences:      req.GetAudiences(),
+		// The latest the token can expire; the patch below records when it
+		// does.
+		expiration: m.clock.Now().Add(time.Duration(seconds) * time.Second),
+	}))
+	if err == nil && (grant == nil || grant.Name == "" || grant.UID == "") {
+		err = errors.New("the API server returned no name or UID")
+	}
+	if err != nil {
+		err = createGrantError(ctx, sa.Namespace, err)
+		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref)
+		return nil, err
+	}
+	grantRef := sa.Namespace + "/" + grant.Name
 	tr := &authenticationv1.TokenRequest{
 		// The UID makes the API server refuse with a Conflict if the
 		// ServiceAccount was replaced since the informer saw it, so a token is
@@ -173,32 +250,64 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 		Spec: authenticationv1.TokenRequestSpec{
 			Audiences:         slices.Clone(req.GetAudiences()),
 			ExpirationSeconds: &seconds,
+			// The token lives only as long as its grant.
+			BoundObjectRef: &authenticationv1.BoundObjectReference{
+				APIVersion: "v1", Kind: "Secret", Name: grant.Name, UID: grant.UID,
+			},
 		},
 	}
 	out, err := m.tokens.CreateToken(ctx, sa.Namespace, sa.Name, tr)
-	if err != nil {
+	if err == nil && (out == nil || out.Status.Token == "") {
+		err = fmt.Errorf("spoke API server returned no token for ServiceAccount %s: %w", ref, errdefs.ErrUnavailable)
+	} else if err != nil {
 		err = createTokenError(ctx, ref, err)
-		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref)
-		return nil, err
 	}
-	if out == nil || out.Status.Token == "" {
-		err := fmt.Errorf("spoke API server returned no token for ServiceAccount %s: %w", ref, errdefs.ErrUnavailable)
-		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref)
+	if err != nil {
+		m.deleteGrant(ctx, grant)
+		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref, "grant", grantRef)
 		return nil, err
 	}
 	exp := out.Status.ExpirationTimestamp.Time
+	id := token.ID(out.Status.Token)
+	patch, err := mintedPatch(id, exp)
+	if err == nil {
+		err = m.grants.Patch(ctx, sa.Namespace, grant.Name, patch)
+	}
+	if err != nil {
+		// A grant without its credential id cannot be traced; revoke the
+		// token by deleting it rather than hand it out.
+		m.deleteGrant(ctx, grant)
+		err = fmt.Errorf("record credential id %s on grant %s: %v: %w", id, grantRef, err, errdefs.ErrUnavailable)
+		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref, "grant", grantRef)
+		return nil, err
+	}
+	m.track(grant, exp)
 	m.log.Info("minted spoke token",
 		"subject", user,
 		"serviceAccount", ref,
 		"audiences", req.GetAudiences(),
 		"expiration", exp.UTC().Format(time.RFC3339),
-		"credentialID", token.ID(out.Status.Token),
+		"credentialID", id,
+		"grant", grantRef,
+		"clusterProfile", cluster,
 	)
 	return &credbrokerv1alpha1.MintResponse{
 		Token:          out.Status.Token,
 		ExpirationTime: timestamppb.New(exp),
 		ServiceAccount: &credbrokerv1alpha1.ObjectReference{Namespace: sa.Namespace, Name: sa.Name},
 	}, nil
+}
+
+// deleteGrant deletes the grant of a mint that failed. It outlives ctx, as
+// the mint may have failed because ctx ended; if it fails too, Run collects
+// the grant once its expiration passes.
+func (m *Minter) deleteGrant(ctx context.Context, grant *corev1.Secret) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	defer cancel()
+	if err := m.grants.Delete(ctx, grant.Namespace, grant.Name, grant.UID); err != nil && !apierrors.IsNotFound(err) {
+		m.log.Error(err, "failed to delete the grant of a failed mint; it is collected when it expires",
+			"grant", grant.Namespace+"/"+grant.Name)
+	}
 }
 
 // AllowedSubjects returns the hub usernames that sa's
@@ -361,4 +470,21 @@ func createTokenError(ctx context.Context, ref string, err error) error {
 		return fmt.Errorf("spoke ServiceAccount %s was replaced since the agent's cache saw it; retry once the cache catches up: %w", ref, errdefs.ErrUnavailable)
 	}
 	return fmt.Errorf("mint token for spoke ServiceAccount %s: %v: %w", ref, err, errdefs.ErrUnavailable)
+}
+
+// createGrantError maps an error creating a grant to a sentinel: the mint
+// fails, as no token is minted without a grant.
+func createGrantError(ctx context.Context, namespace string, err error) error {
+	const what = "create the grant Secret the token would be bound to"
+	switch {
+	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+		return fmt.Errorf("%s in namespace %s: %w", what, namespace, err)
+	case ctx.Err() != nil:
+		return fmt.Errorf("%s in namespace %s: %v: %w", what, namespace, err, ctx.Err())
+	case apierrors.IsForbidden(err):
+		return fmt.Errorf("spoke API server forbids the agent to %s in namespace %s, so no token is minted; "+
+			"grant the agent's ServiceAccount create on secrets and check the credbroker-agent-grants admission policy: %v: %w",
+			what, namespace, err, errdefs.ErrUnavailable)
+	}
+	return fmt.Errorf("%s in namespace %s, so no token is minted: %v: %w", what, namespace, err, errdefs.ErrUnavailable)
 }

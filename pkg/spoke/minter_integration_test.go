@@ -7,7 +7,9 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -137,6 +139,8 @@ func TestMinterIntegration(t *testing.T) {
 
 	m, err := New(Config{
 		Tokens:          NewTokenCreator(cs),
+		Grants:          NewGrantStore(cs, ""),
+		ClusterProfile:  profileFrom,
 		ServiceAccounts: saLister,
 		MaxExpiration:   2 * time.Hour,
 		Log:             testr.New(t),
@@ -295,10 +299,13 @@ func TestMinterIntegration(t *testing.T) {
 		require.NoError(t, err)
 		weak, err := New(Config{
 			Tokens:          NewTokenCreator(kubernetes.NewForConfigOrDie(agent.Config())),
+			Grants:          NewGrantStore(cs, ""),
 			ServiceAccounts: saLister,
 		})
 		require.NoError(t, err)
+		before := grantNames(t, cs)
 		_, err = weak.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+		assert.Equal(t, before, grantNames(t, cs), "the grant of a failed mint must be deleted")
 		require.EqualError(t, err, "spoke API server forbids the agent to mint tokens for ServiceAccount spoke-apps/deployer; "+
 			"grant the agent's ServiceAccount create on serviceaccounts/token: "+
 			`serviceaccounts "deployer" is forbidden: User "credbroker-agent" cannot create resource "serviceaccounts/token" in API group "" in the namespace "spoke-apps": unavailable`)
@@ -315,7 +322,7 @@ func TestMinterIntegration(t *testing.T) {
 
 		// A cache that still holds the old objects, as an informer that has
 		// not caught up would.
-		stale, err := New(Config{Tokens: NewTokenCreator(cs), ServiceAccounts: lister(t, old, gone)})
+		stale, err := New(Config{Tokens: NewTokenCreator(cs), Grants: NewGrantStore(cs, ""), ServiceAccounts: lister(t, old, gone)})
 		require.NoError(t, err)
 
 		_, err = stale.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "replaced")})
@@ -326,4 +333,134 @@ func TestMinterIntegration(t *testing.T) {
 		require.EqualError(t, err, "spoke ServiceAccount spoke-apps/gone: not found")
 		assert.ErrorIs(t, err, errdefs.ErrNotFound)
 	})
+
+	t.Run("deleting the grant revokes the token", func(t *testing.T) {
+		ctx := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-1")
+		resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{
+			Subject:        subject(argocd),
+			ServiceAccount: ref(testNamespace, "deployer"),
+			Audiences:      []string{"vault"},
+		})
+		require.NoError(t, err)
+		id := token.ID(resp.GetToken())
+		require.True(t, strings.HasPrefix(id, "JTI="), id)
+
+		// The grant is found by the jti, as a spoke admin would from an
+		// audit event.
+		list, err := cs.CoreV1().Secrets("").List(t.Context(), metav1.ListOptions{
+			LabelSelector: GrantJTILabel + "=" + strings.TrimPrefix(id, "JTI="),
+		})
+		require.NoError(t, err)
+		require.Len(t, list.Items, 1)
+		grant := list.Items[0]
+		assert.Equal(t, testNamespace, grant.Namespace)
+		assert.Equal(t, GrantType, grant.Type)
+		assert.Empty(t, grant.Data)
+		assert.Equal(t, id, grant.Annotations[GrantCredentialIDAnnotation])
+		assert.Equal(t, argocd, grant.Annotations[GrantHubUserAnnotation])
+		assert.Equal(t, "hub-uid", grant.Annotations[GrantHubUIDAnnotation])
+		assert.Equal(t, "fleet/spoke-1", grant.Annotations[GrantClusterProfileAnnotation])
+		assert.Equal(t, "vault", grant.Annotations[GrantAudiencesAnnotation])
+		assert.Equal(t, resp.GetExpirationTime().AsTime().UTC().Format(time.RFC3339), grant.Annotations[GrantExpirationAnnotation])
+
+		st := tokenReview(t, cs, resp.GetToken(), "vault")
+		require.True(t, st.Authenticated, "TokenReview error: %s", st.Error)
+		assert.Equal(t, []string{id}, []string(st.User.Extra["authentication.kubernetes.io/credential-id"]))
+
+		require.NoError(t, cs.CoreV1().Secrets(testNamespace).Delete(t.Context(), grant.Name, metav1.DeleteOptions{}))
+		deleted := time.Now()
+		require.Eventually(t, func() bool {
+			return !tokenReview(t, cs, resp.GetToken(), "vault").Authenticated
+		}, 30*time.Second, 100*time.Millisecond, "the spoke still accepts the token of a deleted grant")
+		t.Logf("revocation lag: the spoke refused the token %s after its grant was deleted", time.Since(deleted).Round(100*time.Millisecond))
+	})
+
+	t.Run("an agent that cannot create grants mints nothing", func(t *testing.T) {
+		agent, err := env.AddUser(envtest.User{Name: "credbroker-agent-no-secrets"}, nil)
+		require.NoError(t, err)
+		tokens := &countingTokens{TokenCreator: NewTokenCreator(cs)}
+		weak, err := New(Config{
+			Tokens:          tokens,
+			Grants:          NewGrantStore(kubernetes.NewForConfigOrDie(agent.Config()), ""),
+			ServiceAccounts: saLister,
+		})
+		require.NoError(t, err)
+		resp, err := weak.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+		require.EqualError(t, err, "spoke API server forbids the agent to create the grant Secret the token would be bound to in namespace spoke-apps, so no token is minted; "+
+			"grant the agent's ServiceAccount create on secrets and check the credbroker-agent-grants admission policy: "+
+			`secrets is forbidden: User "credbroker-agent-no-secrets" cannot create resource "secrets" in API group "" in the namespace "spoke-apps": unavailable`)
+		assert.ErrorIs(t, err, errdefs.ErrUnavailable)
+		assert.Nil(t, resp)
+		assert.Zero(t, tokens.n.Load(), "no token may be minted without a grant")
+	})
+
+	t.Run("a starting agent collects grants left over with a past expiry", func(t *testing.T) {
+		past := time.Now().Add(-time.Minute).UTC().Format(time.RFC3339)
+		future := time.Now().Add(time.Hour).UTC().Format(time.RFC3339)
+		leftover := createSecret(t, cs, "leftover-", GrantType, past)
+		live := createSecret(t, cs, "live-", GrantType, future)
+		// Carries the grant label and a past expiry, but is not a grant.
+		opaque := createSecret(t, cs, "opaque-", corev1.SecretTypeOpaque, past)
+
+		restarted, err := New(Config{
+			Tokens:          NewTokenCreator(cs),
+			Grants:          NewGrantStore(cs, ""),
+			ServiceAccounts: saLister,
+			Log:             testr.New(t),
+		})
+		require.NoError(t, err)
+		runCtx, stop := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() { done <- restarted.Run(runCtx) }()
+		t.Cleanup(func() { stop(); assert.NoError(t, <-done) })
+
+		require.Eventually(t, func() bool {
+			return !slices.Contains(grantNames(t, cs), leftover)
+		}, 10*time.Second, 50*time.Millisecond, "the leftover grant was not collected")
+		assert.Contains(t, grantNames(t, cs), live)
+		_, err = cs.CoreV1().Secrets(testNamespace).Get(t.Context(), opaque, metav1.GetOptions{})
+		assert.NoError(t, err, "the collector deleted a Secret that is not a grant")
+	})
+}
+
+// countingTokens counts the TokenRequests it passes on.
+type countingTokens struct {
+	TokenCreator
+	n atomic.Int32
+}
+
+func (c *countingTokens) CreateToken(ctx context.Context, namespace, name string, req *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error) {
+	c.n.Add(1)
+	return c.TokenCreator.CreateToken(ctx, namespace, name, req)
+}
+
+// grantNames returns the names of the grants in testNamespace, sorted.
+func grantNames(t *testing.T, cs kubernetes.Interface) []string {
+	t.Helper()
+	list, err := cs.CoreV1().Secrets(testNamespace).List(t.Context(), metav1.ListOptions{
+		LabelSelector: GrantLabelSelector, FieldSelector: GrantFieldSelector,
+	})
+	require.NoError(t, err)
+	var names []string
+	for _, s := range list.Items {
+		names = append(names, s.Name)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// createSecret creates a Secret of typ in testNamespace with the grant label
+// and expiration, and returns its name.
+func createSecret(t *testing.T, cs kubernetes.Interface, prefix string, typ corev1.SecretType, expiration string) string {
+	t.Helper()
+	s, err := cs.CoreV1().Secrets(testNamespace).Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{
+			GenerateName: prefix,
+			Labels:       map[string]string{GrantLabel: "true"},
+			Annotations:  map[string]string{GrantExpirationAnnotation: expiration},
+		},
+		Type: typ,
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	return s.Name
 }

@@ -109,7 +109,7 @@ func lister(t *testing.T, sas ...*corev1.ServiceAccount) corev1listers.ServiceAc
 
 func newMinter(t *testing.T, tokens TokenCreator, sas ...*corev1.ServiceAccount) *Minter {
 	t.Helper()
-	m, err := New(Config{Tokens: tokens, ServiceAccounts: lister(t, sas...)})
+	m, err := New(Config{Tokens: tokens, ServiceAccounts: lister(t, sas...), Grants: newFakeGrants()})
 	require.NoError(t, err)
 	return m
 }
@@ -134,6 +134,7 @@ func requireRefused(t *testing.T, tokens *fakeTokens, resp *credbrokerv1alpha1.M
 
 func TestNew(t *testing.T) {
 	tokens := &fakeTokens{}
+	grants := newFakeGrants()
 	sas := lister(t)
 	tests := []struct {
 		name    string
@@ -142,52 +143,58 @@ func TestNew(t *testing.T) {
 		wantMax int64
 		wantErr string
 	}{
-		{name: "defaults", cfg: Config{Tokens: tokens, ServiceAccounts: sas}, wantMin: 600, wantMax: 3600},
+		{name: "defaults", cfg: Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants}, wantMin: 600, wantMax: 3600},
 		{
 			name:    "explicit bounds",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MinExpiration: 15 * time.Minute, MaxExpiration: 2 * time.Hour},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: 15 * time.Minute, MaxExpiration: 2 * time.Hour},
 			wantMin: 900, wantMax: 7200,
 		},
 		{
 			name:    "min equals max",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MinExpiration: 10 * time.Minute, MaxExpiration: 10 * time.Minute},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: 10 * time.Minute, MaxExpiration: 10 * time.Minute},
 			wantMin: 600, wantMax: 600,
 		},
 		{
 			name:    "longest max",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MaxExpiration: (1 << 32) * time.Second},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MaxExpiration: (1 << 32) * time.Second},
 			wantMin: 600, wantMax: 1 << 32,
 		},
-		{name: "no tokens", cfg: Config{ServiceAccounts: sas}, wantErr: "spoke config: Tokens is required"},
-		{name: "no lister", cfg: Config{Tokens: tokens}, wantErr: "spoke config: ServiceAccounts is required"},
+		{name: "no tokens", cfg: Config{ServiceAccounts: sas, Grants: grants}, wantErr: "spoke config: Tokens is required"},
+		{name: "no lister", cfg: Config{Tokens: tokens, Grants: grants}, wantErr: "spoke config: ServiceAccounts is required"},
+		{name: "no grants", cfg: Config{Tokens: tokens, ServiceAccounts: sas}, wantErr: "spoke config: Grants is required"},
+		{
+			name:    "negative collect interval",
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, CollectInterval: -time.Second},
+			wantErr: "spoke config: CollectInterval -1s is negative",
+		},
 		{
 			name:    "min below TokenRequest floor",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MinExpiration: 5 * time.Minute},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: 5 * time.Minute},
 			wantErr: "spoke config: MinExpiration 5m0s is shorter than 10m0s, the TokenRequest API's minimum",
 		},
 		{
 			name:    "negative min",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MinExpiration: -time.Hour},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: -time.Hour},
 			wantErr: "spoke config: MinExpiration -1h0m0s is shorter than 10m0s, the TokenRequest API's minimum",
 		},
 		{
 			name:    "max below default min",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MaxExpiration: 5 * time.Minute},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MaxExpiration: 5 * time.Minute},
 			wantErr: "spoke config: MaxExpiration 5m0s is shorter than MinExpiration 10m0s",
 		},
 		{
 			name:    "min above default max",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MinExpiration: 2 * time.Hour},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: 2 * time.Hour},
 			wantErr: "spoke config: MaxExpiration 1h0m0s is shorter than MinExpiration 2h0m0s",
 		},
 		{
 			name:    "max above TokenRequest ceiling",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MaxExpiration: (1<<32 + 1) * time.Second},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MaxExpiration: (1<<32 + 1) * time.Second},
 			wantErr: "spoke config: MaxExpiration 1193046h28m17s is longer than 1193046h28m16s, the TokenRequest API's maximum",
 		},
 		{
 			name:    "fractional seconds",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, MaxExpiration: time.Hour + time.Millisecond},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MaxExpiration: time.Hour + time.Millisecond},
 			wantErr: "spoke config: MinExpiration 10m0s and MaxExpiration 1h0m0.001s must be whole seconds",
 		},
 	}
@@ -314,7 +321,8 @@ func TestMintPolicy(t *testing.T) {
 			assert.Equal(t, tt.wantSA.GetName(), calls[0].name)
 			assert.Equal(t, types.UID("uid-"+tt.wantSA.GetNamespace()+"-"+tt.wantSA.GetName()), calls[0].req.UID,
 				"the TokenRequest must carry the checked ServiceAccount's UID")
-			assert.Nil(t, calls[0].req.Spec.BoundObjectRef)
+			assert.Equal(t, &authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Secret", Name: "credbroker-grant-1", UID: "grant-uid-1"},
+				calls[0].req.Spec.BoundObjectRef, "the token must be bound to its grant")
 
 			assert.Equal(t, fakeToken(tt.wantSA.GetNamespace(), tt.wantSA.GetName()), resp.GetToken())
 			assert.Equal(t, tt.wantSA.GetNamespace(), resp.GetServiceAccount().GetNamespace())
@@ -425,6 +433,7 @@ func TestMintExpirationAndAudiences(t *testing.T) {
 			tokens := &fakeTokens{}
 			m, err := New(Config{
 				Tokens:          tokens,
+				Grants:          newFakeGrants(),
 				ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault,https://kubernetes.default.svc")),
 				MinExpiration:   tt.min,
 				MaxExpiration:   tt.max,
@@ -544,6 +553,7 @@ func TestMintLogsWithoutToken(t *testing.T) {
 	tokens := &fakeTokens{}
 	m, err := New(Config{
 		Tokens:          tokens,
+		Grants:          newFakeGrants(),
 		ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault")),
 		Log:             log,
 	})
@@ -560,7 +570,7 @@ func TestMintLogsWithoutToken(t *testing.T) {
 
 	got := lines.String()
 	assert.Equal(t,
-		`"level"=0 "msg"="minted spoke token" "subject"="`+argocd+`" "serviceAccount"="apps/deployer" "audiences"=["vault"] "expiration"="2026-03-01T12:15:00Z" "credentialID"="JTI=jti-apps-deployer"`+"\n"+
+		`"level"=0 "msg"="minted spoke token" "subject"="`+argocd+`" "serviceAccount"="apps/deployer" "audiences"=["vault"] "expiration"="2026-03-01T12:15:00Z" "credentialID"="JTI=jti-apps-deployer" "grant"="apps/credbroker-grant-1" "clusterProfile"=""`+"\n"+
 			`"level"=0 "msg"="refused mint request" "subject"="mallory" "error"="no spoke ServiceAccount allows hub user mallory; a spoke admin must annotate one with credbroker.io/allowed-subjects: permission denied"`+"\n",
 		got)
 	tok := resp.GetToken()
@@ -570,7 +580,7 @@ func TestMintLogsWithoutToken(t *testing.T) {
 }
 
 func TestMintZeroLoggerDiscards(t *testing.T) {
-	m, err := New(Config{Tokens: &fakeTokens{}, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: newFakeGrants(), ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
 	require.NoError(t, err)
 	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 	require.NoError(t, err)

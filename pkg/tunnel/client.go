@@ -176,6 +176,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		return false, err
 	}
 	log.Info("connected to broker", "cluster", cluster)
+	ctx = context.WithValue(ctx, admittedKey{}, cluster)
 	c.once.Do(func() { close(c.connected) })
 
 	var (
@@ -231,4 +232,14 @@ func (c *Client) answer(ctx context.Context, id string, req *pb.MintRequest) *pb
 	return &pb.AgentFrame{CorrelationId: id, Body: &pb.AgentFrame_Error{Error: &pb.Error{
 		Code: int32(st.Code()), Message: st.Message(),
 	}}}
+}
+
+type admittedKey struct{}
+
+// AdmittedClusterProfile returns the ClusterProfile ("namespace/name") the
+// broker admitted the stream for, from the context the Client passes to
+// Minter.Mint; empty for any other context.
+func AdmittedClusterProfile(ctx context.Context) string {
+	s, _ := ctx.Value(admittedKey{}).(string)
+	return s
 }

@@ -218,9 +218,12 @@ func waitConnected(t *testing.T, h *harness, c ClusterRef, n int) {
 
 func TestMintRoundTrip(t *testing.T) {
 	h := newHarness(t, 5*time.Second)
-	var got *pb.MintRequest
-	m := &fakeMinter{fn: func(_ context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
-		got = req
+	var (
+		got     *pb.MintRequest
+		profile string
+	)
+	m := &fakeMinter{fn: func(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
+		got, profile = req, AdmittedClusterProfile(ctx)
 		return &pb.MintResponse{Token: testToken, ExpirationTime: timestamppb.New(time.Unix(2e9, 0))}, nil
 	}}
 	h.agent(t, agentA, m)
@@ -232,6 +235,8 @@ func TestMintRoundTrip(t *testing.T) {
 	assert.Equal(t, testToken, resp.GetToken())
 	assert.Equal(t, "system:serviceaccount:hub:c", got.GetSubject().GetUsername())
 	assert.Equal(t, []string{"x"}, got.GetAudiences())
+	assert.Equal(t, clusterA.String(), profile, "the Minter must learn the ClusterProfile the broker admitted the stream for")
+	assert.Empty(t, AdmittedClusterProfile(context.Background()))
 }
 
 func TestMintErrors(t *testing.T) {

@@ -1,0 +1,394 @@
+package spoke
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	testingclock "k8s.io/utils/clock/testing"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+var secretsResource = schema.GroupResource{Resource: "secrets"}
+
+// fakeGrants is a GrantStore over a map, as the API server would keep
+// Secrets. Its List returns every Secret it holds, whatever its type, as a
+// store that did not filter would.
+type fakeGrants struct {
+	createErr, patchErr, deleteErr, listErr error
+
+	mu      sync.Mutex
+	n       int
+	secrets map[string]*corev1.Secret // by namespace/name
+	deleted []string
+	lists   int
+}
+
+func newFakeGrants(existing ...*corev1.Secret) *fakeGrants {
+	f := &fakeGrants{secrets: map[string]*corev1.Secret{}}
+	for _, s := range existing {
+		f.secrets[s.Namespace+"/"+s.Name] = s.DeepCopy()
+	}
+	return f
+}
+
+func (f *fakeGrants) Create(_ context.Context, grant *corev1.Secret) (*corev1.Secret, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.createErr != nil {
+		return nil, f.createErr
+	}
+	f.n++
+	s := grant.DeepCopy()
+	s.Name = fmt.Sprintf("%s%d", s.GenerateName, f.n)
+	s.UID = types.UID(fmt.Sprintf("grant-uid-%d", f.n))
+	f.secrets[s.Namespace+"/"+s.Name] = s
+	return s.DeepCopy(), nil
+}
+
+func (f *fakeGrants) Patch(_ context.Context, namespace, name string, patch []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.patchErr != nil {
+		return f.patchErr
+	}
+	s, ok := f.secrets[namespace+"/"+name]
+	if !ok {
+		return apierrors.NewNotFound(secretsResource, name)
+	}
+	var p struct {
+		Metadata struct {
+			Labels, Annotations map[string]string
+		}
+	}
+	if err := json.Unmarshal(patch, &p); err != nil {
+		return err
+	}
+	if s.Labels == nil {
+		s.Labels = map[string]string{}
+	}
+	if s.Annotations == nil {
+		s.Annotations = map[string]string{}
+	}
+	maps.Copy(s.Labels, p.Metadata.Labels)
+	maps.Copy(s.Annotations, p.Metadata.Annotations)
+	return nil
+}
+
+func (f *fakeGrants) Delete(_ context.Context, namespace, name string, uid types.UID) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.deleteErr != nil {
+		return f.deleteErr
+	}
+	key := namespace + "/" + name
+	s, ok := f.secrets[key]
+	switch {
+	case !ok:
+		return apierrors.NewNotFound(secretsResource, name)
+	case s.UID != uid:
+		return apierrors.NewConflict(secretsResource, name, errors.New("precondition failed: UID"))
+	}
+	delete(f.secrets, key)
+	f.deleted = append(f.deleted, key)
+	return nil
+}
+
+func (f *fakeGrants) List(context.Context) ([]corev1.Secret, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.lists++
+	if f.listErr != nil {
+		return nil, f.listErr
+	}
+	var out []corev1.Secret
+	for _, s := range f.secrets {
+		out = append(out, *s.DeepCopy())
+	}
+	return out, nil
+}
+
+// Keys returns the namespace/name of every Secret it holds, sorted.
+func (f *fakeGrants) Keys() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Sorted(maps.Keys(f.secrets))
+}
+
+func (f *fakeGrants) Get(key string) *corev1.Secret {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.secrets[key].DeepCopy()
+}
+
+func (f *fakeGrants) Deleted() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.deleted)
+}
+
+func (f *fakeGrants) Lists() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.lists
+}
+
+func profileFrom(ctx context.Context) string {
+	s, _ := ctx.Value(profileKey{}).(string)
+	return s
+}
+
+type profileKey struct{}
+
+func TestMintBindsTokenToGrant(t *testing.T) {
+	tokens := &fakeTokens{}
+	grants := newFakeGrants()
+	m, err := New(Config{
+		Tokens:          tokens,
+		Grants:          grants,
+		ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault")),
+		ClusterProfile:  profileFrom,
+	})
+	require.NoError(t, err)
+
+	ctx := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-1")
+	resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), Audiences: []string{"vault"}, ExpirationSeconds: 900})
+	require.NoError(t, err)
+	require.NotEmpty(t, resp.GetToken())
+
+	require.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Keys())
+	grant := grants.Get("apps/credbroker-grant-1")
+	assert.Equal(t, GrantType, grant.Type)
+	assert.Empty(t, grant.Data)
+	assert.Empty(t, grant.StringData)
+	assert.Equal(t, map[string]string{
+		GrantLabel:               "true",
+		GrantServiceAccountLabel: "deployer",
+		GrantJTILabel:            "jti-apps-deployer",
+	}, grant.Labels)
+	assert.Equal(t, map[string]string{
+		GrantServiceAccountAnnotation: "deployer",
+		GrantHubUserAnnotation:        argocd,
+		GrantHubUIDAnnotation:         "hub-uid",
+		GrantClusterProfileAnnotation: "fleet/spoke-1",
+		GrantAudiencesAnnotation:      "vault",
+		GrantExpirationAnnotation:     issuedAt.Add(900 * time.Second).Format(time.RFC3339),
+		GrantCredentialIDAnnotation:   "JTI=jti-apps-deployer",
+	}, grant.Annotations)
+
+	calls := tokens.Calls()
+	require.Len(t, calls, 1)
+	assert.Equal(t, &authenticationv1.BoundObjectReference{
+		APIVersion: "v1", Kind: "Secret", Name: "credbroker-grant-1", UID: "grant-uid-1",
+	}, calls[0].req.Spec.BoundObjectRef, "the token must be bound to its grant")
+}
+
+// The attack: the agent cannot create a grant (RBAC, admission, an API
+// server error) and hands out an unbound token, which nothing can revoke.
+func TestMintRefusesWithoutGrant(t *testing.T) {
+	forbidden := apierrors.NewForbidden(secretsResource, "", errors.New(`User "agent" cannot create resource "secrets"`))
+	canceled, cancel := context.WithCancel(t.Context())
+	cancel()
+	tests := []struct {
+		name     string
+		ctx      context.Context
+		err      error
+		wantErr  string
+		sentinel error
+	}{
+		{
+			name: "forbidden",
+			ctx:  t.Context(),
+			err:  forbidden,
+			wantErr: "spoke API server forbids the agent to create the grant Secret the token would be bound to in namespace apps, so no token is minted; " +
+				"grant the agent's ServiceAccount create on secrets and check the credbroker-agent-grants admission policy: " +
+				`secrets is forbidden: User "agent" cannot create resource "secrets": unavailable`,
+			sentinel: errdefs.ErrUnavailable,
+		},
+		{
+			name:     "API server error",
+			ctx:      t.Context(),
+			err:      apierrors.NewInternalError(errors.New("etcd is down")),
+			wantErr:  "create the grant Secret the token would be bound to in namespace apps, so no token is minted: Internal error occurred: etcd is down: unavailable",
+			sentinel: errdefs.ErrUnavailable,
+		},
+		{
+			name:     "canceled",
+			ctx:      canceled,
+			err:      fmt.Errorf("post: %w", context.Canceled),
+			wantErr:  "create the grant Secret the token would be bound to in namespace apps: post: context canceled",
+			sentinel: context.Canceled,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tokens := &fakeTokens{}
+			grants := newFakeGrants()
+			grants.createErr = tt.err
+			m, err := New(Config{Tokens: tokens, Grants: grants, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+			require.NoError(t, err)
+			resp, err := m.Mint(tt.ctx, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+			requireRefused(t, tokens, resp, err, tt.wantErr, tt.sentinel)
+		})
+	}
+}
+
+func TestMintDeletesGrantOfFailedMint(t *testing.T) {
+	tests := []struct {
+		name     string
+		tokens   *fakeTokens
+		patchErr error
+		wantErr  string
+	}{
+		{
+			name:    "TokenRequest fails",
+			tokens:  &fakeTokens{err: apierrors.NewInternalError(errors.New("boom"))},
+			wantErr: "mint token for spoke ServiceAccount apps/deployer: Internal error occurred: boom: unavailable",
+		},
+		{
+			name:    "no token",
+			tokens:  &fakeTokens{empty: true},
+			wantErr: "spoke API server returned no token for ServiceAccount apps/deployer: unavailable",
+		},
+		{
+			name:     "credential id not recorded",
+			tokens:   &fakeTokens{},
+			patchErr: apierrors.NewInternalError(errors.New("boom")),
+			wantErr:  "record credential id JTI=jti-apps-deployer on grant apps/credbroker-grant-1: Internal error occurred: boom: unavailable",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			grants := newFakeGrants()
+			grants.patchErr = tt.patchErr
+			m, err := New(Config{Tokens: tt.tokens, Grants: grants, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+			require.NoError(t, err)
+			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+			require.EqualError(t, err, tt.wantErr)
+			assert.ErrorIs(t, err, errdefs.ErrUnavailable)
+			assert.Nil(t, resp)
+			assert.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Deleted())
+			assert.Empty(t, grants.Keys())
+		})
+	}
+}
+
+func grantSecret(namespace, name string, typ corev1.SecretType, expiration string, created time.Time) *corev1.Secret {
+	s := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{
+			Namespace: namespace, Name: name, UID: types.UID("uid-" + name),
+			Labels:            map[string]string{GrantLabel: "true"},
+			Annotations:       map[string]string{},
+			CreationTimestamp: metav1.NewTime(created),
+		},
+		Type: typ,
+	}
+	if expiration != "" {
+		s.Annotations[GrantExpirationAnnotation] = expiration
+	}
+	return s
+}
+
+// startRun runs m.Run until the test ends and waits for its first sweep.
+func startRun(t *testing.T, m *Minter, grants *fakeGrants, clk *testingclock.FakeClock) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- m.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		assert.NoError(t, <-done)
+	})
+	require.Eventually(t, func() bool { return grants.Lists() >= 1 && clk.HasWaiters() }, 5*time.Second, time.Millisecond, "Run never swept")
+}
+
+func TestRunCollectsGrantWhenTokenExpires(t *testing.T) {
+	clk := testingclock.NewFakeClock(issuedAt)
+	grants := newFakeGrants()
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, Clock: clk, CollectInterval: time.Hour,
+		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+	require.NoError(t, err)
+	startRun(t, m, grants, clk)
+
+	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	require.NoError(t, err)
+	require.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Keys())
+
+	clk.Step(899 * time.Second)
+	assert.Empty(t, grants.Deleted(), "a grant of a live token must stay")
+	clk.Step(time.Second)
+	require.Eventually(t, func() bool { return len(grants.Keys()) == 0 }, 5*time.Second, time.Millisecond,
+		"the grant outlived its token")
+	assert.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Deleted())
+}
+
+func TestRunSweepsExpiredGrants(t *testing.T) {
+	clk := testingclock.NewFakeClock(issuedAt)
+	grants := newFakeGrants(
+		// Left over from an agent that crashed.
+		grantSecret("apps", "expired", GrantType, issuedAt.Add(-time.Second).Format(time.RFC3339), issuedAt.Add(-time.Hour)),
+		grantSecret("apps", "expires-now", GrantType, issuedAt.Format(time.RFC3339), issuedAt.Add(-time.Hour)),
+		grantSecret("apps", "live", GrantType, issuedAt.Add(30*time.Minute).Format(time.RFC3339), issuedAt),
+		// No expiration: its creation time plus MaxExpiration (1h) bounds it.
+		grantSecret("apps", "garbled-old", GrantType, "tomorrow", issuedAt.Add(-2*time.Hour)),
+		grantSecret("apps", "garbled-new", GrantType, "", issuedAt.Add(-10*time.Minute)),
+		// Not grants, whatever their labels say: never touched.
+		grantSecret("apps", "db-password", corev1.SecretTypeOpaque, issuedAt.Add(-time.Hour).Format(time.RFC3339), issuedAt.Add(-2*time.Hour)),
+		grantSecret("apps", "sa-token", corev1.SecretTypeServiceAccountToken, "", issuedAt.Add(-2*time.Hour)),
+	)
+	delete(grants.secrets["apps/garbled-new"].Annotations, GrantExpirationAnnotation)
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, Clock: clk, CollectInterval: time.Minute,
+		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+	require.NoError(t, err)
+	startRun(t, m, grants, clk)
+
+	// The first sweep runs at start-up.
+	assert.Equal(t, []string{"apps/db-password", "apps/garbled-new", "apps/live", "apps/sa-token"}, grants.Keys())
+
+	// garbled-new's bound passes at 50m, live's expiry at 30m; each goes at
+	// the first sweep after it.
+	for range 30 {
+		clk.Step(time.Minute)
+	}
+	require.Eventually(t, func() bool { return !slices.Contains(grants.Keys(), "apps/live") }, 5*time.Second, time.Millisecond)
+	assert.Equal(t, []string{"apps/db-password", "apps/garbled-new", "apps/sa-token"}, grants.Keys())
+	for range 20 {
+		require.Eventually(t, clk.HasWaiters, 5*time.Second, time.Millisecond)
+		clk.Step(time.Minute)
+	}
+	require.Eventually(t, func() bool { return len(grants.Keys()) == 2 }, 5*time.Second, time.Millisecond)
+	assert.Equal(t, []string{"apps/db-password", "apps/sa-token"}, grants.Keys())
+}
+
+func TestRunRetriesAfterListFails(t *testing.T) {
+	clk := testingclock.NewFakeClock(issuedAt)
+	grants := newFakeGrants(grantSecret("apps", "expired", GrantType, issuedAt.Add(-time.Second).Format(time.RFC3339), issuedAt.Add(-time.Hour)))
+	grants.listErr = apierrors.NewInternalError(errors.New("boom"))
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, Clock: clk,
+		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+	require.NoError(t, err)
+	startRun(t, m, grants, clk)
+	assert.Equal(t, []string{"apps/expired"}, grants.Keys())
+
+	grants.mu.Lock()
+	grants.listErr = nil
+	grants.mu.Unlock()
+	clk.Step(DefaultCollectInterval)
+	require.Eventually(t, func() bool { return len(grants.Keys()) == 0 }, 5*time.Second, time.Millisecond)
+}

@@ -1,0 +1,271 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"os"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+
+	"github.com/credbroker/credbroker/pkg/spoke"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+	"github.com/credbroker/credbroker/test/framework"
+)
+
+// readObjects decodes every object of a deploy/ manifest.
+func readObjects(t *testing.T, path string) []any {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	docs := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
+	var objs []any
+	for {
+		doc, err := docs.Read()
+		if errors.Is(err, io.EOF) {
+			return objs
+		}
+		require.NoError(t, err)
+		if len(bytes.TrimSpace(doc)) == 0 {
+			continue
+		}
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
+		require.NoError(t, err, "%s", doc)
+		objs = append(objs, obj)
+	}
+}
+
+// applySpokeAdmission creates on spoke the admission policies and bindings
+// of deploy/spoke/admission.yaml, as shipped, waits until they refuse the
+// agent a Secret in probeNamespace, and deletes them when the test ends.
+func applySpokeAdmission(t *testing.T, spoke *framework.Cluster, probeNamespace string) {
+	t.Helper()
+	ctx := context.Background()
+	client := spoke.Client.AdmissionregistrationV1()
+	objs := readObjects(t, "../../deploy/spoke/admission.yaml")
+	require.Len(t, objs, 4)
+	for _, obj := range objs {
+		var err error
+		switch o := obj.(type) {
+		case *admissionregistrationv1.ValidatingAdmissionPolicy:
+			_, err = client.ValidatingAdmissionPolicies().Create(ctx, o, metav1.CreateOptions{})
+			t.Cleanup(func() {
+				_ = client.ValidatingAdmissionPolicies().Delete(context.Background(), o.Name, metav1.DeleteOptions{})
+			})
+		case *admissionregistrationv1.ValidatingAdmissionPolicyBinding:
+			_, err = client.ValidatingAdmissionPolicyBindings().Create(ctx, o, metav1.CreateOptions{})
+			t.Cleanup(func() {
+				_ = client.ValidatingAdmissionPolicyBindings().Delete(context.Background(), o.Name, metav1.DeleteOptions{})
+			})
+		default:
+			t.Fatalf("deploy/spoke/admission.yaml: no case for %T", obj)
+		}
+		require.NoError(t, err)
+	}
+	// A policy takes effect once the API server has loaded it.
+	secrets, agent := spoke.Client.CoreV1().Secrets(probeNamespace), agentClient(t, spoke).CoreV1().Secrets(probeNamespace)
+	require.Eventually(t, func() bool {
+		s, err := agent.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: "probe-"}}, metav1.CreateOptions{})
+		if err == nil {
+			_ = secrets.Delete(ctx, s.Name, metav1.DeleteOptions{})
+			return false
+		}
+		return apierrors.IsForbidden(err)
+	}, 10*time.Second, 50*time.Millisecond, "the agent still creates Secrets that are not grants")
+}
+
+// The agent's RBAC as shipped is what the e2e agents run with.
+func TestAgentRBACMatchesDeploy(t *testing.T) {
+	var roles []*rbacv1.ClusterRole
+	for _, obj := range readObjects(t, "../../deploy/spoke/rbac.yaml") {
+		if r, ok := obj.(*rbacv1.ClusterRole); ok {
+			roles = append(roles, r)
+		}
+	}
+	require.Len(t, roles, 1)
+	assert.Equal(t, framework.AgentRules(), roles[0].Rules)
+}
+
+// agentClient acts on spoke as the agent's identity.
+func agentClient(t *testing.T, spoke *framework.Cluster) kubernetes.Interface {
+	t.Helper()
+	user, groups := framework.ServiceAccountUser(framework.AgentNamespace, framework.AgentServiceAccount)
+	cfg := rest.CopyConfig(spoke.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: user, Groups: append(groups, "system:authenticated")}
+	return kubernetes.NewForConfigOrDie(cfg)
+}
+
+func grantObject(name string, data map[string][]byte) *corev1.Secret {
+	return &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{spoke.GrantLabel: "true"}},
+		Type:       spoke.GrantType,
+		Data:       data,
+	}
+}
+
+// The attack: whoever holds the agent's identity uses its new power over
+// Secrets to write or delete Secrets that are not grants.
+func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
+	ctx := context.Background()
+	cluster := env.Spokes[1]
+	ns := uniqueName(t, "grants-policy")
+	require.NoError(t, cluster.EnsureNamespace(ctx, ns))
+	admin := cluster.Client.CoreV1().Secrets(ns)
+	agent := agentClient(t, cluster).CoreV1().Secrets(ns)
+	victim, err := admin.Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "db-password"},
+		StringData: map[string]string{"password": "hunter2"},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+
+	applySpokeAdmission(t, cluster, ns)
+
+	refused := func(t *testing.T, err error) {
+		t.Helper()
+		require.Error(t, err)
+		assert.True(t, apierrors.IsForbidden(err), "%v", err)
+		assert.Contains(t, err.Error(), "ValidatingAdmissionPolicy 'credbroker-agent-grants'")
+	}
+	t.Run("the agent may not create a Secret of another type", func(t *testing.T) {
+		for _, typ := range []corev1.SecretType{corev1.SecretTypeOpaque, corev1.SecretTypeServiceAccountToken, corev1.SecretTypeDockerConfigJson} {
+			s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "not-a-grant"}, Type: typ}
+			switch typ {
+			case corev1.SecretTypeServiceAccountToken:
+				s.Annotations = map[string]string{corev1.ServiceAccountNameKey: "default"}
+			case corev1.SecretTypeDockerConfigJson:
+				s.Data = map[string][]byte{corev1.DockerConfigJsonKey: []byte(`{"auths":{}}`)}
+			}
+			_, err := agent.Create(ctx, s, metav1.CreateOptions{})
+			refused(t, err)
+		}
+	})
+	t.Run("the agent may not put data in a grant", func(t *testing.T) {
+		_, err := agent.Create(ctx, grantObject("with-data", map[string][]byte{"k": []byte("v")}), metav1.CreateOptions{})
+		refused(t, err)
+	})
+	t.Run("the agent may not patch or delete a Secret that is not a grant", func(t *testing.T) {
+		_, err := agent.Patch(ctx, victim.Name, types.MergePatchType, []byte(`{"data":{"password":"b3duZWQ="}}`), metav1.PatchOptions{})
+		refused(t, err)
+		err = agent.Delete(ctx, victim.Name, metav1.DeleteOptions{})
+		refused(t, err)
+		got, err := admin.Get(ctx, victim.Name, metav1.GetOptions{})
+		require.NoError(t, err)
+		assert.Equal(t, "hunter2", string(got.Data["password"]))
+	})
+	t.Run("the agent may create, patch and delete a grant", func(t *testing.T) {
+		g, err := agent.Create(ctx, grantObject("a-grant", nil), metav1.CreateOptions{})
+		require.NoError(t, err)
+		_, err = agent.Patch(ctx, g.Name, types.MergePatchType,
+			[]byte(`{"metadata":{"annotations":{"`+spoke.GrantCredentialIDAnnotation+`":"JTI=x"}}}`), metav1.PatchOptions{})
+		require.NoError(t, err)
+		_, err = agent.Patch(ctx, g.Name, types.MergePatchType, []byte(`{"data":{"k":"dg=="}}`), metav1.PatchOptions{})
+		refused(t, err)
+		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
+	})
+	t.Run("the agent may mint only tokens bound to a grant", func(t *testing.T) {
+		_, err := cluster.CreateServiceAccount(ctx, ns, "target", nil)
+		require.NoError(t, err)
+		sas := agentClient(t, cluster).CoreV1().ServiceAccounts(ns)
+		mint := func(ref *authenticationv1.BoundObjectReference) error {
+			_, err := sas.CreateToken(ctx, "target", &authenticationv1.TokenRequest{
+				Spec: authenticationv1.TokenRequestSpec{BoundObjectRef: ref},
+			}, metav1.CreateOptions{})
+			return err
+		}
+		refusedBy := func(t *testing.T, err error) {
+			t.Helper()
+			require.Error(t, err)
+			assert.True(t, apierrors.IsForbidden(err), "%v", err)
+			assert.Contains(t, err.Error(), "ValidatingAdmissionPolicy 'credbroker-agent-bound-tokens'")
+		}
+		// This policy may load a moment after the other.
+		require.Eventually(t, func() bool { return apierrors.IsForbidden(mint(nil)) }, 10*time.Second, 50*time.Millisecond,
+			"the agent still mints unbound tokens")
+		refusedBy(t, mint(nil))
+		refusedBy(t, mint(&authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Secret", Name: victim.Name, UID: victim.UID}))
+		refusedBy(t, mint(&authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Pod", Name: "credbroker-grant-x", UID: "x"}))
+
+		g := grantObject("", nil)
+		g.GenerateName = "credbroker-grant-"
+		g, err = agent.Create(ctx, g, metav1.CreateOptions{})
+		require.NoError(t, err)
+		require.NoError(t, mint(&authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Secret", Name: g.Name, UID: g.UID}))
+		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
+
+		// Anyone else may still mint unbound tokens.
+		_, err = cluster.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, "target", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+		require.NoError(t, err)
+	})
+	t.Run("everyone else is left alone", func(t *testing.T) {
+		s, err := admin.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: "admin-"}}, metav1.CreateOptions{})
+		require.NoError(t, err)
+		require.NoError(t, admin.Delete(ctx, s.Name, metav1.DeleteOptions{}))
+	})
+}
+
+// Deleting a token's grant on the spoke makes the spoke refuse the token,
+// and the grant names the same credential id as the exchange and the
+// broker's audit line.
+func TestDeletingGrantRevokesIssuedToken(t *testing.T) {
+	ctx := context.Background()
+	cluster := env.Spokes[0]
+	c := newConsumer(t, "credbroker", cluster.Name)
+	ns := optIn(t, cluster, "revocable", c.username())
+	// The agent works under the shipped admission policies.
+	applySpokeAdmission(t, cluster, ns)
+	resp, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster)})
+	require.NoError(t, err)
+	id := resp.GetCredentialId()
+	require.Regexp(t, `^JTI=`, id)
+
+	review := func() (*authenticationv1.SelfSubjectReview, error) {
+		client, err := kubernetes.NewForConfig(cluster.TokenConfig(resp.GetToken()))
+		require.NoError(t, err)
+		return client.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+	}
+	self, err := review()
+	require.NoError(t, err)
+	assert.Equal(t, "system:serviceaccount:"+ns+":revocable", self.Status.UserInfo.Username)
+	assert.Equal(t, []string{id}, []string(self.Status.UserInfo.Extra["authentication.kubernetes.io/credential-id"]))
+
+	// The spoke admin's one command: the grant of a credential id.
+	list, err := cluster.Client.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{LabelSelector: spoke.GrantLabelSelector})
+	require.NoError(t, err)
+	i := slices.IndexFunc(list.Items, func(s corev1.Secret) bool { return s.Annotations[spoke.GrantCredentialIDAnnotation] == id })
+	require.GreaterOrEqual(t, i, 0, "no grant carries credential id %s", id)
+	grant := list.Items[i]
+	assert.Equal(t, spoke.GrantType, grant.Type)
+	assert.Empty(t, grant.Data)
+	assert.Equal(t, c.username(), grant.Annotations[spoke.GrantHubUserAnnotation])
+	assert.Equal(t, framework.FleetNamespace+"/"+cluster.Name, grant.Annotations[spoke.GrantClusterProfileAnnotation])
+	assert.Equal(t, "revocable", grant.Annotations[spoke.GrantServiceAccountAnnotation])
+
+	// The broker's audit line names the same credential and hub subject.
+	line := logLine(t, `"msg"="exchange"`, `"user"="`+c.username()+`"`, `"credentialID"="`+id+`"`)
+	assert.Contains(t, line, `"uid"="`+grant.Annotations[spoke.GrantHubUIDAnnotation]+`"`)
+
+	require.NoError(t, cluster.Client.CoreV1().Secrets(ns).Delete(ctx, grant.Name, metav1.DeleteOptions{}))
+	deleted := time.Now()
+	require.Eventually(t, func() bool {
+		_, err := review()
+		return apierrors.IsUnauthorized(err)
+	}, 30*time.Second, 100*time.Millisecond, "the spoke still accepts a token whose grant was deleted")
+	t.Logf("revocation lag: the spoke refused the token %s after its grant was deleted", time.Since(deleted).Round(100*time.Millisecond))
+}
