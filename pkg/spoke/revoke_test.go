@@ -3,6 +3,7 @@ package spoke
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -165,13 +166,11 @@ func TestReconcileLogsCredentialID(t *testing.T) {
 		sortedLines(lines.String()))
 }
 
+// sortedLines returns the lines of s sorted, as revocations run in the
+// store's order.
 func sortedLines(s string) string {
-	lines := strings.SplitAfter(s, "\n")
-	for i := 1; i < len(lines); i++ {
-		for j := i; j > 0 && lines[j] < lines[j-1] && lines[j] != ""; j-- {
-			lines[j], lines[j-1] = lines[j-1], lines[j]
-		}
-	}
+	lines := slices.Collect(strings.Lines(s))
+	slices.Sort(lines)
 	return strings.Join(lines, "")
 }
 
