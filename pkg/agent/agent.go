@@ -10,6 +10,7 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/sync/errgroup"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
@@ -165,6 +166,18 @@ func New(cfg Config) (*Agent, error) {
 	}
 
 	a.minter = minter
+	// Withdrawing an opt-in or an audience revokes the grants it allowed.
+	if _, err := sas.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(old, now any) {
+			o, ok1 := old.(*corev1.ServiceAccount)
+			n, ok2 := now.(*corev1.ServiceAccount)
+			if ok1 && ok2 {
+				minter.PolicyChanged(o, n)
+			}
+		},
+	}); err != nil {
+		return nil, fmt.Errorf("agent: watch ServiceAccount policy: %w", err)
+	}
 
 	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
 	hello := &pb.Hello{AgentVersion: Version}

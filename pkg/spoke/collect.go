@@ -18,13 +18,29 @@ import (
 // is already invalid), but would otherwise stay forever. So no grant lives
 // longer than its token plus one CollectInterval while an agent runs.
 //
-// Run returns nil when ctx ends. Failures to list or delete are logged and
-// retried at the next sweep.
+// Run also revokes grants that a ServiceAccount's policy no longer allows:
+// those of each ServiceAccount that PolicyChanged queues (see Reconcile),
+// and, at each sweep, every live grant of a ServiceAccount whose policy,
+// as the informer's cache has it, no longer allows it. The first sweep is
+// what revokes after a change an agent missed while it was down, so start
+// Run once the informer has synced. A grant whose ServiceAccount is gone is
+// left to expire: its token died with the ServiceAccount.
+//
+// Run returns nil when ctx ends; call it once. Failures to list or delete
+// are logged and retried at the next sweep, or, for a queued
+// ServiceAccount, with backoff.
 func (m *Minter) Run(ctx context.Context) error {
 	m.mu.Lock()
 	m.runCtx = ctx
 	m.mu.Unlock()
+	reconciled := make(chan struct{})
+	go func() {
+		defer close(reconciled)
+		m.reconcilePolicies(ctx)
+	}()
 	defer func() {
+		m.queue.ShutDown()
+		<-reconciled
 		m.mu.Lock()
 		defer m.mu.Unlock()
 		m.runCtx = nil
@@ -45,7 +61,8 @@ func (m *Minter) Run(ctx context.Context) error {
 	}
 }
 
-// sweep deletes every grant whose token has expired.
+// sweep deletes every grant whose token has expired, and every other grant
+// whose ServiceAccount's policy no longer allows it.
 func (m *Minter) sweep(ctx context.Context) {
 	grants, err := m.grants.List(ctx)
 	if err != nil {
@@ -61,11 +78,21 @@ func (m *Minter) sweep(ctx context.Context) {
 		// The API server filters by label and type; check again, so a
 		// store that does not can never make the agent delete another
 		// Secret.
-		if g.Type != GrantType || g.Labels[GrantLabel] != "true" {
+		if !isGrant(g) {
 			continue
 		}
 		if exp := grantExpiration(g, maxLifetime); !exp.After(now) {
 			m.collect(ctx, g.Namespace, g.Name, g.UID, "sweep")
+			continue
+		}
+		// A ServiceAccount that is gone, or not in the cache, revokes
+		// nothing: its tokens died with it.
+		sa, err := m.sas.ServiceAccounts(g.Namespace).Get(g.Annotations[GrantServiceAccountAnnotation])
+		if err != nil {
+			continue
+		}
+		if err := m.revokeDisallowed(ctx, sa, g); err != nil && ctx.Err() == nil {
+			m.log.Error(err, "failed to revoke a grant its ServiceAccount no longer allows; retrying at the next sweep", "interval", m.interval.String())
 		}
 	}
 }

@@ -74,6 +74,25 @@
 // restarted, whose timers died with it; so no grant outlives its token by
 // more than one CollectInterval while an agent runs.
 //
+// Withdrawing an opt-in revokes: when a ServiceAccount's
+// AllowedSubjectsAnnotation stops listing a hub user, or its
+// AllowedAudiencesAnnotation stops listing an audience, the Minter deletes
+// the grants of that ServiceAccount that its policy, checked as Mint checks
+// it, no longer allows, and the spoke refuses their tokens about 10 s
+// later. Grants it still allows, and other ServiceAccounts', stay. The
+// agent's informer calls PolicyChanged on every update; a change to either
+// annotation queues the ServiceAccount (a workqueue: bursts coalesce,
+// failures retry with backoff), and Run's worker calls Reconcile, which
+// lists only that ServiceAccount's grants (by the
+// credbroker.io/service-account label, in its namespace). Each sweep also
+// checks every live grant against its ServiceAccount in the cache, so an
+// agent that was down when the annotation changed revokes at start-up, at
+// the cost of no extra API call. A deleted ServiceAccount needs nothing:
+// its tokens die with it, and its grants are collected when they expire.
+// Mint checks the policy again once its grant exists, so a change that
+// lands while a token is being minted either refuses the mint or finds the
+// grant to revoke.
+//
 // # Use
 //
 // Build a Minter from a clientset and a synced ServiceAccount informer, then
@@ -91,7 +110,12 @@
 //		Log:             log,
 //	})
 //	...
-//	go m.Run(ctx) // collects expired grants
+//	sas.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+//		UpdateFunc: func(old, now any) {
+//			m.PolicyChanged(old.(*corev1.ServiceAccount), now.(*corev1.ServiceAccount))
+//		},
+//	})
+//	go m.Run(ctx) // collects expired grants, revokes withdrawn ones
 //	resp, err := m.Mint(ctx, req)
 //
 // The agent's own identity needs list and watch on serviceaccounts, create

@@ -75,6 +75,9 @@ type GrantStore interface {
 	Delete(ctx context.Context, namespace, name string, uid types.UID) error
 	// List returns every grant the agent can see.
 	List(ctx context.Context) ([]corev1.Secret, error)
+	// ListServiceAccount returns the grants of the ServiceAccount
+	// namespace/name; it may return others too, which callers skip.
+	ListServiceAccount(ctx context.Context, namespace, name string) ([]corev1.Secret, error)
 }
 
 // NewGrantStore returns a GrantStore over client. It lists grants in
@@ -107,6 +110,23 @@ func (c clientGrantStore) Delete(ctx context.Context, namespace, name string, ui
 func (c clientGrantStore) List(ctx context.Context) ([]corev1.Secret, error) {
 	list, err := c.client.CoreV1().Secrets(c.namespace).List(ctx, metav1.ListOptions{
 		LabelSelector: GrantLabelSelector,
+		FieldSelector: GrantFieldSelector,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return list.Items, nil
+}
+
+// ListServiceAccount selects by GrantServiceAccountLabel when name fits in
+// a label value; otherwise it lists every grant in namespace.
+func (c clientGrantStore) ListServiceAccount(ctx context.Context, namespace, name string) ([]corev1.Secret, error) {
+	selector := GrantLabelSelector
+	if len(validation.IsValidLabelValue(name)) == 0 {
+		selector += "," + GrantServiceAccountLabel + "=" + name
+	}
+	list, err := c.client.CoreV1().Secrets(namespace).List(ctx, metav1.ListOptions{
+		LabelSelector: selector,
 		FieldSelector: GrantFieldSelector,
 	})
 	if err != nil {

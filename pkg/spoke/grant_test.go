@@ -38,6 +38,7 @@ type fakeGrants struct {
 	secrets map[string]*corev1.Secret // by namespace/name
 	deleted []string
 	lists   int
+	saLists []string
 }
 
 func newFakeGrants(existing ...*corev1.Secret) *fakeGrants {
@@ -122,6 +123,31 @@ func (f *fakeGrants) List(context.Context) ([]corev1.Secret, error) {
 		out = append(out, *s.DeepCopy())
 	}
 	return out, nil
+}
+
+// ListServiceAccount returns every Secret in namespace, whatever its type,
+// labels or ServiceAccount, as a store that did not filter would.
+func (f *fakeGrants) ListServiceAccount(_ context.Context, namespace, name string) ([]corev1.Secret, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.saLists = append(f.saLists, namespace+"/"+name)
+	if f.listErr != nil {
+		return nil, f.listErr
+	}
+	var out []corev1.Secret
+	for _, s := range f.secrets {
+		if s.Namespace == namespace {
+			out = append(out, *s.DeepCopy())
+		}
+	}
+	return out, nil
+}
+
+// SALists returns the ServiceAccounts ListServiceAccount was asked for.
+func (f *fakeGrants) SALists() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.saLists)
 }
 
 // Keys returns the namespace/name of every Secret it holds, sorted.

@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	corev1listers "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/util/workqueue"
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
@@ -133,6 +134,9 @@ type Minter struct {
 	runCtx context.Context
 	// timers delete grants when their token expires, by grant UID.
 	timers map[types.UID]clock.Timer
+	// queue holds the ServiceAccounts whose policy changed, for Run to
+	// revoke the grants it no longer allows.
+	queue workqueue.TypedRateLimitingInterface[types.NamespacedName]
 }
 
 // New returns a Minter, or an error if cfg is incomplete or its expiration
@@ -186,6 +190,7 @@ func New(cfg Config) (*Minter, error) {
 		clock:          clk,
 		log:            cfg.Log,
 		timers:         map[types.UID]clock.Timer{},
+		queue:          newPolicyQueue(),
 	}, nil
 }
 
@@ -240,6 +245,14 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 		return nil, err
 	}
 	grantRef := sa.Namespace + "/" + grant.Name
+	// Check the policy again now that the grant exists: a change the cache
+	// took since pick shows here, and any later one queues a Reconcile,
+	// which lists the grants after this one was created and revokes it.
+	if err := m.recheck(sa, grant); err != nil {
+		m.deleteGrant(ctx, grant)
+		m.log.Info("refused mint request", "subject", user, "error", err.Error())
+		return nil, err
+	}
 	tr := &authenticationv1.TokenRequest{
 		// The UID makes the API server refuse with a Conflict if the
 		// ServiceAccount was replaced since the informer saw it, so a token is
@@ -296,6 +309,23 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 		ExpirationTime: timestamppb.New(exp),
 		ServiceAccount: &credbrokerv1alpha1.ObjectReference{Namespace: sa.Namespace, Name: sa.Name},
 	}, nil
+}
+
+// recheck returns an error wrapping ErrPermissionDenied unless the cached
+// sa still allows grant, or ErrNotFound if sa is gone from the cache.
+func (m *Minter) recheck(sa *corev1.ServiceAccount, grant *corev1.Secret) error {
+	ref := sa.Namespace + "/" + sa.Name
+	now, err := m.sas.ServiceAccounts(sa.Namespace).Get(sa.Name)
+	switch {
+	case apierrors.IsNotFound(err):
+		return fmt.Errorf("spoke ServiceAccount %s was deleted while the token was minted: %w", ref, errdefs.ErrNotFound)
+	case err != nil:
+		return fmt.Errorf("read spoke ServiceAccount %s from the agent's cache: %v: %w", ref, err, errdefs.ErrUnavailable)
+	}
+	if why := disallowed(now, grant); why != "" {
+		return fmt.Errorf("spoke ServiceAccount %s changed its policy while the token was minted: %s: %w", ref, why, errdefs.ErrPermissionDenied)
+	}
+	return nil
 }
 
 // deleteGrant deletes the grant of a mint that failed. It outlives ctx, as

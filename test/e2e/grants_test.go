@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"slices"
@@ -268,4 +269,81 @@ func TestDeletingGrantRevokesIssuedToken(t *testing.T) {
 		return apierrors.IsUnauthorized(err)
 	}, 30*time.Second, 100*time.Millisecond, "the spoke still accepts a token whose grant was deleted")
 	t.Logf("revocation lag: the spoke refused the token %s after its grant was deleted", time.Since(deleted).Round(100*time.Millisecond))
+}
+
+// setAnnotation sets annotation key on the spoke ServiceAccount ns/name to
+// value, as a spoke admin would, and returns when.
+func setAnnotation(t *testing.T, cluster *framework.Cluster, ns, name, key, value string) time.Time {
+	t.Helper()
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, key, value)
+	_, err := cluster.Client.CoreV1().ServiceAccounts(ns).Patch(context.Background(), name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+	require.NoError(t, err)
+	return time.Now()
+}
+
+// The attack: a spoke admin withdraws a consumer's opt-in, or an audience,
+// from a ServiceAccount, and the consumer goes on using the tokens it already
+// holds for up to their lifetime. The spoke must refuse them within 20 s,
+// and only them.
+func TestWithdrawnOptInRevokesIssuedTokens(t *testing.T) {
+	ctx := context.Background()
+	cluster := env.Spokes[0]
+	authenticated := func(t *testing.T, tok string, audiences []string) bool {
+		t.Helper()
+		review, err := cluster.ReviewToken(ctx, tok, audiences)
+		require.NoError(t, err)
+		return review.Authenticated
+	}
+	mint := func(t *testing.T, c consumer, ns, name string, audiences ...string) *pb.ExchangeResponse {
+		t.Helper()
+		resp, err := exchange(t, c, &pb.ExchangeRequest{
+			Cluster:        clusterRef(cluster),
+			ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: name},
+			Audiences:      audiences,
+		})
+		require.NoError(t, err)
+		require.True(t, authenticated(t, resp.GetToken(), audiences), "the spoke refuses a fresh token")
+		return resp
+	}
+	refusedWithin := func(t *testing.T, tok string, audiences []string, since time.Time) {
+		t.Helper()
+		require.Eventually(t, func() bool { return !authenticated(t, tok, audiences) },
+			30*time.Second, 100*time.Millisecond, "the spoke still accepts a token whose opt-in was withdrawn")
+		lag := time.Since(since)
+		t.Logf("revocation lag: the spoke refused the token %s after the annotation changed", lag.Round(100*time.Millisecond))
+		assert.LessOrEqual(t, lag, 20*time.Second)
+	}
+
+	t.Run("subject removed from allowed-subjects", func(t *testing.T) {
+		gone, stays, other := newConsumer(t, "credbroker", cluster.Name), newConsumer(t, "credbroker", cluster.Name), newConsumer(t, "credbroker", cluster.Name)
+		ns := optIn(t, cluster, "shared", gone.username(), stays.username())
+		otherNS := optIn(t, cluster, "other", other.username(), gone.username())
+		goneResp := mint(t, gone, ns, "shared")
+		goneTok := goneResp.GetToken()
+		staysTok := mint(t, stays, ns, "shared").GetToken()
+		otherTok := mint(t, other, otherNS, "other").GetToken()
+		goneOtherTok := mint(t, gone, otherNS, "other").GetToken()
+
+		changed := setAnnotation(t, cluster, ns, "shared", spoke.AllowedSubjectsAnnotation, stays.username())
+		refusedWithin(t, goneTok, nil, changed)
+		assert.True(t, authenticated(t, staysTok, nil), "a consumer still allowed lost its token")
+		assert.True(t, authenticated(t, otherTok, nil), "a token for another ServiceAccount was revoked")
+		assert.True(t, authenticated(t, goneOtherTok, nil), "the consumer's token for a ServiceAccount that still allows it was revoked")
+		// The agent's log names the revoked credential, never the token.
+		line := logLine(t, `"msg"="revoked grant"`, `"credentialID"="`+goneResp.GetCredentialId()+`"`, `"subject"="`+gone.username()+`"`)
+		assert.NotContains(t, line, goneTok)
+	})
+
+	t.Run("audience removed from allowed-audiences", func(t *testing.T) {
+		c := newConsumer(t, "credbroker", cluster.Name)
+		ns := optInAudiences(t, cluster, "aud", []string{"vault.example", "sts.example"}, c.username())
+		vaultTok := mint(t, c, ns, "aud", "vault.example").GetToken()
+		stsTok := mint(t, c, ns, "aud", "sts.example").GetToken()
+		defaultTok := mint(t, c, ns, "aud").GetToken()
+
+		changed := setAnnotation(t, cluster, ns, "aud", spoke.AllowedAudiencesAnnotation, "sts.example")
+		refusedWithin(t, vaultTok, []string{"vault.example"}, changed)
+		assert.True(t, authenticated(t, stsTok, []string{"sts.example"}), "a token for a still-allowed audience was revoked")
+		assert.True(t, authenticated(t, defaultTok, nil), "a token for the default audiences was revoked")
+	})
 }

@@ -1,0 +1,161 @@
+package spoke
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+)
+
+// newPolicyQueue returns the queue of ServiceAccounts whose policy changed:
+// a burst of changes to one ServiceAccount is reconciled once, and a failed
+// reconcile is retried with the controllers' usual backoff.
+func newPolicyQueue() workqueue.TypedRateLimitingInterface[types.NamespacedName] {
+	return workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName](),
+		workqueue.TypedRateLimitingQueueConfig[types.NamespacedName]{Name: "credbroker-spoke-policy"},
+	)
+}
+
+// PolicyChanged tells the Minter that the spoke ServiceAccount old is now
+// now; the agent calls it from its ServiceAccount informer's update handler.
+// When AllowedSubjectsAnnotation or AllowedAudiencesAnnotation changed, it
+// queues the ServiceAccount, and Run revokes the grants that its new policy
+// no longer allows (see Reconcile). It returns at once: the work is done off
+// the informer's goroutine.
+func (m *Minter) PolicyChanged(old, now *corev1.ServiceAccount) {
+	if old == nil || now == nil {
+		return
+	}
+	if old.Annotations[AllowedSubjectsAnnotation] == now.Annotations[AllowedSubjectsAnnotation] &&
+		old.Annotations[AllowedAudiencesAnnotation] == now.Annotations[AllowedAudiencesAnnotation] {
+		return
+	}
+	m.queue.Add(types.NamespacedName{Namespace: now.Namespace, Name: now.Name})
+}
+
+// Reconcile revokes, by deleting them, the grants of the spoke
+// ServiceAccount namespace/name that its policy, as the informer's cache
+// has it now, no longer allows: those whose hub user its
+// AllowedSubjectsAnnotation no longer lists, and those with an audience
+// its AllowedAudiencesAnnotation no longer lists. It applies the checks Mint
+// applies. It lists only that ServiceAccount's grants. A ServiceAccount
+// that is gone needs nothing: its tokens died with it, and Run collects its
+// grants when they expire. Errors wrap ErrUnavailable.
+func (m *Minter) Reconcile(ctx context.Context, namespace, name string) error {
+	ref := namespace + "/" + name
+	sa, err := m.sas.ServiceAccounts(namespace).Get(name)
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil
+	case err != nil:
+		return fmt.Errorf("read spoke ServiceAccount %s from the agent's cache: %v: %w", ref, err, errdefs.ErrUnavailable)
+	}
+	grants, err := m.grants.ListServiceAccount(ctx, namespace, name)
+	if err != nil {
+		return fmt.Errorf("list the grants of spoke ServiceAccount %s: %v: %w", ref, err, errdefs.ErrUnavailable)
+	}
+	var errs []error
+	for i := range grants {
+		g := &grants[i]
+		// The API server selects by label; check again, so that neither
+		// a store that does not nor a ServiceAccount whose name is too long
+		// for a label can make the agent delete another grant or Secret.
+		if !isGrant(g) || g.Namespace != namespace || g.Annotations[GrantServiceAccountAnnotation] != name {
+			continue
+		}
+		if err := m.revokeDisallowed(ctx, sa, g); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// isGrant reports whether s is a grant: of GrantType, with GrantLabel.
+func isGrant(s *corev1.Secret) bool {
+	return s.Type == GrantType && s.Labels[GrantLabel] == "true"
+}
+
+// grantAudiences returns the audiences grant's token was minted for.
+func grantAudiences(grant *corev1.Secret) []string {
+	var audiences []string
+	for a := range strings.SplitSeq(grant.Annotations[GrantAudiencesAnnotation], ",") {
+		if a != "" {
+			audiences = append(audiences, a)
+		}
+	}
+	return audiences
+}
+
+// disallowed returns why sa's policy no longer allows grant's token, or ""
+// when it does.
+func disallowed(sa *corev1.ServiceAccount, grant *corev1.Secret) string {
+	if !allows(sa, grant.Annotations[GrantHubUserAnnotation]) {
+		return "the ServiceAccount no longer allows the hub user"
+	}
+	if allowAudiences(sa, grantAudiences(grant)) != nil {
+		return "the ServiceAccount no longer allows an audience of the token"
+	}
+	return ""
+}
+
+// revokeDisallowed deletes grant, of ServiceAccount sa, if sa's policy no
+// longer allows it.
+func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount, grant *corev1.Secret) error {
+	why := disallowed(sa, grant)
+	if why == "" {
+		return nil
+	}
+	ref := grant.Namespace + "/" + grant.Name
+	err := m.grants.Delete(ctx, grant.Namespace, grant.Name, grant.UID)
+	switch {
+	case apierrors.IsNotFound(err) || apierrors.IsConflict(err):
+		// Already gone, or replaced by another object of that name.
+		return nil
+	case err != nil:
+		return fmt.Errorf("revoke grant %s, which spoke ServiceAccount %s/%s no longer allows: %v: %w",
+			ref, sa.Namespace, sa.Name, err, errdefs.ErrUnavailable)
+	}
+	m.mu.Lock()
+	if t, ok := m.timers[grant.UID]; ok {
+		t.Stop()
+		delete(m.timers, grant.UID)
+	}
+	m.mu.Unlock()
+	m.log.Info("revoked grant",
+		"grant", ref,
+		"credentialID", grant.Annotations[GrantCredentialIDAnnotation],
+		"subject", grant.Annotations[GrantHubUserAnnotation],
+		"serviceAccount", sa.Namespace+"/"+sa.Name,
+		"audiences", grantAudiences(grant),
+		"reason", why,
+	)
+	return nil
+}
+
+// reconcilePolicies reconciles the ServiceAccounts PolicyChanged queues
+// until the queue shuts down, retrying failures with backoff.
+func (m *Minter) reconcilePolicies(ctx context.Context) {
+	for {
+		key, shutdown := m.queue.Get()
+		if shutdown {
+			return
+		}
+		err := m.Reconcile(ctx, key.Namespace, key.Name)
+		switch {
+		case err == nil || ctx.Err() != nil:
+			m.queue.Forget(key)
+		default:
+			m.log.Error(err, "failed to revoke the grants a ServiceAccount's policy no longer allows; retrying", "serviceAccount", key.String())
+			m.queue.AddRateLimited(key)
+		}
+		m.queue.Done(key)
+	}
+}
