@@ -364,6 +364,26 @@ func TestRunCollectsGrantWhenTokenExpires(t *testing.T) {
 	assert.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Deleted())
 }
 
+// A TokenRequest answer without an expiration must not revoke the token it
+// carries at once: its grant lives for the lifetime that was asked for.
+func TestGrantOfTokenWithoutExpirationLivesItsRequestedLifetime(t *testing.T) {
+	clk := testingclock.NewFakeClock(issuedAt)
+	grants := newFakeGrants()
+	m, err := New(Config{Tokens: &fakeTokens{noExp: true}, Grants: grants, Clock: clk, CollectInterval: time.Hour,
+		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+	require.NoError(t, err)
+	startRun(t, m, grants, clk)
+
+	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	require.NoError(t, err)
+	clk.Step(time.Second)
+	assert.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Keys(), "the grant of a live token was collected")
+	assert.Equal(t, issuedAt.Add(900*time.Second).UTC().Format(time.RFC3339),
+		grants.secrets["apps/credbroker-grant-1"].Annotations[GrantExpirationAnnotation])
+	clk.Step(899 * time.Second)
+	require.Eventually(t, func() bool { return len(grants.Keys()) == 0 }, 5*time.Second, time.Millisecond)
+}
+
 func TestRunSweepsExpiredGrants(t *testing.T) {
 	clk := testingclock.NewFakeClock(issuedAt)
 	grants := newFakeGrants(

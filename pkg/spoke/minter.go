@@ -281,6 +281,12 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 		return nil, err
 	}
 	exp := out.Status.ExpirationTimestamp.Time
+	if exp.IsZero() {
+		// An API server that leaves it out would have the grant collected,
+		// and the token revoked, at once; the token lives no longer than
+		// asked.
+		exp = m.clock.Now().Add(time.Duration(seconds) * time.Second)
+	}
 	id := token.ID(out.Status.Token)
 	patch, err := mintedPatch(id, exp)
 	if err == nil {

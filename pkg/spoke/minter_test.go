@@ -55,6 +55,7 @@ type createCall struct {
 type fakeTokens struct {
 	err   error
 	empty bool // return a TokenRequest without a token
+	noExp bool // return a token without an expiration timestamp
 
 	mu    sync.Mutex
 	calls []createCall
@@ -74,6 +75,9 @@ func (f *fakeTokens) CreateToken(_ context.Context, namespace, name string, req 
 	out.Status = authenticationv1.TokenRequestStatus{
 		Token:               fakeToken(namespace, name),
 		ExpirationTimestamp: metav1.NewTime(issuedAt.Add(time.Duration(*req.Spec.ExpirationSeconds) * time.Second)),
+	}
+	if f.noExp {
+		out.Status.ExpirationTimestamp = metav1.Time{}
 	}
 	return out, nil
 }

@@ -170,6 +170,38 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, "hunter2", string(got.Data["password"]))
 	})
+	t.Run("the agent may not keep a grant alive with a finalizer", func(t *testing.T) {
+		g := grantObject("with-finalizer", nil)
+		g.Finalizers = []string{"example.com/hold"}
+		_, err := agent.Create(ctx, g, metav1.CreateOptions{})
+		refused(t, err)
+		g, err = agent.Create(ctx, grantObject("finalized-later", nil), metav1.CreateOptions{})
+		require.NoError(t, err)
+		_, err = agent.Patch(ctx, g.Name, types.MergePatchType, []byte(`{"metadata":{"finalizers":["example.com/hold"]}}`), metav1.PatchOptions{})
+		refused(t, err)
+		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
+	})
+	t.Run("the agent may not hide a grant from collection", func(t *testing.T) {
+		g := grantObject("unlabelled", nil)
+		g.Labels = nil
+		_, err := agent.Create(ctx, g, metav1.CreateOptions{})
+		refused(t, err)
+		g, err = agent.Create(ctx, grantObject("unlabelled-later", nil), metav1.CreateOptions{})
+		require.NoError(t, err)
+		_, err = agent.Patch(ctx, g.Name, types.MergePatchType, []byte(`{"metadata":{"labels":{"`+spoke.GrantLabel+`":null}}}`), metav1.PatchOptions{})
+		refused(t, err)
+		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
+	})
+	t.Run("the agent may not rewrite whom a grant is for", func(t *testing.T) {
+		g := grantObject("owned", nil)
+		g.Annotations = map[string]string{spoke.GrantHubUserAnnotation: "system:serviceaccount:hub:a"}
+		g, err := agent.Create(ctx, g, metav1.CreateOptions{})
+		require.NoError(t, err)
+		_, err = agent.Patch(ctx, g.Name, types.MergePatchType,
+			[]byte(`{"metadata":{"annotations":{"`+spoke.GrantHubUserAnnotation+`":"system:serviceaccount:hub:b"}}}`), metav1.PatchOptions{})
+		refused(t, err)
+		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
+	})
 	t.Run("the agent may create, patch and delete a grant", func(t *testing.T) {
 		g, err := agent.Create(ctx, grantObject("a-grant", nil), metav1.CreateOptions{})
 		require.NoError(t, err)
