@@ -114,6 +114,13 @@ func (m *Minter) track(grant *corev1.Secret, exp time.Time) {
 	})
 }
 
+// gone reports whether a grant delete failed only because the grant no
+// longer exists: it is not found, or the UID precondition found another
+// object of that name.
+func gone(err error) bool {
+	return apierrors.IsNotFound(err) || apierrors.IsConflict(err)
+}
+
 // collect deletes the grant namespace/name of UID uid, whose token has
 // expired.
 func (m *Minter) collect(ctx context.Context, namespace, name string, uid types.UID, why string) {
@@ -121,8 +128,7 @@ func (m *Minter) collect(ctx context.Context, namespace, name string, uid types.
 	switch {
 	case err == nil:
 		m.log.Info("collected expired grant", "grant", namespace+"/"+name, "by", why)
-	case apierrors.IsNotFound(err) || apierrors.IsConflict(err):
-		// Already gone, or replaced by another object of that name.
+	case gone(err):
 	case ctx.Err() == nil:
 		m.log.Error(err, "failed to delete expired grant; retrying at the next sweep", "grant", namespace+"/"+name)
 	}

@@ -340,7 +340,7 @@ func (m *Minter) recheck(sa *corev1.ServiceAccount, grant *corev1.Secret) error 
 func (m *Minter) deleteGrant(ctx context.Context, grant *corev1.Secret) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
 	defer cancel()
-	if err := m.grants.Delete(ctx, grant.Namespace, grant.Name, grant.UID); err != nil && !apierrors.IsNotFound(err) {
+	if err := m.grants.Delete(ctx, grant.Namespace, grant.Name, grant.UID); err != nil && !gone(err) {
 		m.log.Error(err, "failed to delete the grant of a failed mint; it is collected when it expires",
 			"grant", grant.Namespace+"/"+grant.Name)
 	}

@@ -116,8 +116,7 @@ func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount
 	ref := grant.Namespace + "/" + grant.Name
 	err := m.grants.Delete(ctx, grant.Namespace, grant.Name, grant.UID)
 	switch {
-	case apierrors.IsNotFound(err) || apierrors.IsConflict(err):
-		// Already gone, or replaced by another object of that name.
+	case gone(err):
 		return nil
 	case err != nil:
 		return fmt.Errorf("revoke grant %s, which spoke ServiceAccount %s/%s no longer allows: %v: %w",
