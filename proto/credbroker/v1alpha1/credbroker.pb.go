@@ -267,6 +267,8 @@ type AgentFrame struct {
 	//	*AgentFrame_Hello
 	//	*AgentFrame_MintResponse
 	//	*AgentFrame_Error
+	//	*AgentFrame_RevokeResponse
+	//	*AgentFrame_GrantUpdate
 	Body          isAgentFrame_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -343,6 +345,24 @@ func (x *AgentFrame) GetError() *Error {
 	return nil
 }
 
+func (x *AgentFrame) GetRevokeResponse() *RevokeResponse {
+	if x != nil {
+		if x, ok := x.Body.(*AgentFrame_RevokeResponse); ok {
+			return x.RevokeResponse
+		}
+	}
+	return nil
+}
+
+func (x *AgentFrame) GetGrantUpdate() *GrantUpdate {
+	if x != nil {
+		if x, ok := x.Body.(*AgentFrame_GrantUpdate); ok {
+			return x.GrantUpdate
+		}
+	}
+	return nil
+}
+
 type isAgentFrame_Body interface {
 	isAgentFrame_Body()
 }
@@ -358,8 +378,20 @@ type AgentFrame_MintResponse struct {
 }
 
 type AgentFrame_Error struct {
-	// error answers a MintRequest with a refusal or a failure.
+	// error answers a MintRequest or a RevokeRequest with a refusal or a
+	// failure.
 	Error *Error `protobuf:"bytes,4,opt,name=error,proto3,oneof"`
+}
+
+type AgentFrame_RevokeResponse struct {
+	// revoke_response answers a RevokeRequest.
+	RevokeResponse *RevokeResponse `protobuf:"bytes,5,opt,name=revoke_response,json=revokeResponse,proto3,oneof"`
+}
+
+type AgentFrame_GrantUpdate struct {
+	// grant_update reports grants created or deleted since the hello, or
+	// since the last update.
+	GrantUpdate *GrantUpdate `protobuf:"bytes,6,opt,name=grant_update,json=grantUpdate,proto3,oneof"`
 }
 
 func (*AgentFrame_Hello) isAgentFrame_Body() {}
@@ -367,6 +399,10 @@ func (*AgentFrame_Hello) isAgentFrame_Body() {}
 func (*AgentFrame_MintResponse) isAgentFrame_Body() {}
 
 func (*AgentFrame_Error) isAgentFrame_Body() {}
+
+func (*AgentFrame_RevokeResponse) isAgentFrame_Body() {}
+
+func (*AgentFrame_GrantUpdate) isAgentFrame_Body() {}
 
 // BrokerFrame is one message from the broker to a spoke agent.
 type BrokerFrame struct {
@@ -378,6 +414,7 @@ type BrokerFrame struct {
 	// Types that are valid to be assigned to Body:
 	//
 	//	*BrokerFrame_MintRequest
+	//	*BrokerFrame_RevokeRequest
 	Body          isBrokerFrame_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -436,6 +473,15 @@ func (x *BrokerFrame) GetMintRequest() *MintRequest {
 	return nil
 }
 
+func (x *BrokerFrame) GetRevokeRequest() *RevokeRequest {
+	if x != nil {
+		if x, ok := x.Body.(*BrokerFrame_RevokeRequest); ok {
+			return x.RevokeRequest
+		}
+	}
+	return nil
+}
+
 type isBrokerFrame_Body interface {
 	isBrokerFrame_Body()
 }
@@ -445,7 +491,14 @@ type BrokerFrame_MintRequest struct {
 	MintRequest *MintRequest `protobuf:"bytes,2,opt,name=mint_request,json=mintRequest,proto3,oneof"`
 }
 
+type BrokerFrame_RevokeRequest struct {
+	// revoke_request asks the agent to revoke grants.
+	RevokeRequest *RevokeRequest `protobuf:"bytes,3,opt,name=revoke_request,json=revokeRequest,proto3,oneof"`
+}
+
 func (*BrokerFrame_MintRequest) isBrokerFrame_Body() {}
+
+func (*BrokerFrame_RevokeRequest) isBrokerFrame_Body() {}
 
 // Hello introduces an agent. Its identity comes from its X.509-SVID, not from
 // anything in this message.
@@ -457,8 +510,12 @@ type Hello struct {
 	Server string `protobuf:"bytes,2,opt,name=server,proto3" json:"server,omitempty"`
 	// certificate_authority_data is the spoke API server's CA bundle, if known.
 	CertificateAuthorityData []byte `protobuf:"bytes,3,opt,name=certificate_authority_data,json=certificateAuthorityData,proto3" json:"certificate_authority_data,omitempty"`
-	unknownFields            protoimpl.UnknownFields
-	sizeCache                protoimpl.SizeCache
+	// grants are the live grants on the spoke, of tokens minted for the
+	// ClusterProfile the agent serves, when the agent sent its hello. The
+	// broker replaces what it knew of the cluster's grants with them.
+	Grants        []*Grant `protobuf:"bytes,4,rep,name=grants,proto3" json:"grants,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -512,6 +569,549 @@ func (x *Hello) GetCertificateAuthorityData() []byte {
 	return nil
 }
 
+func (x *Hello) GetGrants() []*Grant {
+	if x != nil {
+		return x.Grants
+	}
+	return nil
+}
+
+// Grant describes one spoke token the broker handed out, as recorded on the
+// grant Secret the token is bound to. It never holds the token.
+type Grant struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// credential_id is the token's credential id ("JTI=<jti>"), as the spoke
+	// API server writes it in its audit log.
+	CredentialId string `protobuf:"bytes,1,opt,name=credential_id,json=credentialId,proto3" json:"credential_id,omitempty"`
+	// cluster is the hub ClusterProfile the token was minted through.
+	Cluster *ObjectReference `protobuf:"bytes,2,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	// cluster_uid is the UID of that ClusterProfile incarnation.
+	ClusterUid string `protobuf:"bytes,3,opt,name=cluster_uid,json=clusterUid,proto3" json:"cluster_uid,omitempty"`
+	// subject is the hub consumer the token was minted for.
+	Subject *Subject `protobuf:"bytes,4,opt,name=subject,proto3" json:"subject,omitempty"`
+	// service_account is the spoke ServiceAccount the token belongs to.
+	ServiceAccount *ObjectReference `protobuf:"bytes,5,opt,name=service_account,json=serviceAccount,proto3" json:"service_account,omitempty"`
+	// audiences of the token; empty means the spoke API server's default.
+	Audiences []string `protobuf:"bytes,6,rep,name=audiences,proto3" json:"audiences,omitempty"`
+	// expiration_time is when the token expires.
+	ExpirationTime *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=expiration_time,json=expirationTime,proto3" json:"expiration_time,omitempty"`
+	// secret is the grant Secret on the spoke.
+	Secret        *ObjectReference `protobuf:"bytes,8,opt,name=secret,proto3" json:"secret,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Grant) Reset() {
+	*x = Grant{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Grant) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Grant) ProtoMessage() {}
+
+func (x *Grant) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Grant.ProtoReflect.Descriptor instead.
+func (*Grant) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *Grant) GetCredentialId() string {
+	if x != nil {
+		return x.CredentialId
+	}
+	return ""
+}
+
+func (x *Grant) GetCluster() *ObjectReference {
+	if x != nil {
+		return x.Cluster
+	}
+	return nil
+}
+
+func (x *Grant) GetClusterUid() string {
+	if x != nil {
+		return x.ClusterUid
+	}
+	return ""
+}
+
+func (x *Grant) GetSubject() *Subject {
+	if x != nil {
+		return x.Subject
+	}
+	return nil
+}
+
+func (x *Grant) GetServiceAccount() *ObjectReference {
+	if x != nil {
+		return x.ServiceAccount
+	}
+	return nil
+}
+
+func (x *Grant) GetAudiences() []string {
+	if x != nil {
+		return x.Audiences
+	}
+	return nil
+}
+
+func (x *Grant) GetExpirationTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpirationTime
+	}
+	return nil
+}
+
+func (x *Grant) GetSecret() *ObjectReference {
+	if x != nil {
+		return x.Secret
+	}
+	return nil
+}
+
+// GrantSelector picks grants: every field that is set must match. An empty
+// selector matches every grant.
+type GrantSelector struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// credential_id, such as "JTI=0b6c…", matches one token.
+	CredentialId string `protobuf:"bytes,1,opt,name=credential_id,json=credentialId,proto3" json:"credential_id,omitempty"`
+	// username matches the grants of one hub consumer, such as
+	// system:serviceaccount:argocd:argocd-application-controller.
+	Username string `protobuf:"bytes,2,opt,name=username,proto3" json:"username,omitempty"`
+	// cluster matches the grants of one ClusterProfile.
+	Cluster       *ObjectReference `protobuf:"bytes,3,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GrantSelector) Reset() {
+	*x = GrantSelector{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GrantSelector) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GrantSelector) ProtoMessage() {}
+
+func (x *GrantSelector) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GrantSelector.ProtoReflect.Descriptor instead.
+func (*GrantSelector) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *GrantSelector) GetCredentialId() string {
+	if x != nil {
+		return x.CredentialId
+	}
+	return ""
+}
+
+func (x *GrantSelector) GetUsername() string {
+	if x != nil {
+		return x.Username
+	}
+	return ""
+}
+
+func (x *GrantSelector) GetCluster() *ObjectReference {
+	if x != nil {
+		return x.Cluster
+	}
+	return nil
+}
+
+// ListGrantsRequest asks for the live grants that match selector.
+type ListGrantsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Selector      *GrantSelector         `protobuf:"bytes,1,opt,name=selector,proto3" json:"selector,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListGrantsRequest) Reset() {
+	*x = ListGrantsRequest{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListGrantsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListGrantsRequest) ProtoMessage() {}
+
+func (x *ListGrantsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListGrantsRequest.ProtoReflect.Descriptor instead.
+func (*ListGrantsRequest) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ListGrantsRequest) GetSelector() *GrantSelector {
+	if x != nil {
+		return x.Selector
+	}
+	return nil
+}
+
+// ListGrantsResponse lists grants, ordered by ClusterProfile, then
+// expiration time.
+type ListGrantsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Grants        []*Grant               `protobuf:"bytes,1,rep,name=grants,proto3" json:"grants,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListGrantsResponse) Reset() {
+	*x = ListGrantsResponse{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListGrantsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListGrantsResponse) ProtoMessage() {}
+
+func (x *ListGrantsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListGrantsResponse.ProtoReflect.Descriptor instead.
+func (*ListGrantsResponse) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ListGrantsResponse) GetGrants() []*Grant {
+	if x != nil {
+		return x.Grants
+	}
+	return nil
+}
+
+// RevokeGrantsRequest asks to revoke the live grants that match selector;
+// the selector must set at least one field.
+type RevokeGrantsRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Selector *GrantSelector         `protobuf:"bytes,1,opt,name=selector,proto3" json:"selector,omitempty"`
+	// reason is recorded in the broker's audit line and the agent's log.
+	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeGrantsRequest) Reset() {
+	*x = RevokeGrantsRequest{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeGrantsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeGrantsRequest) ProtoMessage() {}
+
+func (x *RevokeGrantsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeGrantsRequest.ProtoReflect.Descriptor instead.
+func (*RevokeGrantsRequest) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *RevokeGrantsRequest) GetSelector() *GrantSelector {
+	if x != nil {
+		return x.Selector
+	}
+	return nil
+}
+
+func (x *RevokeGrantsRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+// RevokeGrantsResponse says what became of each matching grant.
+type RevokeGrantsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// revoked are the grants the agents deleted.
+	Revoked []*Grant `protobuf:"bytes,1,rep,name=revoked,proto3" json:"revoked,omitempty"`
+	// pending are the grants whose agent is not connected to this broker
+	// replica, or failed; the replica revokes them when the agent next
+	// reports them.
+	Pending       []*Grant `protobuf:"bytes,2,rep,name=pending,proto3" json:"pending,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeGrantsResponse) Reset() {
+	*x = RevokeGrantsResponse{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeGrantsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeGrantsResponse) ProtoMessage() {}
+
+func (x *RevokeGrantsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeGrantsResponse.ProtoReflect.Descriptor instead.
+func (*RevokeGrantsResponse) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *RevokeGrantsResponse) GetRevoked() []*Grant {
+	if x != nil {
+		return x.Revoked
+	}
+	return nil
+}
+
+func (x *RevokeGrantsResponse) GetPending() []*Grant {
+	if x != nil {
+		return x.Pending
+	}
+	return nil
+}
+
+// RevokeRequest asks an agent to delete the grants of the listed
+// credential ids, of the ClusterProfile the stream serves.
+type RevokeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	CredentialIds []string               `protobuf:"bytes,1,rep,name=credential_ids,json=credentialIds,proto3" json:"credential_ids,omitempty"`
+	// reason is logged by the agent.
+	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeRequest) Reset() {
+	*x = RevokeRequest{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeRequest) ProtoMessage() {}
+
+func (x *RevokeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeRequest.ProtoReflect.Descriptor instead.
+func (*RevokeRequest) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *RevokeRequest) GetCredentialIds() []string {
+	if x != nil {
+		return x.CredentialIds
+	}
+	return nil
+}
+
+func (x *RevokeRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+// RevokeResponse lists the credential ids whose grants are now gone: deleted
+// by this request, or already gone before it.
+type RevokeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	CredentialIds []string               `protobuf:"bytes,1,rep,name=credential_ids,json=credentialIds,proto3" json:"credential_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeResponse) Reset() {
+	*x = RevokeResponse{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeResponse) ProtoMessage() {}
+
+func (x *RevokeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeResponse.ProtoReflect.Descriptor instead.
+func (*RevokeResponse) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *RevokeResponse) GetCredentialIds() []string {
+	if x != nil {
+		return x.CredentialIds
+	}
+	return nil
+}
+
+// GrantUpdate reports grants created (with their credential id recorded)
+// and deleted on the spoke.
+type GrantUpdate struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Added []*Grant               `protobuf:"bytes,1,rep,name=added,proto3" json:"added,omitempty"`
+	// removed lists the credential ids of deleted grants.
+	Removed       []string `protobuf:"bytes,2,rep,name=removed,proto3" json:"removed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GrantUpdate) Reset() {
+	*x = GrantUpdate{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GrantUpdate) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GrantUpdate) ProtoMessage() {}
+
+func (x *GrantUpdate) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GrantUpdate.ProtoReflect.Descriptor instead.
+func (*GrantUpdate) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *GrantUpdate) GetAdded() []*Grant {
+	if x != nil {
+		return x.Added
+	}
+	return nil
+}
+
+func (x *GrantUpdate) GetRemoved() []string {
+	if x != nil {
+		return x.Removed
+	}
+	return nil
+}
+
 // Subject is the hub identity on whose behalf a token is minted, as the hub's
 // TokenReview reported it.
 type Subject struct {
@@ -528,7 +1128,7 @@ type Subject struct {
 
 func (x *Subject) Reset() {
 	*x = Subject{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[6]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -540,7 +1140,7 @@ func (x *Subject) String() string {
 func (*Subject) ProtoMessage() {}
 
 func (x *Subject) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[6]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -553,7 +1153,7 @@ func (x *Subject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Subject.ProtoReflect.Descriptor instead.
 func (*Subject) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{6}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Subject) GetUsername() string {
@@ -596,7 +1196,7 @@ type MintRequest struct {
 
 func (x *MintRequest) Reset() {
 	*x = MintRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[7]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -608,7 +1208,7 @@ func (x *MintRequest) String() string {
 func (*MintRequest) ProtoMessage() {}
 
 func (x *MintRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[7]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -621,7 +1221,7 @@ func (x *MintRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MintRequest.ProtoReflect.Descriptor instead.
 func (*MintRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{7}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *MintRequest) GetSubject() *Subject {
@@ -667,7 +1267,7 @@ type MintResponse struct {
 
 func (x *MintResponse) Reset() {
 	*x = MintResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -679,7 +1279,7 @@ func (x *MintResponse) String() string {
 func (*MintResponse) ProtoMessage() {}
 
 func (x *MintResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -692,7 +1292,7 @@ func (x *MintResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MintResponse.ProtoReflect.Descriptor instead.
 func (*MintResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{8}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *MintResponse) GetToken() string {
@@ -730,7 +1330,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -742,7 +1342,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -755,7 +1355,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{9}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Error) GetCode() int32 {
@@ -791,22 +1391,58 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\x06server\x18\x03 \x01(\tR\x06server\x12<\n" +
 	"\x1acertificate_authority_data\x18\x04 \x01(\fR\x18certificateAuthorityData\x12M\n" +
 	"\x0fservice_account\x18\x05 \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\x0eserviceAccount\x12#\n" +
-	"\rcredential_id\x18\x06 \x01(\tR\fcredentialId\"\xed\x01\n" +
+	"\rcredential_id\x18\x06 \x01(\tR\fcredentialId\"\x84\x03\n" +
 	"\n" +
 	"AgentFrame\x12%\n" +
 	"\x0ecorrelation_id\x18\x01 \x01(\tR\rcorrelationId\x122\n" +
 	"\x05hello\x18\x02 \x01(\v2\x1a.credbroker.v1alpha1.HelloH\x00R\x05hello\x12H\n" +
 	"\rmint_response\x18\x03 \x01(\v2!.credbroker.v1alpha1.MintResponseH\x00R\fmintResponse\x122\n" +
-	"\x05error\x18\x04 \x01(\v2\x1a.credbroker.v1alpha1.ErrorH\x00R\x05errorB\x06\n" +
-	"\x04body\"\x83\x01\n" +
+	"\x05error\x18\x04 \x01(\v2\x1a.credbroker.v1alpha1.ErrorH\x00R\x05error\x12N\n" +
+	"\x0frevoke_response\x18\x05 \x01(\v2#.credbroker.v1alpha1.RevokeResponseH\x00R\x0erevokeResponse\x12E\n" +
+	"\fgrant_update\x18\x06 \x01(\v2 .credbroker.v1alpha1.GrantUpdateH\x00R\vgrantUpdateB\x06\n" +
+	"\x04body\"\xd0\x01\n" +
 	"\vBrokerFrame\x12%\n" +
 	"\x0ecorrelation_id\x18\x01 \x01(\tR\rcorrelationId\x12E\n" +
-	"\fmint_request\x18\x02 \x01(\v2 .credbroker.v1alpha1.MintRequestH\x00R\vmintRequestB\x06\n" +
-	"\x04body\"\x82\x01\n" +
+	"\fmint_request\x18\x02 \x01(\v2 .credbroker.v1alpha1.MintRequestH\x00R\vmintRequest\x12K\n" +
+	"\x0erevoke_request\x18\x03 \x01(\v2\".credbroker.v1alpha1.RevokeRequestH\x00R\rrevokeRequestB\x06\n" +
+	"\x04body\"\xb6\x01\n" +
 	"\x05Hello\x12#\n" +
 	"\ragent_version\x18\x01 \x01(\tR\fagentVersion\x12\x16\n" +
 	"\x06server\x18\x02 \x01(\tR\x06server\x12<\n" +
-	"\x1acertificate_authority_data\x18\x03 \x01(\fR\x18certificateAuthorityData\"O\n" +
+	"\x1acertificate_authority_data\x18\x03 \x01(\fR\x18certificateAuthorityData\x122\n" +
+	"\x06grants\x18\x04 \x03(\v2\x1a.credbroker.v1alpha1.GrantR\x06grants\"\xb5\x03\n" +
+	"\x05Grant\x12#\n" +
+	"\rcredential_id\x18\x01 \x01(\tR\fcredentialId\x12>\n" +
+	"\acluster\x18\x02 \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\acluster\x12\x1f\n" +
+	"\vcluster_uid\x18\x03 \x01(\tR\n" +
+	"clusterUid\x126\n" +
+	"\asubject\x18\x04 \x01(\v2\x1c.credbroker.v1alpha1.SubjectR\asubject\x12M\n" +
+	"\x0fservice_account\x18\x05 \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\x0eserviceAccount\x12\x1c\n" +
+	"\taudiences\x18\x06 \x03(\tR\taudiences\x12C\n" +
+	"\x0fexpiration_time\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\x0eexpirationTime\x12<\n" +
+	"\x06secret\x18\b \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\x06secret\"\x90\x01\n" +
+	"\rGrantSelector\x12#\n" +
+	"\rcredential_id\x18\x01 \x01(\tR\fcredentialId\x12\x1a\n" +
+	"\busername\x18\x02 \x01(\tR\busername\x12>\n" +
+	"\acluster\x18\x03 \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\acluster\"S\n" +
+	"\x11ListGrantsRequest\x12>\n" +
+	"\bselector\x18\x01 \x01(\v2\".credbroker.v1alpha1.GrantSelectorR\bselector\"H\n" +
+	"\x12ListGrantsResponse\x122\n" +
+	"\x06grants\x18\x01 \x03(\v2\x1a.credbroker.v1alpha1.GrantR\x06grants\"m\n" +
+	"\x13RevokeGrantsRequest\x12>\n" +
+	"\bselector\x18\x01 \x01(\v2\".credbroker.v1alpha1.GrantSelectorR\bselector\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\"\x82\x01\n" +
+	"\x14RevokeGrantsResponse\x124\n" +
+	"\arevoked\x18\x01 \x03(\v2\x1a.credbroker.v1alpha1.GrantR\arevoked\x124\n" +
+	"\apending\x18\x02 \x03(\v2\x1a.credbroker.v1alpha1.GrantR\apending\"N\n" +
+	"\rRevokeRequest\x12%\n" +
+	"\x0ecredential_ids\x18\x01 \x03(\tR\rcredentialIds\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\"7\n" +
+	"\x0eRevokeResponse\x12%\n" +
+	"\x0ecredential_ids\x18\x01 \x03(\tR\rcredentialIds\"Y\n" +
+	"\vGrantUpdate\x120\n" +
+	"\x05added\x18\x01 \x03(\v2\x1a.credbroker.v1alpha1.GrantR\x05added\x12\x18\n" +
+	"\aremoved\x18\x02 \x03(\tR\aremoved\"O\n" +
 	"\aSubject\x12\x1a\n" +
 	"\busername\x18\x01 \x01(\tR\busername\x12\x10\n" +
 	"\x03uid\x18\x02 \x01(\tR\x03uid\x12\x16\n" +
@@ -824,7 +1460,10 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage2h\n" +
 	"\rTokenExchange\x12W\n" +
-	"\bExchange\x12$.credbroker.v1alpha1.ExchangeRequest\x1a%.credbroker.v1alpha1.ExchangeResponse2_\n" +
+	"\bExchange\x12$.credbroker.v1alpha1.ExchangeRequest\x1a%.credbroker.v1alpha1.ExchangeResponse2\xc0\x01\n" +
+	"\x06Grants\x12W\n" +
+	"\x04List\x12&.credbroker.v1alpha1.ListGrantsRequest\x1a'.credbroker.v1alpha1.ListGrantsResponse\x12]\n" +
+	"\x06Revoke\x12(.credbroker.v1alpha1.RevokeGrantsRequest\x1a).credbroker.v1alpha1.RevokeGrantsResponse2_\n" +
 	"\vAgentTunnel\x12P\n" +
 	"\aConnect\x12\x1f.credbroker.v1alpha1.AgentFrame\x1a .credbroker.v1alpha1.BrokerFrame(\x010\x01BOZMgithub.com/credbroker/credbroker/proto/credbroker/v1alpha1;credbrokerv1alpha1b\x06proto3"
 
@@ -840,7 +1479,7 @@ func file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP() []byte {
 	return file_credbroker_v1alpha1_credbroker_proto_rawDescData
 }
 
-var file_credbroker_v1alpha1_credbroker_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_credbroker_v1alpha1_credbroker_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_credbroker_v1alpha1_credbroker_proto_goTypes = []any{
 	(*ObjectReference)(nil),       // 0: credbroker.v1alpha1.ObjectReference
 	(*ExchangeRequest)(nil),       // 1: credbroker.v1alpha1.ExchangeRequest
@@ -848,34 +1487,63 @@ var file_credbroker_v1alpha1_credbroker_proto_goTypes = []any{
 	(*AgentFrame)(nil),            // 3: credbroker.v1alpha1.AgentFrame
 	(*BrokerFrame)(nil),           // 4: credbroker.v1alpha1.BrokerFrame
 	(*Hello)(nil),                 // 5: credbroker.v1alpha1.Hello
-	(*Subject)(nil),               // 6: credbroker.v1alpha1.Subject
-	(*MintRequest)(nil),           // 7: credbroker.v1alpha1.MintRequest
-	(*MintResponse)(nil),          // 8: credbroker.v1alpha1.MintResponse
-	(*Error)(nil),                 // 9: credbroker.v1alpha1.Error
-	(*timestamppb.Timestamp)(nil), // 10: google.protobuf.Timestamp
+	(*Grant)(nil),                 // 6: credbroker.v1alpha1.Grant
+	(*GrantSelector)(nil),         // 7: credbroker.v1alpha1.GrantSelector
+	(*ListGrantsRequest)(nil),     // 8: credbroker.v1alpha1.ListGrantsRequest
+	(*ListGrantsResponse)(nil),    // 9: credbroker.v1alpha1.ListGrantsResponse
+	(*RevokeGrantsRequest)(nil),   // 10: credbroker.v1alpha1.RevokeGrantsRequest
+	(*RevokeGrantsResponse)(nil),  // 11: credbroker.v1alpha1.RevokeGrantsResponse
+	(*RevokeRequest)(nil),         // 12: credbroker.v1alpha1.RevokeRequest
+	(*RevokeResponse)(nil),        // 13: credbroker.v1alpha1.RevokeResponse
+	(*GrantUpdate)(nil),           // 14: credbroker.v1alpha1.GrantUpdate
+	(*Subject)(nil),               // 15: credbroker.v1alpha1.Subject
+	(*MintRequest)(nil),           // 16: credbroker.v1alpha1.MintRequest
+	(*MintResponse)(nil),          // 17: credbroker.v1alpha1.MintResponse
+	(*Error)(nil),                 // 18: credbroker.v1alpha1.Error
+	(*timestamppb.Timestamp)(nil), // 19: google.protobuf.Timestamp
 }
 var file_credbroker_v1alpha1_credbroker_proto_depIdxs = []int32{
 	0,  // 0: credbroker.v1alpha1.ExchangeRequest.cluster:type_name -> credbroker.v1alpha1.ObjectReference
 	0,  // 1: credbroker.v1alpha1.ExchangeRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	10, // 2: credbroker.v1alpha1.ExchangeResponse.expiration_time:type_name -> google.protobuf.Timestamp
+	19, // 2: credbroker.v1alpha1.ExchangeResponse.expiration_time:type_name -> google.protobuf.Timestamp
 	0,  // 3: credbroker.v1alpha1.ExchangeResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
 	5,  // 4: credbroker.v1alpha1.AgentFrame.hello:type_name -> credbroker.v1alpha1.Hello
-	8,  // 5: credbroker.v1alpha1.AgentFrame.mint_response:type_name -> credbroker.v1alpha1.MintResponse
-	9,  // 6: credbroker.v1alpha1.AgentFrame.error:type_name -> credbroker.v1alpha1.Error
-	7,  // 7: credbroker.v1alpha1.BrokerFrame.mint_request:type_name -> credbroker.v1alpha1.MintRequest
-	6,  // 8: credbroker.v1alpha1.MintRequest.subject:type_name -> credbroker.v1alpha1.Subject
-	0,  // 9: credbroker.v1alpha1.MintRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	10, // 10: credbroker.v1alpha1.MintResponse.expiration_time:type_name -> google.protobuf.Timestamp
-	0,  // 11: credbroker.v1alpha1.MintResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	1,  // 12: credbroker.v1alpha1.TokenExchange.Exchange:input_type -> credbroker.v1alpha1.ExchangeRequest
-	3,  // 13: credbroker.v1alpha1.AgentTunnel.Connect:input_type -> credbroker.v1alpha1.AgentFrame
-	2,  // 14: credbroker.v1alpha1.TokenExchange.Exchange:output_type -> credbroker.v1alpha1.ExchangeResponse
-	4,  // 15: credbroker.v1alpha1.AgentTunnel.Connect:output_type -> credbroker.v1alpha1.BrokerFrame
-	14, // [14:16] is the sub-list for method output_type
-	12, // [12:14] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	17, // 5: credbroker.v1alpha1.AgentFrame.mint_response:type_name -> credbroker.v1alpha1.MintResponse
+	18, // 6: credbroker.v1alpha1.AgentFrame.error:type_name -> credbroker.v1alpha1.Error
+	13, // 7: credbroker.v1alpha1.AgentFrame.revoke_response:type_name -> credbroker.v1alpha1.RevokeResponse
+	14, // 8: credbroker.v1alpha1.AgentFrame.grant_update:type_name -> credbroker.v1alpha1.GrantUpdate
+	16, // 9: credbroker.v1alpha1.BrokerFrame.mint_request:type_name -> credbroker.v1alpha1.MintRequest
+	12, // 10: credbroker.v1alpha1.BrokerFrame.revoke_request:type_name -> credbroker.v1alpha1.RevokeRequest
+	6,  // 11: credbroker.v1alpha1.Hello.grants:type_name -> credbroker.v1alpha1.Grant
+	0,  // 12: credbroker.v1alpha1.Grant.cluster:type_name -> credbroker.v1alpha1.ObjectReference
+	15, // 13: credbroker.v1alpha1.Grant.subject:type_name -> credbroker.v1alpha1.Subject
+	0,  // 14: credbroker.v1alpha1.Grant.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	19, // 15: credbroker.v1alpha1.Grant.expiration_time:type_name -> google.protobuf.Timestamp
+	0,  // 16: credbroker.v1alpha1.Grant.secret:type_name -> credbroker.v1alpha1.ObjectReference
+	0,  // 17: credbroker.v1alpha1.GrantSelector.cluster:type_name -> credbroker.v1alpha1.ObjectReference
+	7,  // 18: credbroker.v1alpha1.ListGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
+	6,  // 19: credbroker.v1alpha1.ListGrantsResponse.grants:type_name -> credbroker.v1alpha1.Grant
+	7,  // 20: credbroker.v1alpha1.RevokeGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
+	6,  // 21: credbroker.v1alpha1.RevokeGrantsResponse.revoked:type_name -> credbroker.v1alpha1.Grant
+	6,  // 22: credbroker.v1alpha1.RevokeGrantsResponse.pending:type_name -> credbroker.v1alpha1.Grant
+	6,  // 23: credbroker.v1alpha1.GrantUpdate.added:type_name -> credbroker.v1alpha1.Grant
+	15, // 24: credbroker.v1alpha1.MintRequest.subject:type_name -> credbroker.v1alpha1.Subject
+	0,  // 25: credbroker.v1alpha1.MintRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	19, // 26: credbroker.v1alpha1.MintResponse.expiration_time:type_name -> google.protobuf.Timestamp
+	0,  // 27: credbroker.v1alpha1.MintResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	1,  // 28: credbroker.v1alpha1.TokenExchange.Exchange:input_type -> credbroker.v1alpha1.ExchangeRequest
+	8,  // 29: credbroker.v1alpha1.Grants.List:input_type -> credbroker.v1alpha1.ListGrantsRequest
+	10, // 30: credbroker.v1alpha1.Grants.Revoke:input_type -> credbroker.v1alpha1.RevokeGrantsRequest
+	3,  // 31: credbroker.v1alpha1.AgentTunnel.Connect:input_type -> credbroker.v1alpha1.AgentFrame
+	2,  // 32: credbroker.v1alpha1.TokenExchange.Exchange:output_type -> credbroker.v1alpha1.ExchangeResponse
+	9,  // 33: credbroker.v1alpha1.Grants.List:output_type -> credbroker.v1alpha1.ListGrantsResponse
+	11, // 34: credbroker.v1alpha1.Grants.Revoke:output_type -> credbroker.v1alpha1.RevokeGrantsResponse
+	4,  // 35: credbroker.v1alpha1.AgentTunnel.Connect:output_type -> credbroker.v1alpha1.BrokerFrame
+	32, // [32:36] is the sub-list for method output_type
+	28, // [28:32] is the sub-list for method input_type
+	28, // [28:28] is the sub-list for extension type_name
+	28, // [28:28] is the sub-list for extension extendee
+	0,  // [0:28] is the sub-list for field type_name
 }
 
 func init() { file_credbroker_v1alpha1_credbroker_proto_init() }
@@ -887,9 +1555,12 @@ func file_credbroker_v1alpha1_credbroker_proto_init() {
 		(*AgentFrame_Hello)(nil),
 		(*AgentFrame_MintResponse)(nil),
 		(*AgentFrame_Error)(nil),
+		(*AgentFrame_RevokeResponse)(nil),
+		(*AgentFrame_GrantUpdate)(nil),
 	}
 	file_credbroker_v1alpha1_credbroker_proto_msgTypes[4].OneofWrappers = []any{
 		(*BrokerFrame_MintRequest)(nil),
+		(*BrokerFrame_RevokeRequest)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -897,9 +1568,9 @@ func file_credbroker_v1alpha1_credbroker_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_credbroker_v1alpha1_credbroker_proto_rawDesc), len(file_credbroker_v1alpha1_credbroker_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   10,
+			NumMessages:   19,
 			NumExtensions: 0,
-			NumServices:   2,
+			NumServices:   3,
 		},
 		GoTypes:           file_credbroker_v1alpha1_credbroker_proto_goTypes,
 		DependencyIndexes: file_credbroker_v1alpha1_credbroker_proto_depIdxs,

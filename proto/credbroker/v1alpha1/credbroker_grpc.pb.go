@@ -138,6 +138,174 @@ var TokenExchange_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
+	Grants_List_FullMethodName   = "/credbroker.v1alpha1.Grants/List"
+	Grants_Revoke_FullMethodName = "/credbroker.v1alpha1.Grants/Revoke"
+)
+
+// GrantsClient is the client API for Grants service.
+//
+// For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
+//
+// Grants lists and revokes the spoke tokens the broker has handed out. Each
+// token is bound to a grant on its spoke; revoking deletes the grant, and the
+// spoke API server refuses the token about 10 s later. Callers authenticate
+// as for Exchange. A consumer may always list and revoke its own grants;
+// other consumers' grants need hub RBAC on
+// multicluster.x-k8s.io/clusterprofiles/token of their ClusterProfile: list
+// to list them, delete to revoke them.
+type GrantsClient interface {
+	// List returns the live grants that match the selector and that the caller
+	// may see. Every broker replica answers for the whole fleet, from what the
+	// agents report.
+	List(ctx context.Context, in *ListGrantsRequest, opts ...grpc.CallOption) (*ListGrantsResponse, error)
+	// Revoke revokes the live grants that match the selector. It fails with
+	// PermissionDenied, and revokes nothing, if any matching grant is one the
+	// caller may not revoke.
+	Revoke(ctx context.Context, in *RevokeGrantsRequest, opts ...grpc.CallOption) (*RevokeGrantsResponse, error)
+}
+
+type grantsClient struct {
+	cc grpc.ClientConnInterface
+}
+
+func NewGrantsClient(cc grpc.ClientConnInterface) GrantsClient {
+	return &grantsClient{cc}
+}
+
+func (c *grantsClient) List(ctx context.Context, in *ListGrantsRequest, opts ...grpc.CallOption) (*ListGrantsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListGrantsResponse)
+	err := c.cc.Invoke(ctx, Grants_List_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *grantsClient) Revoke(ctx context.Context, in *RevokeGrantsRequest, opts ...grpc.CallOption) (*RevokeGrantsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RevokeGrantsResponse)
+	err := c.cc.Invoke(ctx, Grants_Revoke_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// GrantsServer is the server API for Grants service.
+// All implementations must embed UnimplementedGrantsServer
+// for forward compatibility.
+//
+// Grants lists and revokes the spoke tokens the broker has handed out. Each
+// token is bound to a grant on its spoke; revoking deletes the grant, and the
+// spoke API server refuses the token about 10 s later. Callers authenticate
+// as for Exchange. A consumer may always list and revoke its own grants;
+// other consumers' grants need hub RBAC on
+// multicluster.x-k8s.io/clusterprofiles/token of their ClusterProfile: list
+// to list them, delete to revoke them.
+type GrantsServer interface {
+	// List returns the live grants that match the selector and that the caller
+	// may see. Every broker replica answers for the whole fleet, from what the
+	// agents report.
+	List(context.Context, *ListGrantsRequest) (*ListGrantsResponse, error)
+	// Revoke revokes the live grants that match the selector. It fails with
+	// PermissionDenied, and revokes nothing, if any matching grant is one the
+	// caller may not revoke.
+	Revoke(context.Context, *RevokeGrantsRequest) (*RevokeGrantsResponse, error)
+	mustEmbedUnimplementedGrantsServer()
+}
+
+// UnimplementedGrantsServer must be embedded to have
+// forward compatible implementations.
+//
+// NOTE: this should be embedded by value instead of pointer to avoid a nil
+// pointer dereference when methods are called.
+type UnimplementedGrantsServer struct{}
+
+func (UnimplementedGrantsServer) List(context.Context, *ListGrantsRequest) (*ListGrantsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method List not implemented")
+}
+func (UnimplementedGrantsServer) Revoke(context.Context, *RevokeGrantsRequest) (*RevokeGrantsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Revoke not implemented")
+}
+func (UnimplementedGrantsServer) mustEmbedUnimplementedGrantsServer() {}
+func (UnimplementedGrantsServer) testEmbeddedByValue()                {}
+
+// UnsafeGrantsServer may be embedded to opt out of forward compatibility for this service.
+// Use of this interface is not recommended, as added methods to GrantsServer will
+// result in compilation errors.
+type UnsafeGrantsServer interface {
+	mustEmbedUnimplementedGrantsServer()
+}
+
+func RegisterGrantsServer(s grpc.ServiceRegistrar, srv GrantsServer) {
+	// If the following call panics, it indicates UnimplementedGrantsServer was
+	// embedded by pointer and is nil.  This will cause panics if an
+	// unimplemented method is ever invoked, so we test this at initialization
+	// time to prevent it from happening at runtime later due to I/O.
+	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
+		t.testEmbeddedByValue()
+	}
+	s.RegisterService(&Grants_ServiceDesc, srv)
+}
+
+func _Grants_List_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListGrantsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GrantsServer).List(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Grants_List_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GrantsServer).List(ctx, req.(*ListGrantsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Grants_Revoke_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RevokeGrantsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GrantsServer).Revoke(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Grants_Revoke_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GrantsServer).Revoke(ctx, req.(*RevokeGrantsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+// Grants_ServiceDesc is the grpc.ServiceDesc for Grants service.
+// It's only intended for direct use with grpc.RegisterService,
+// and not to be introspected or modified (even as a copy)
+var Grants_ServiceDesc = grpc.ServiceDesc{
+	ServiceName: "credbroker.v1alpha1.Grants",
+	HandlerType: (*GrantsServer)(nil),
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "List",
+			Handler:    _Grants_List_Handler,
+		},
+		{
+			MethodName: "Revoke",
+			Handler:    _Grants_Revoke_Handler,
+		},
+	},
+	Streams:  []grpc.StreamDesc{},
+	Metadata: "credbroker/v1alpha1/credbroker.proto",
+}
+
+const (
 	AgentTunnel_Connect_FullMethodName = "/credbroker.v1alpha1.AgentTunnel/Connect"
 )
 
@@ -149,7 +317,10 @@ const (
 type AgentTunnelClient interface {
 	// Connect carries agent frames up and broker frames down. The agent sends a
 	// Hello first; then the broker sends MintRequests and the agent answers each
-	// with a MintResponse or an Error that repeats its correlation id.
+	// with a MintResponse or an Error that repeats its correlation id. The
+	// broker may also send RevokeRequests, answered with a RevokeResponse or
+	// an Error. The agent reports the grants it creates and deletes in
+	// GrantUpdates, with no correlation id.
 	Connect(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[AgentFrame, BrokerFrame], error)
 }
 
@@ -182,7 +353,10 @@ type AgentTunnel_ConnectClient = grpc.BidiStreamingClient[AgentFrame, BrokerFram
 type AgentTunnelServer interface {
 	// Connect carries agent frames up and broker frames down. The agent sends a
 	// Hello first; then the broker sends MintRequests and the agent answers each
-	// with a MintResponse or an Error that repeats its correlation id.
+	// with a MintResponse or an Error that repeats its correlation id. The
+	// broker may also send RevokeRequests, answered with a RevokeResponse or
+	// an Error. The agent reports the grants it creates and deletes in
+	// GrantUpdates, with no correlation id.
 	Connect(grpc.BidiStreamingServer[AgentFrame, BrokerFrame]) error
 	mustEmbedUnimplementedAgentTunnelServer()
 }

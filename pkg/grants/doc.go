@@ -1,0 +1,21 @@
+// Package grants is the broker's view of the spoke tokens it handed out, and
+// the way to revoke them.
+//
+// Every token an agent mints is bound to a grant: a Secret on the spoke,
+// which the agent deletes to revoke the token (package spoke). The agents
+// report their live grants in the hello of every stream and report each
+// grant they create or delete afterwards, so every broker replica holds the
+// whole fleet's live grants in memory, in a Registry, with no store of its
+// own: a replica that restarts learns them again from the hellos.
+//
+// A Registry revokes through a Revoker, which the broker wires to the agent
+// tunnel:
+//
+//	reg := grants.NewRegistry(grants.RegistryConfig{Revoker: tunnelServer})
+//	revoked, pending := reg.Revoke(ctx, reg.Select(grants.Selector{Username: user}), "offboarded")
+//
+// A grant whose agent cannot be reached stays pending; the Registry sends
+// its revoke again when the agent next reports it, in a hello or an update.
+// Until its token expires, a revoked credential id stays known as revoked,
+// so the exchange's token cache never hands the token out again.
+package grants

@@ -1,0 +1,286 @@
+package grants
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/go-logr/logr"
+	"google.golang.org/protobuf/proto"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
+
+	"github.com/credbroker/credbroker/pkg/tunnel"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// Revoker asks the agent of cluster to delete the grants of ids, and returns
+// the ids whose grants are gone: deleted now, or before. Errors wrap
+// errdefs sentinels; ErrUnavailable when no agent of cluster is connected.
+// The broker passes the tunnel server.
+type Revoker interface {
+	Revoke(ctx context.Context, cluster tunnel.ClusterRef, ids []string, reason string) ([]string, error)
+}
+
+// Selector picks grants; every field that is set must match, and the zero
+// Selector matches every grant.
+type Selector struct {
+	CredentialID string
+	Username     string
+	Cluster      types.NamespacedName
+	// ClusterUID, when set, matches one incarnation of Cluster.
+	ClusterUID types.UID
+}
+
+// SelectorOf converts the wire form.
+func SelectorOf(s *pb.GrantSelector) Selector {
+	return Selector{
+		CredentialID: s.GetCredentialId(),
+		Username:     s.GetUsername(),
+		Cluster:      types.NamespacedName{Namespace: s.GetCluster().GetNamespace(), Name: s.GetCluster().GetName()},
+	}
+}
+
+// IsZero reports whether s matches every grant.
+func (s Selector) IsZero() bool { return s == Selector{} }
+
+func (s Selector) matches(g *pb.Grant) bool {
+	return (s.CredentialID == "" || g.GetCredentialId() == s.CredentialID) &&
+		(s.Username == "" || g.GetSubject().GetUsername() == s.Username) &&
+		(s.Cluster.Namespace == "" || g.GetCluster().GetNamespace() == s.Cluster.Namespace) &&
+		(s.Cluster.Name == "" || g.GetCluster().GetName() == s.Cluster.Name) &&
+		(s.ClusterUID == "" || g.GetClusterUid() == string(s.ClusterUID))
+}
+
+// ClusterRef returns the ClusterProfile incarnation g was minted through.
+func ClusterRef(g *pb.Grant) tunnel.ClusterRef {
+	return tunnel.ClusterRef{
+		NamespacedName: types.NamespacedName{Namespace: g.GetCluster().GetNamespace(), Name: g.GetCluster().GetName()},
+		UID:            types.UID(g.GetClusterUid()),
+	}
+}
+
+// RegistryConfig configures a Registry.
+type RegistryConfig struct {
+	// Revoker reaches the agents; required.
+	Revoker Revoker
+	// Clock drops grants, and what is known of revoked ones, once their
+	// tokens expire. Default: the real clock.
+	Clock clock.PassiveClock
+	// Log receives revocations that failed. Default: discard.
+	Log logr.Logger
+}
+
+// pendingRevoke is a revoke that has not reached an agent yet.
+type pendingRevoke struct {
+	grant  *pb.Grant
+	reason string
+}
+
+// Registry holds the live grants of the fleet as the agents report them,
+// and revokes them. It is safe for concurrent use.
+type Registry struct {
+	cfg RegistryConfig
+
+	mu sync.Mutex
+	// live holds the live grants by credential id.
+	live map[string]*pb.Grant
+	// revoked holds the grants revoked through this replica or reported
+	// deleted by an agent, by credential id, until their tokens expire.
+	revoked map[string]*pb.Grant
+	// pending holds the revokes that have not reached an agent, by
+	// credential id.
+	pending map[string]pendingRevoke
+}
+
+// NewRegistry returns an empty Registry.
+func NewRegistry(cfg RegistryConfig) (*Registry, error) {
+	if cfg.Revoker == nil {
+		return nil, fmt.Errorf("grants: Revoker is required")
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	return &Registry{
+		cfg:     cfg,
+		live:    map[string]*pb.Grant{},
+		revoked: map[string]*pb.Grant{},
+		pending: map[string]pendingRevoke{},
+	}, nil
+}
+
+// own returns a copy of g that names cluster: the broker, not the agent,
+// says which ClusterProfile a stream serves. It returns nil for a grant
+// without a credential id or an expiry.
+func own(cluster tunnel.ClusterRef, g *pb.Grant) *pb.Grant {
+	if g.GetCredentialId() == "" || g.GetExpirationTime() == nil {
+		return nil
+	}
+	g = proto.Clone(g).(*pb.Grant)
+	g.Cluster = &pb.ObjectReference{Namespace: cluster.Namespace, Name: cluster.Name}
+	g.ClusterUid = string(cluster.UID)
+	return g
+}
+
+// Replace sets the live grants of cluster to those an agent reported in its
+// hello, and sends again the pending revokes of those that are among them.
+// Grants of another incarnation of the same ClusterProfile are dropped: its
+// agent revokes them when it is admitted for the new one.
+func (r *Registry) Replace(ctx context.Context, cluster tunnel.ClusterRef, grants []*pb.Grant) {
+	r.mu.Lock()
+	for id, g := range r.live {
+		if ClusterRef(g).NamespacedName == cluster.NamespacedName {
+			delete(r.live, id)
+		}
+	}
+	r.mu.Unlock()
+	r.Update(ctx, cluster, &pb.GrantUpdate{Added: grants})
+}
+
+// Update applies a GrantUpdate from an agent of cluster, and sends again
+// the pending revokes of the grants it adds.
+func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) {
+	now := r.cfg.Clock.Now()
+	var retry []pendingRevoke
+	r.mu.Lock()
+	r.expire()
+	for _, id := range u.GetRemoved() {
+		if g, ok := r.live[id]; ok && ClusterRef(g).NamespacedName == cluster.NamespacedName {
+			delete(r.live, id)
+			r.revoked[id] = g
+		}
+		if p, ok := r.pending[id]; ok && ClusterRef(p.grant).NamespacedName == cluster.NamespacedName {
+			delete(r.pending, id)
+		}
+	}
+	for _, g := range u.GetAdded() {
+		g = own(cluster, g)
+		if g == nil || !g.GetExpirationTime().AsTime().After(now) {
+			continue
+		}
+		id := g.GetCredentialId()
+		if _, ok := r.revoked[id]; ok {
+			// Reported by an agent that has not seen the delete yet.
+			if p, ok := r.pending[id]; ok {
+				retry = append(retry, p)
+			}
+			continue
+		}
+		if p, ok := r.pending[id]; ok {
+			retry = append(retry, p)
+		}
+		r.live[id] = g
+	}
+	r.mu.Unlock()
+	if len(retry) > 0 {
+		go r.retry(context.WithoutCancel(ctx), retry)
+	}
+}
+
+func (r *Registry) retry(ctx context.Context, list []pendingRevoke) {
+	byReason := map[string][]*pb.Grant{}
+	for _, p := range list {
+		byReason[p.reason] = append(byReason[p.reason], p.grant)
+	}
+	for reason, gs := range byReason {
+		r.Revoke(ctx, gs, reason)
+	}
+}
+
+// expire drops what is known of tokens that have expired. r.mu is held.
+func (r *Registry) expire() {
+	now := r.cfg.Clock.Now()
+	for _, m := range []map[string]*pb.Grant{r.live, r.revoked} {
+		for id, g := range m {
+			if !g.GetExpirationTime().AsTime().After(now) {
+				delete(m, id)
+			}
+		}
+	}
+	for id, p := range r.pending {
+		if !p.grant.GetExpirationTime().AsTime().After(now) {
+			delete(r.pending, id)
+		}
+	}
+}
+
+// Select returns copies of the live grants that s matches, ordered by
+// ClusterProfile, then expiration time, then credential id.
+func (r *Registry) Select(s Selector) []*pb.Grant {
+	r.mu.Lock()
+	r.expire()
+	var out []*pb.Grant
+	for _, g := range r.live {
+		if s.matches(g) {
+			out = append(out, proto.Clone(g).(*pb.Grant))
+		}
+	}
+	r.mu.Unlock()
+	slices.SortFunc(out, func(a, b *pb.Grant) int {
+		return cmp.Or(
+			cmp.Compare(a.GetCluster().GetNamespace(), b.GetCluster().GetNamespace()),
+			cmp.Compare(a.GetCluster().GetName(), b.GetCluster().GetName()),
+			a.GetExpirationTime().AsTime().Compare(b.GetExpirationTime().AsTime()),
+			cmp.Compare(a.GetCredentialId(), b.GetCredentialId()),
+		)
+	})
+	return out
+}
+
+// Revoked reports whether the token of credentialID was revoked, or its
+// grant deleted, as far as this replica knows.
+func (r *Registry) Revoked(credentialID string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	g, ok := r.revoked[credentialID]
+	if !ok {
+		p, ok := r.pending[credentialID]
+		if !ok {
+			return false
+		}
+		g = p.grant
+	}
+	return g.GetExpirationTime().AsTime().After(r.cfg.Clock.Now())
+}
+
+// Revoke asks the agents to delete grants, one request per ClusterProfile
+// incarnation. It returns the grants now gone, and those whose agent could
+// not be reached or failed: those stay pending, and are revoked when their
+// agent reports them again. From the call on, Revoked reports every one of
+// grants as revoked.
+func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant) {
+	byCluster := map[tunnel.ClusterRef][]*pb.Grant{}
+	r.mu.Lock()
+	for _, g := range grants {
+		r.pending[g.GetCredentialId()] = pendingRevoke{grant: g, reason: reason}
+		byCluster[ClusterRef(g)] = append(byCluster[ClusterRef(g)], g)
+	}
+	r.mu.Unlock()
+	for cluster, gs := range byCluster {
+		ids := make([]string, len(gs))
+		for i, g := range gs {
+			ids[i] = g.GetCredentialId()
+		}
+		gone, err := r.cfg.Revoker.Revoke(ctx, cluster, ids, reason)
+		if err != nil {
+			r.cfg.Log.Info("revoke not delivered; it is sent again when the agent reports the grants",
+				"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
+		}
+		r.mu.Lock()
+		for _, g := range gs {
+			id := g.GetCredentialId()
+			if !slices.Contains(gone, id) {
+				pending = append(pending, g)
+				continue
+			}
+			delete(r.pending, id)
+			delete(r.live, id)
+			r.revoked[id] = g
+			revoked = append(revoked, g)
+		}
+		r.mu.Unlock()
+	}
+	return revoked, pending
+}
