@@ -111,23 +111,27 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 	}, nil
 }
 
-// own returns a copy of g that names cluster: the broker, not the agent,
-// says which ClusterProfile a stream serves. It returns nil for a grant
-// without a credential id or an expiry.
-func own(cluster tunnel.ClusterRef, g *pb.Grant) *pb.Grant {
-	if g.GetCredentialId() == "" || g.GetExpirationTime() == nil {
-		return nil
+// own returns a copy of g, of an agent of cluster, with the UID of cluster,
+// and whether it belongs to cluster: the broker, not the agent, says which
+// ClusterProfile a stream serves, so a grant recorded for another one is
+// not taken. A grant recorded for another incarnation of cluster is stale:
+// the ClusterProfile was replaced. It returns nil for a grant without a
+// credential id or an expiry.
+func own(cluster tunnel.ClusterRef, g *pb.Grant) (_ *pb.Grant, stale bool) {
+	if g.GetCredentialId() == "" || g.GetExpirationTime() == nil ||
+		g.GetCluster().GetNamespace() != cluster.Namespace || g.GetCluster().GetName() != cluster.Name {
+		return nil, false
 	}
 	g = proto.Clone(g).(*pb.Grant)
-	g.Cluster = &pb.ObjectReference{Namespace: cluster.Namespace, Name: cluster.Name}
+	if g.GetClusterUid() != "" && g.GetClusterUid() != string(cluster.UID) {
+		return g, true
+	}
 	g.ClusterUid = string(cluster.UID)
-	return g
+	return g, false
 }
 
 // Replace sets the live grants of cluster to those an agent reported in its
 // hello, and sends again the pending revokes of those that are among them.
-// Grants of another incarnation of the same ClusterProfile are dropped: its
-// agent revokes them when it is admitted for the new one.
 func (r *Registry) Replace(ctx context.Context, cluster tunnel.ClusterRef, grants []*pb.Grant) {
 	r.mu.Lock()
 	for id, g := range r.live {
@@ -140,10 +144,16 @@ func (r *Registry) Replace(ctx context.Context, cluster tunnel.ClusterRef, grant
 }
 
 // Update applies a GrantUpdate from an agent of cluster, and sends again
-// the pending revokes of the grants it adds.
+// the pending revokes of the grants it adds. It revokes, at once, the grants
+// it adds that were minted through another incarnation of cluster: the
+// ClusterProfile was deleted and created again since, and they are not the
+// new one's.
 func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) {
 	now := r.cfg.Clock.Now()
-	var retry []pendingRevoke
+	var (
+		retry []pendingRevoke
+		stale []string
+	)
 	r.mu.Lock()
 	r.expire()
 	for _, id := range u.GetRemoved() {
@@ -156,8 +166,12 @@ func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.
 		}
 	}
 	for _, g := range u.GetAdded() {
-		g = own(cluster, g)
+		g, old := own(cluster, g)
 		if g == nil || !g.GetExpirationTime().AsTime().After(now) {
+			continue
+		}
+		if old {
+			stale = append(stale, g.GetCredentialId())
 			continue
 		}
 		id := g.GetCredentialId()
@@ -177,7 +191,24 @@ func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.
 	if len(retry) > 0 {
 		go r.retry(context.WithoutCancel(ctx), retry)
 	}
+	if len(stale) > 0 {
+		go r.revokeStale(context.WithoutCancel(ctx), cluster, stale)
+	}
 }
+
+// revokeStale revokes the grants of ids, of an earlier incarnation of
+// cluster, through the agent of cluster that reported them. If that fails,
+// the agent's next hello reports them again.
+func (r *Registry) revokeStale(ctx context.Context, cluster tunnel.ClusterRef, ids []string) {
+	if _, err := r.cfg.Revoker.Revoke(ctx, cluster, ids, ReasonClusterProfileReplaced); err != nil {
+		r.cfg.Log.Info("revoke of a replaced ClusterProfile's grants not delivered; it is sent again at the agent's next hello",
+			"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
+	}
+}
+
+// ReasonClusterProfileReplaced is the reason of the revokes of grants minted
+// through an earlier incarnation of a ClusterProfile.
+const ReasonClusterProfileReplaced = "the ClusterProfile was deleted and created again"
 
 func (r *Registry) retry(ctx context.Context, list []pendingRevoke) {
 	byReason := map[string][]*pb.Grant{}

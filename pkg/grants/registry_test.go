@@ -49,9 +49,15 @@ func grant(id, user string, ttl time.Duration) *pb.Grant {
 		CredentialId:   id,
 		Subject:        &pb.Subject{Username: user},
 		ExpirationTime: timestamppb.New(start.Add(ttl)),
-		// An agent's claim of its cluster is ignored.
-		Cluster: &pb.ObjectReference{Namespace: "other", Name: "claimed"},
 	}
+}
+
+// on returns g as an agent of cluster reports it.
+func on(cluster tunnel.ClusterRef, gs ...*pb.Grant) []*pb.Grant {
+	for _, g := range gs {
+		g.Cluster = &pb.ObjectReference{Namespace: cluster.Namespace, Name: cluster.Name}
+	}
+	return gs
 }
 
 func ids(gs []*pb.Grant) []string {
@@ -74,8 +80,10 @@ func newRegistry(t *testing.T) (*Registry, *fakeRevoker, *clocktesting.FakePassi
 func TestRegistrySelect(t *testing.T) {
 	r, _, _ := newRegistry(t)
 	ctx := context.Background()
-	r.Replace(ctx, spoke1, []*pb.Grant{grant("JTI=b", "alice", time.Hour), grant("JTI=a", "bob", 30*time.Minute)})
-	r.Replace(ctx, spoke2, []*pb.Grant{grant("JTI=c", "alice", time.Hour), {CredentialId: "JTI=no-expiry"}})
+	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=b", "alice", time.Hour), grant("JTI=a", "bob", 30*time.Minute)))
+	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour), &pb.Grant{CredentialId: "JTI=no-expiry"}))
+	// An agent cannot report another cluster's grants.
+	r.Replace(ctx, spoke2, append(on(spoke2, grant("JTI=c", "alice", time.Hour)), on(spoke1, grant("JTI=x", "alice", time.Hour))...))
 
 	tests := []struct {
 		name string
@@ -88,7 +96,6 @@ func TestRegistrySelect(t *testing.T) {
 		{"by cluster", Selector{Cluster: spoke2.NamespacedName}, []string{"JTI=c"}},
 		{"by cluster namespace", Selector{Cluster: types.NamespacedName{Namespace: "fleet"}}, []string{"JTI=a", "JTI=b", "JTI=c"}},
 		{"by incarnation", Selector{Cluster: spoke1.NamespacedName, ClusterUID: "old"}, []string{}},
-		{"claimed cluster is ignored", Selector{Cluster: types.NamespacedName{Namespace: "other", Name: "claimed"}}, []string{}},
 		{"all fields", Selector{Username: "alice", Cluster: spoke1.NamespacedName, CredentialID: "JTI=b"}, []string{"JTI=b"}},
 	}
 	for _, tt := range tests {
@@ -104,13 +111,13 @@ func TestRegistrySelect(t *testing.T) {
 func TestRegistryReplaceAndUpdate(t *testing.T) {
 	r, _, clk := newRegistry(t)
 	ctx := context.Background()
-	r.Replace(ctx, spoke1, []*pb.Grant{grant("JTI=a", "alice", time.Hour), grant("JTI=b", "alice", 20*time.Minute)})
-	r.Replace(ctx, spoke2, []*pb.Grant{grant("JTI=c", "alice", time.Hour)})
+	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=a", "alice", time.Hour), grant("JTI=b", "alice", 20*time.Minute)))
+	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
 	// A hello replaces only its own cluster's grants.
-	r.Replace(ctx, spoke1, []*pb.Grant{grant("JTI=b", "alice", 20*time.Minute)})
+	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=b", "alice", 20*time.Minute)))
 	assert.Equal(t, []string{"JTI=b", "JTI=c"}, ids(r.Select(Selector{})))
 
-	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: []*pb.Grant{grant("JTI=d", "bob", time.Hour)}, Removed: []string{"JTI=b"}})
+	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=d", "bob", time.Hour)), Removed: []string{"JTI=b"}})
 	assert.Equal(t, []string{"JTI=d", "JTI=c"}, ids(r.Select(Selector{})))
 	assert.True(t, r.Revoked("JTI=b"), "a grant an agent deleted is revoked")
 	assert.False(t, r.Revoked("JTI=d"))
@@ -123,15 +130,15 @@ func TestRegistryReplaceAndUpdate(t *testing.T) {
 	// Expired grants and what is known of them go.
 	clk.SetTime(start.Add(30 * time.Minute))
 	assert.False(t, r.Revoked("JTI=b"))
-	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: []*pb.Grant{grant("JTI=late", "bob", 10*time.Minute)}})
+	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=late", "bob", 10*time.Minute))})
 	assert.Equal(t, []string{"JTI=d", "JTI=c"}, ids(r.Select(Selector{})))
 }
 
 func TestRegistryRevoke(t *testing.T) {
 	r, rev, _ := newRegistry(t)
 	ctx := context.Background()
-	r.Replace(ctx, spoke1, []*pb.Grant{grant("JTI=a", "alice", time.Hour), grant("JTI=b", "bob", time.Hour)})
-	r.Replace(ctx, spoke2, []*pb.Grant{grant("JTI=c", "alice", time.Hour)})
+	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=a", "alice", time.Hour), grant("JTI=b", "bob", time.Hour)))
+	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
 	rev.offline[spoke2.NamespacedName] = true
 
 	revoked, pending := r.Revoke(ctx, r.Select(Selector{Username: "alice"}), "test")
@@ -146,7 +153,7 @@ func TestRegistryRevoke(t *testing.T) {
 	rev.offline[spoke2.NamespacedName] = false
 	rev.called = make(chan struct{}, 1)
 	rev.mu.Unlock()
-	r.Replace(ctx, spoke2, []*pb.Grant{grant("JTI=c", "alice", time.Hour)})
+	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
 	select {
 	case <-rev.called:
 	case <-time.After(10 * time.Second):
@@ -157,6 +164,23 @@ func TestRegistryRevoke(t *testing.T) {
 
 	// A grant reported again by an agent that has not seen the delete is
 	// not live again.
-	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: []*pb.Grant{grant("JTI=a", "alice", time.Hour)}})
+	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=a", "alice", time.Hour))})
 	assert.Equal(t, []string{"JTI=b"}, ids(r.Select(Selector{})))
+}
+
+func TestRegistryRevokesGrantsOfAReplacedClusterProfile(t *testing.T) {
+	r, rev, _ := newRegistry(t)
+	rev.called = make(chan struct{}, 1)
+	old := grant("JTI=old", "alice", time.Hour)
+	old.ClusterUid = "uid-before"
+	r.Replace(context.Background(), spoke1, on(spoke1, old, grant("JTI=new", "alice", time.Hour)))
+	select {
+	case <-rev.called:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the grant of the earlier incarnation was not revoked")
+	}
+	rev.mu.Lock()
+	assert.Equal(t, [][]string{{"JTI=old"}}, rev.calls)
+	rev.mu.Unlock()
+	assert.Equal(t, []string{"JTI=new"}, ids(r.Select(Selector{})))
 }

@@ -24,6 +24,23 @@ type Minter interface {
 	Mint(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error)
 }
 
+// Grants is the agent's side of revocation: the grants its tokens are bound
+// to (package spoke).
+type Grants interface {
+	// Snapshot returns the live grants on the spoke that have a credential
+	// id; the Client sends them in the hello of every stream. The broker
+	// keeps those of the ClusterProfile it admits the stream for.
+	Snapshot() []*pb.Grant
+	// Subscribe calls fn with every change to the live grants until
+	// unsubscribe is called. fn must not block; the Client calls Subscribe
+	// before Snapshot, so a change in between is sent twice rather than
+	// lost.
+	Subscribe(fn func(*pb.GrantUpdate)) (unsubscribe func())
+	// Revoke deletes the grants a RevokeRequest names, of the ClusterProfile
+	// AdmittedClusterProfile(ctx) names. Errors wrap errdefs sentinels.
+	Revoke(ctx context.Context, req *pb.RevokeRequest) (*pb.RevokeResponse, error)
+}
+
 // ClientConfig configures a Client.
 type ClientConfig struct {
 	// Address of one broker replica, host:port; required.
@@ -33,6 +50,9 @@ type ClientConfig struct {
 	Credentials credentials.TransportCredentials
 	// Minter answers mint requests; required.
 	Minter Minter
+	// Grants reports the agent's grants and answers revoke requests.
+	// Default: no grants, and revoke requests are refused.
+	Grants Grants
 	// Hello is sent first on every stream. Default: an empty hello.
 	Hello *pb.Hello
 	// Cluster, when set ("namespace/name"), is the ClusterProfile the agent
@@ -176,7 +196,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		return false, err
 	}
 	log.Info("connected to broker", "cluster", cluster)
-	ctx = context.WithValue(ctx, admittedKey{}, cluster)
+	ctx = context.WithValue(ctx, admittedKey{}, admission{cluster: cluster, uid: first(md.Get(admittedUIDHeader))})
 	c.once.Do(func() { close(c.connected) })
 
 	var (
@@ -236,10 +256,27 @@ func (c *Client) answer(ctx context.Context, id string, req *pb.MintRequest) *pb
 
 type admittedKey struct{}
 
+type admission struct{ cluster, uid string }
+
+func first(values []string) string {
+	if len(values) == 0 {
+		return ""
+	}
+	return values[0]
+}
+
 // AdmittedClusterProfile returns the ClusterProfile ("namespace/name") the
 // broker admitted the stream for, from the context the Client passes to
-// Minter.Mint; empty for any other context.
+// Minter.Mint and Grants.Revoke; empty for any other context.
 func AdmittedClusterProfile(ctx context.Context) string {
-	s, _ := ctx.Value(admittedKey{}).(string)
-	return s
+	a, _ := ctx.Value(admittedKey{}).(admission)
+	return a.cluster
+}
+
+// AdmittedClusterProfileUID returns the UID of the ClusterProfile
+// incarnation the broker admitted the stream for, like
+// AdmittedClusterProfile.
+func AdmittedClusterProfileUID(ctx context.Context) string {
+	a, _ := ctx.Value(admittedKey{}).(admission)
+	return a.uid
 }

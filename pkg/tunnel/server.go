@@ -38,9 +38,13 @@ type ClusterRef struct {
 
 func (c ClusterRef) String() string { return c.NamespacedName.String() }
 
-// admittedHeader is the header the broker sends when it admits a stream; its
-// value names the cluster the agent serves.
-const admittedHeader = "credbroker-cluster"
+// admittedHeader and admittedUIDHeader are the headers the broker sends when
+// it admits a stream; they name the ClusterProfile the agent serves
+// ("namespace/name") and the UID of its incarnation.
+const (
+	admittedHeader    = "credbroker-cluster"
+	admittedUIDHeader = "credbroker-cluster-uid"
+)
 
 // Resolver maps an agent's SPIFFE ID to the one ClusterProfile it may serve.
 type Resolver interface {
@@ -148,7 +152,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		return errdefs.ToStatus(err).Err()
 	}
 	// Headers tell the agent it was admitted.
-	if err := stream.SendHeader(metadata.Pairs(admittedHeader, cluster.String())); err != nil {
+	if err := stream.SendHeader(metadata.Pairs(admittedHeader, cluster.String(), admittedUIDHeader, string(cluster.UID))); err != nil {
 		return err
 	}
 
