@@ -18,6 +18,7 @@ import (
 	corev1listers "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/spoke"
@@ -52,21 +53,24 @@ type Config struct {
 
 	// Spoke is the spoke API server's client config; the agent needs
 	// create on serviceaccounts/token, list/watch on serviceaccounts, and
-	// create, patch, delete and list on secrets for its grants.
+	// create, patch, delete, list and watch on secrets for its grants.
 	Spoke *rest.Config
-	// Namespace limits the ServiceAccounts the agent may mint for; empty
-	// means all namespaces.
+	// Namespace limits the ServiceAccounts the agent may mint for, and the
+	// grants it watches; empty means all namespaces.
 	Namespace string
 	// MaxExpiration caps minted tokens' lifetime.
 	MaxExpiration time.Duration
 	// MintTimeout bounds one TokenRequest. Keep it at least the broker's
 	// mint timeout, which bounds how long the broker waits for the answer.
 	MintTimeout time.Duration
-	// CollectInterval is how often the agent lists its grants to delete
-	// those whose token has expired, including those left by an agent that
-	// stopped before it could. Zero means spoke.DefaultCollectInterval.
-	// No grant outlives its token by more than this while an agent runs.
+	// CollectInterval is how often the agent looks through its grants (in
+	// its informer's cache) to delete those whose token has expired,
+	// including those left by an agent that stopped before it could. Zero
+	// means spoke.DefaultCollectInterval. No grant outlives its token by
+	// more than this while an agent runs.
 	CollectInterval time.Duration
+	// Clock times grant expiry; nil means the real clock.
+	Clock clock.WithTickerAndDelayedExecution
 
 	// InitialBackoff and MaxBackoff bound reconnect waits.
 	InitialBackoff, MaxBackoff time.Duration
@@ -122,7 +126,8 @@ type Agent struct {
 	cfg       Config
 	svid      *identity.FileSource
 	informers informers.SharedInformerFactory
-	synced    cache.InformerSynced
+	grants    cache.SharedIndexInformer
+	synced    []cache.InformerSynced
 	sas       corev1listers.ServiceAccountLister
 	targets   []*fanout
 	minter    *spoke.Minter
@@ -150,19 +155,28 @@ func New(cfg Config) (*Agent, error) {
 	}
 	a.informers = informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(cfg.Namespace))
 	sas := a.informers.Core().V1().ServiceAccounts()
-	a.synced = sas.Informer().HasSynced
 	a.sas = sas.Lister()
+	// The agent reads its grants from a watch: restart collection,
+	// revocation by credential id and the hello's snapshot cost no list.
+	a.grants = spoke.NewGrantInformer(client, cfg.Namespace)
+	a.synced = []cache.InformerSynced{sas.Informer().HasSynced, a.grants.HasSynced}
 	minter, err := spoke.New(spoke.Config{
-		Tokens:          spoke.NewTokenCreator(client),
-		ServiceAccounts: sas.Lister(),
-		Grants:          spoke.NewGrantStore(client, cfg.Namespace),
-		ClusterProfile:  tunnel.AdmittedClusterProfile,
-		CollectInterval: cfg.CollectInterval,
-		MaxExpiration:   cfg.MaxExpiration,
-		Log:             cfg.Log.WithName("mint"),
+		Tokens:            spoke.NewTokenCreator(client),
+		ServiceAccounts:   sas.Lister(),
+		Grants:            spoke.NewGrantStore(client, cfg.Namespace),
+		GrantCache:        a.grants.GetIndexer(),
+		ClusterProfile:    tunnel.AdmittedClusterProfile,
+		ClusterProfileUID: tunnel.AdmittedClusterProfileUID,
+		CollectInterval:   cfg.CollectInterval,
+		MaxExpiration:     cfg.MaxExpiration,
+		Clock:             cfg.Clock,
+		Log:               cfg.Log.WithName("mint"),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
+	}
+	if _, err := a.grants.AddEventHandler(minter.GrantEvents()); err != nil {
+		return nil, fmt.Errorf("agent: watch grants: %w", err)
 	}
 
 	a.minter = minter
@@ -186,6 +200,7 @@ func New(cfg Config) (*Agent, error) {
 			Address:        addr,
 			Credentials:    creds,
 			Minter:         minter,
+			Grants:         minter,
 			Hello:          hello,
 			Cluster:        clusterString(cfg.Cluster),
 			MintTimeout:    cfg.MintTimeout,
@@ -238,8 +253,9 @@ func (a *Agent) Connected() <-chan struct{} {
 // informer's watch latency.
 func (a *Agent) ServiceAccounts() corev1listers.ServiceAccountLister { return a.sas }
 
-// Run syncs the ServiceAccount informer, then holds the broker streams until
-// ctx ends. The first part that fails stops the others.
+// Run syncs the ServiceAccount and grant informers, then collects grants and
+// holds the broker streams until ctx ends. The first part that fails stops
+// the others.
 func (a *Agent) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -248,8 +264,15 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	a.informers.Start(ctx.Done())
 	defer a.informers.Shutdown()
+	grantsDone := make(chan struct{})
+	go func() {
+		defer close(grantsDone)
+		a.grants.RunWithContext(ctx)
+	}()
+	defer func() { <-grantsDone }()
+	defer cancel() // runs first: stops the grant informer
 	syncCtx, cancelSync := context.WithTimeout(ctx, a.cfg.CacheSyncTimeout)
-	synced := cache.WaitForCacheSync(syncCtx.Done(), a.synced)
+	synced := cache.WaitForCacheSync(syncCtx.Done(), a.synced...)
 	cancelSync()
 	if !synced {
 		stopped := ctx.Err() != nil // by the caller, or by a failing part
@@ -257,7 +280,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		if err := g.Wait(); err != nil || stopped {
 			return err
 		}
-		return fmt.Errorf("agent: ServiceAccount informer did not sync within %s; check the spoke connection and the agent's RBAC (list and watch serviceaccounts)", a.cfg.CacheSyncTimeout)
+		return fmt.Errorf("agent: the ServiceAccount and grant informers did not sync within %s; check the spoke connection and the agent's RBAC (list and watch on serviceaccounts and secrets)", a.cfg.CacheSyncTimeout)
 	}
 	g.Go(func() error { return a.minter.Run(ctx) })
 	for _, t := range a.targets {

@@ -11,35 +11,41 @@ import (
 
 // Run collects grants until ctx ends: it deletes each grant Mint creates
 // when its token expires, and every CollectInterval, starting at once, it
-// lists the grants and deletes those whose GrantExpirationAnnotation has
-// passed. The sweep needs list because the agent's timers die with it: the
-// grants of an agent that crashed or restarted are known only to the spoke
-// API server, and a grant that outlives its token only clutters (its token
-// is already invalid), but would otherwise stay forever. So no grant lives
-// longer than its token plus one CollectInterval while an agent runs.
+// reads the grants from GrantCache and deletes those whose
+// GrantExpirationAnnotation has passed. The sweep is needed because the
+// agent's timers die with it: the grants of an agent that crashed or
+// restarted are known only to the spoke API server (and so to the grant
+// informer, which lists them when it starts), and a grant that outlives its
+// token only clutters (its token is already invalid), but would otherwise
+// stay forever. So no grant lives longer than its token plus one
+// CollectInterval while an agent runs. The sweep costs no API call but the
+// deletes.
 //
 // Run also revokes grants that a ServiceAccount's policy no longer allows:
-// those of each ServiceAccount that PolicyChanged queues (see Reconcile),
-// and, at each sweep, every live grant of a ServiceAccount whose policy,
-// as the informer's cache has it, no longer allows it. The first sweep is
-// what revokes after a change an agent missed while it was down, so start
-// Run once the informer has synced. A grant whose ServiceAccount is gone is
-// left to expire: its token died with the ServiceAccount.
+// those of each ServiceAccount that PolicyChanged or a new grant queues
+// (see Reconcile), and, at each sweep, every live grant of a ServiceAccount
+// whose policy, as the informer's cache has it, no longer allows it. The
+// first sweep is what revokes after a change an agent missed while it was
+// down, so start Run once both informers have synced. A grant whose
+// ServiceAccount is gone is left to expire: its token died with the
+// ServiceAccount.
 //
-// Run returns nil when ctx ends; call it once. Failures to list or delete
-// are logged and retried at the next sweep, or, for a queued
-// ServiceAccount, with backoff.
+// Run returns nil when ctx ends; call it once. Failures to delete are
+// logged and retried at the next sweep, or, for a queued ServiceAccount,
+// with backoff.
 func (m *Minter) Run(ctx context.Context) error {
+	queue := newPolicyQueue()
 	m.mu.Lock()
 	m.runCtx = ctx
+	m.queue = queue
 	m.mu.Unlock()
 	reconciled := make(chan struct{})
 	go func() {
 		defer close(reconciled)
-		m.reconcilePolicies(ctx)
+		m.reconcilePolicies(ctx, queue)
 	}()
 	defer func() {
-		m.queue.ShutDown()
+		queue.ShutDown()
 		<-reconciled
 		m.mu.Lock()
 		defer m.mu.Unlock()
@@ -64,25 +70,21 @@ func (m *Minter) Run(ctx context.Context) error {
 // sweep deletes every grant whose token has expired, and every other grant
 // whose ServiceAccount's policy no longer allows it.
 func (m *Minter) sweep(ctx context.Context) {
-	grants, err := m.grants.List(ctx)
-	if err != nil {
-		if ctx.Err() == nil {
-			m.log.Error(err, "failed to list grants; retrying at the next sweep", "interval", m.interval.String())
-		}
-		return
-	}
 	now := m.clock.Now()
 	maxLifetime := time.Duration(m.maxSeconds) * time.Second
-	for i := range grants {
-		g := &grants[i]
-		// The API server filters by label and type; check again, so a
-		// store that does not can never make the agent delete another
-		// Secret.
-		if !isGrant(g) {
+	for _, obj := range m.grantCache.List() {
+		g, ok := obj.(*corev1.Secret)
+		// The informer selects by label and type; check again, so a cache
+		// that does not can never make the agent delete another Secret.
+		if !ok || !isGrant(g) {
 			continue
 		}
 		if exp := grantExpiration(g, maxLifetime); !exp.After(now) {
-			m.collect(ctx, g.Namespace, g.Name, g.UID, "sweep")
+			// A grant this agent minted has its own timer, which fires at
+			// the same time; leave it to the timer.
+			if !m.hasTimer(g.UID) {
+				m.collect(ctx, g.Namespace, g.Name, g.UID, "sweep")
+			}
 			continue
 		}
 		// A ServiceAccount that is gone, or not in the cache, revokes
@@ -94,6 +96,26 @@ func (m *Minter) sweep(ctx context.Context) {
 		if err := m.revokeDisallowed(ctx, sa, g); err != nil && ctx.Err() == nil {
 			m.log.Error(err, "failed to revoke a grant its ServiceAccount no longer allows; retrying at the next sweep", "interval", m.interval.String())
 		}
+	}
+}
+
+// hasTimer reports whether a timer of this agent will delete the grant of
+// UID uid.
+func (m *Minter) hasTimer(uid types.UID) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	_, ok := m.timers[uid]
+	return ok
+}
+
+// stopTimer stops the timer of the grant of UID uid, if any: the grant is
+// gone.
+func (m *Minter) stopTimer(uid types.UID) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if t, ok := m.timers[uid]; ok {
+		t.Stop()
+		delete(m.timers, uid)
 	}
 }
 

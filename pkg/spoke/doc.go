@@ -67,12 +67,15 @@
 // no token; when the TokenRequest fails, or the credential id cannot be
 // recorded, Mint deletes the grant and fails.
 //
-// Run collects grants: it deletes each one when its token expires (a timer
-// on Config.Clock), and every CollectInterval, starting at once, it lists
-// the grants (by label and type) and deletes those whose expiry has passed.
-// The list is what collects the grants of an agent that crashed or
-// restarted, whose timers died with it; so no grant outlives its token by
-// more than one CollectInterval while an agent runs.
+// The agent reads its grants from an informer (NewGrantInformer: one watch
+// on Secrets selected by label and type, indexed by ServiceAccount and by
+// credential id), never by listing them every interval. Run collects
+// grants: it deletes each one when its token expires (a timer on
+// Config.Clock), and every CollectInterval, starting at once, it looks
+// through the cache and deletes those whose expiry has passed. The sweep is
+// what collects the grants of an agent that crashed or restarted, whose
+// timers died with it; so no grant outlives its token by more than one
+// CollectInterval while an agent runs.
 //
 // Withdrawing an opt-in revokes: when a ServiceAccount's
 // AllowedSubjectsAnnotation stops listing a hub user, or its
@@ -83,8 +86,9 @@
 // agent's informer calls PolicyChanged on every update; a change to either
 // annotation queues the ServiceAccount (a workqueue: bursts coalesce,
 // failures retry with backoff), and Run's worker calls Reconcile, which
-// lists only that ServiceAccount's grants (by the
-// credbroker.io/service-account label, in its namespace). Each sweep also
+// reads only that ServiceAccount's grants from the cache's index. A grant
+// that reaches the cache queues its ServiceAccount too, so a policy change
+// seen before the grant still revokes it. Each sweep also
 // checks every live grant against its ServiceAccount in the cache, so an
 // agent that was down when the annotation changed revokes at start-up, at
 // the cost of no extra API call. A deleted ServiceAccount needs nothing:
@@ -93,23 +97,37 @@
 // lands while a token is being minted either refuses the mint or finds the
 // grant to revoke.
 //
+// The Minter is also the agent's side of revocation by the broker (the
+// tunnel package's Grants): Snapshot reports every grant with a credential
+// id for the hello of each broker stream, Subscribe reports grants as the
+// informer sees them recorded and deleted, and Revoke deletes the grants of
+// the credential ids a broker names, but only those recorded for the
+// ClusterProfile that broker admitted the agent for. Grants record the hub
+// subject's groups and the ClusterProfile's UID, so that a restarted broker
+// can check them again.
+//
 // # Use
 //
-// Build a Minter from a clientset and a synced ServiceAccount informer, then
-// call Mint for each MintRequest:
+// Build a Minter from a clientset, a synced ServiceAccount informer and a
+// synced grant informer, then call Mint for each MintRequest:
 //
 //	factory := informers.NewSharedInformerFactory(client, 0)
 //	sas := factory.Core().V1().ServiceAccounts()
 //	lister := sas.Lister() // register the informer before Start
+//	grants := spoke.NewGrantInformer(client, "")
 //	factory.Start(ctx.Done())
+//	go grants.RunWithContext(ctx)
 //	factory.WaitForCacheSync(ctx.Done())
+//	cache.WaitForCacheSync(ctx.Done(), grants.HasSynced)
 //	m, err := spoke.New(spoke.Config{
 //		Tokens:          spoke.NewTokenCreator(client),
 //		Grants:          spoke.NewGrantStore(client, ""),
+//		GrantCache:      grants.GetIndexer(),
 //		ServiceAccounts: lister,
 //		Log:             log,
 //	})
 //	...
+//	grants.AddEventHandler(m.GrantEvents())
 //	sas.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 //		UpdateFunc: func(old, now any) {
 //			m.PolicyChanged(old.(*corev1.ServiceAccount), now.(*corev1.ServiceAccount))
@@ -119,7 +137,8 @@
 //	resp, err := m.Mint(ctx, req)
 //
 // The agent's own identity needs list and watch on serviceaccounts, create
-// on serviceaccounts/token, and create, patch, delete and list on secrets.
+// on serviceaccounts/token, and create, patch, delete, list and watch on
+// secrets.
 // RBAC cannot narrow the secrets verbs to grants; deploy/spoke/admission.yaml
 // refuses the agent any write to a Secret that is not a grant, and any
 // TokenRequest not bound to a Secret named credbroker-grant-…. Mint's errors wrap the sentinels of

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/url"
 	"strings"
 	"time"
 
@@ -12,7 +13,9 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
+	corev1informers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 )
 
 // A grant is the Secret the agent creates for each token it mints, in the
@@ -53,6 +56,15 @@ const (
 	// authentication.kubernetes.io/credential-id, and the broker's audit
 	// line's credentialID.
 	GrantCredentialIDAnnotation = "credbroker.io/credential-id"
+	// GrantHubGroupsAnnotation lists the hub subject's groups, as the hub's
+	// TokenReview reported them, separated by commas; a comma or percent
+	// sign inside a group is percent-encoded. A broker that restarts redoes
+	// its SubjectAccessReview from them.
+	GrantHubGroupsAnnotation = "credbroker.io/hub-groups"
+	// GrantClusterProfileUIDAnnotation is the UID of the hub ClusterProfile
+	// incarnation the broker admitted the agent for, so that the broker can
+	// revoke the grants of a ClusterProfile that was deleted and recreated.
+	GrantClusterProfileUIDAnnotation = "credbroker.io/cluster-profile-uid"
 
 	grantGenerateName = "credbroker-grant-"
 )
@@ -64,8 +76,10 @@ var (
 	GrantFieldSelector = fields.OneTermEqualSelector("type", string(GrantType)).String()
 )
 
-// GrantStore creates, annotates, deletes and lists grant Secrets on the
-// spoke. NewGrantStore adapts a clientset; tests use a fake.
+// GrantStore creates, annotates and deletes grant Secrets on the spoke,
+// through the API server. The agent reads grants from an informer's cache
+// (see NewGrantInformer), except the one lookup the cache cannot answer for
+// sure. NewGrantStore adapts a clientset; tests use a fake.
 type GrantStore interface {
 	// Create creates grant in its namespace and returns it as stored.
 	Create(ctx context.Context, grant *corev1.Secret) (*corev1.Secret, error)
@@ -73,18 +87,18 @@ type GrantStore interface {
 	Patch(ctx context.Context, namespace, name string, patch []byte) error
 	// Delete deletes the grant namespace/name if its UID is still uid.
 	Delete(ctx context.Context, namespace, name string, uid types.UID) error
-	// List returns every grant the agent can see.
-	List(ctx context.Context) ([]corev1.Secret, error)
-	// ListServiceAccount returns the grants of the ServiceAccount
-	// namespace/name; it may return others too, which callers skip.
-	ListServiceAccount(ctx context.Context, namespace, name string) ([]corev1.Secret, error)
+	// ListCredential returns the grants that record credentialID, as the
+	// API server has them now; it may return others too, which callers
+	// skip. Revoke calls it for a credential id the cache does not know
+	// (yet), so that a grant recorded a moment ago is not taken for gone.
+	ListCredential(ctx context.Context, credentialID string) ([]corev1.Secret, error)
 }
 
 // NewGrantStore returns a GrantStore over client. It lists grants in
 // namespace, or in every namespace when namespace is empty. The client's
-// identity needs create, patch, delete and list on secrets; List asks only
-// for Secrets of GrantType with GrantLabel, so the agent never receives
-// another Secret.
+// identity needs create, patch, delete and list on secrets; ListCredential
+// asks only for Secrets of GrantType with GrantLabel, so the agent never
+// receives another Secret.
 func NewGrantStore(client kubernetes.Interface, namespace string) GrantStore {
 	return clientGrantStore{client: client, namespace: namespace}
 }
@@ -107,25 +121,14 @@ func (c clientGrantStore) Delete(ctx context.Context, namespace, name string, ui
 	return c.client.CoreV1().Secrets(namespace).Delete(ctx, name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
 }
 
-func (c clientGrantStore) List(ctx context.Context) ([]corev1.Secret, error) {
-	list, err := c.client.CoreV1().Secrets(c.namespace).List(ctx, metav1.ListOptions{
-		LabelSelector: GrantLabelSelector,
-		FieldSelector: GrantFieldSelector,
-	})
-	if err != nil {
-		return nil, err
-	}
-	return list.Items, nil
-}
-
-// ListServiceAccount selects by GrantServiceAccountLabel when name fits in
-// a label value; otherwise it lists every grant in namespace.
-func (c clientGrantStore) ListServiceAccount(ctx context.Context, namespace, name string) ([]corev1.Secret, error) {
+// ListCredential selects by GrantJTILabel when the jti fits in a label
+// value; otherwise it lists every grant.
+func (c clientGrantStore) ListCredential(ctx context.Context, credentialID string) ([]corev1.Secret, error) {
 	selector := GrantLabelSelector
-	if len(validation.IsValidLabelValue(name)) == 0 {
-		selector += "," + GrantServiceAccountLabel + "=" + name
+	if jti, ok := strings.CutPrefix(credentialID, "JTI="); ok && jti != "" && len(validation.IsValidLabelValue(jti)) == 0 {
+		selector += "," + GrantJTILabel + "=" + jti
 	}
-	list, err := c.client.CoreV1().Secrets(namespace).List(ctx, metav1.ListOptions{
+	list, err := c.client.CoreV1().Secrets(c.namespace).List(ctx, metav1.ListOptions{
 		LabelSelector: selector,
 		FieldSelector: GrantFieldSelector,
 	})
@@ -135,12 +138,67 @@ func (c clientGrantStore) ListServiceAccount(ctx context.Context, namespace, nam
 	return list.Items, nil
 }
 
+// Indexes of the grant cache; NewGrantInformer adds them.
+const (
+	// GrantServiceAccountIndex indexes grants by the ServiceAccount
+	// ("namespace/name") their token is for.
+	GrantServiceAccountIndex = "credbroker.io/service-account"
+	// GrantCredentialIDIndex indexes grants by their token's credential id.
+	GrantCredentialIDIndex = "credbroker.io/credential-id"
+)
+
+// GrantIndexers returns the indexers the Minter needs on its grant cache.
+func GrantIndexers() cache.Indexers {
+	return cache.Indexers{
+		cache.NamespaceIndex: cache.MetaNamespaceIndexFunc,
+		GrantServiceAccountIndex: func(obj any) ([]string, error) {
+			s, ok := obj.(*corev1.Secret)
+			if !ok || s.Annotations[GrantServiceAccountAnnotation] == "" {
+				return nil, nil
+			}
+			return []string{s.Namespace + "/" + s.Annotations[GrantServiceAccountAnnotation]}, nil
+		},
+		GrantCredentialIDIndex: func(obj any) ([]string, error) {
+			s, ok := obj.(*corev1.Secret)
+			if !ok || s.Annotations[GrantCredentialIDAnnotation] == "" {
+				return nil, nil
+			}
+			return []string{s.Annotations[GrantCredentialIDAnnotation]}, nil
+		},
+	}
+}
+
+// NewGrantInformer returns an informer on the grants in namespace, or in
+// every namespace when namespace is empty, with GrantIndexers. It lists and
+// watches only Secrets of GrantType with GrantLabel (a field and a label
+// selector), so the agent never receives another Secret, and its cache
+// keeps no data and no managed fields of them. The client's identity needs
+// list and watch on secrets. Run it, and wait for it to sync, before the
+// Minter's Run: until then every grant looks missing.
+func NewGrantInformer(client kubernetes.Interface, namespace string) cache.SharedIndexInformer {
+	inf := corev1informers.NewFilteredSecretInformer(client, namespace, 0, GrantIndexers(), func(o *metav1.ListOptions) {
+		o.LabelSelector = GrantLabelSelector
+		o.FieldSelector = GrantFieldSelector
+	})
+	// Set before the informer runs, so it cannot fail.
+	_ = inf.SetTransform(func(obj any) (any, error) {
+		if s, ok := obj.(*corev1.Secret); ok {
+			s.ManagedFields = nil
+			s.Data, s.StringData = nil, nil
+		}
+		return obj, nil
+	})
+	return inf
+}
+
 // grantInfo is what a grant records.
 type grantInfo struct {
 	serviceAccount *corev1.ServiceAccount
 	hubUser        string
 	hubUID         string
+	hubGroups      []string
 	clusterProfile string
+	clusterUID     string
 	audiences      []string
 	expiration     time.Time
 }
@@ -158,12 +216,14 @@ func newGrant(info grantInfo) *corev1.Secret {
 			GenerateName: grantGenerateName,
 			Labels:       labels,
 			Annotations: map[string]string{
-				GrantServiceAccountAnnotation: sa.Name,
-				GrantHubUserAnnotation:        info.hubUser,
-				GrantHubUIDAnnotation:         info.hubUID,
-				GrantClusterProfileAnnotation: info.clusterProfile,
-				GrantAudiencesAnnotation:      strings.Join(info.audiences, ","),
-				GrantExpirationAnnotation:     info.expiration.UTC().Format(time.RFC3339),
+				GrantServiceAccountAnnotation:    sa.Name,
+				GrantHubUserAnnotation:           info.hubUser,
+				GrantHubUIDAnnotation:            info.hubUID,
+				GrantHubGroupsAnnotation:         joinGroups(info.hubGroups),
+				GrantClusterProfileAnnotation:    info.clusterProfile,
+				GrantClusterProfileUIDAnnotation: info.clusterUID,
+				GrantAudiencesAnnotation:         strings.Join(info.audiences, ","),
+				GrantExpirationAnnotation:        info.expiration.UTC().Format(time.RFC3339),
 			},
 		},
 		Type: GrantType,
@@ -199,4 +259,35 @@ func grantExpiration(grant *corev1.Secret, maxLifetime time.Duration) time.Time 
 		return t
 	}
 	return grant.CreationTimestamp.Add(maxLifetime)
+}
+
+// groupEscaper percent-encodes the two characters that would make a
+// comma-joined list of groups ambiguous.
+var groupEscaper = strings.NewReplacer("%", "%25", ",", "%2C")
+
+// joinGroups returns groups as GrantHubGroupsAnnotation records them.
+func joinGroups(groups []string) string {
+	escaped := make([]string, len(groups))
+	for i, g := range groups {
+		escaped[i] = groupEscaper.Replace(g)
+	}
+	return strings.Join(escaped, ",")
+}
+
+// splitGroups returns the groups a GrantHubGroupsAnnotation value records.
+// An entry that is not validly encoded is dropped: a group the agent did
+// not write is never reported.
+func splitGroups(s string) []string {
+	var groups []string
+	for e := range strings.SplitSeq(s, ",") {
+		if e == "" {
+			continue
+		}
+		g, err := url.PathUnescape(e)
+		if err != nil || joinGroups([]string{g}) != e {
+			continue
+		}
+		groups = append(groups, g)
+	}
+	return groups
 }

@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
@@ -28,25 +29,68 @@ import (
 var secretsResource = schema.GroupResource{Resource: "secrets"}
 
 // fakeGrants is a GrantStore over a map, as the API server would keep
-// Secrets. Its List returns every Secret it holds, whatever its type, as a
-// store that did not filter would.
+// Secrets, with the grant informer's cache: each write reaches cache, and
+// events (once set) as the informer would call it, unless lag is set. Its
+// ListCredential returns every Secret it holds, whatever its type, as a
+// store that did not filter would; and so does its cache.
 type fakeGrants struct {
 	createErr, patchErr, deleteErr, listErr error
+
+	cache *countingIndexer
 
 	mu      sync.Mutex
 	n       int
 	secrets map[string]*corev1.Secret // by namespace/name
 	deleted []string
-	lists   int
-	saLists []string
+	deletes int
+	lookups []string
+	lag     bool                       // writes do not reach cache
+	events  cache.ResourceEventHandler // the Minter's GrantEvents, once set
 }
 
 func newFakeGrants(existing ...*corev1.Secret) *fakeGrants {
-	f := &fakeGrants{secrets: map[string]*corev1.Secret{}}
+	f := &fakeGrants{
+		secrets: map[string]*corev1.Secret{},
+		cache:   &countingIndexer{Indexer: cache.NewIndexer(cache.MetaNamespaceKeyFunc, GrantIndexers())},
+	}
 	for _, s := range existing {
 		f.secrets[s.Namespace+"/"+s.Name] = s.DeepCopy()
+		if err := f.cache.Add(s.DeepCopy()); err != nil {
+			panic(err)
+		}
 	}
 	return f
+}
+
+// withGrants returns cfg with grants as its store and cache.
+func withGrants(cfg Config, grants *fakeGrants) Config {
+	cfg.Grants, cfg.GrantCache = grants, grants.cache
+	return cfg
+}
+
+// inform passes a write to the cache and the event handler, as the grant
+// informer would, unless the informer lags. f.mu is held.
+func (f *fakeGrants) inform(old, now *corev1.Secret) {
+	if f.lag {
+		return
+	}
+	switch {
+	case old == nil:
+		_ = f.cache.Add(now.DeepCopy())
+		if f.events != nil {
+			f.events.OnAdd(now.DeepCopy(), false)
+		}
+	case now == nil:
+		_ = f.cache.Delete(old.DeepCopy())
+		if f.events != nil {
+			f.events.OnDelete(old.DeepCopy())
+		}
+	default:
+		_ = f.cache.Update(now.DeepCopy())
+		if f.events != nil {
+			f.events.OnUpdate(old.DeepCopy(), now.DeepCopy())
+		}
+	}
 }
 
 func (f *fakeGrants) Create(_ context.Context, grant *corev1.Secret) (*corev1.Secret, error) {
@@ -60,6 +104,7 @@ func (f *fakeGrants) Create(_ context.Context, grant *corev1.Secret) (*corev1.Se
 	s.Name = fmt.Sprintf("%s%d", s.GenerateName, f.n)
 	s.UID = types.UID(fmt.Sprintf("grant-uid-%d", f.n))
 	f.secrets[s.Namespace+"/"+s.Name] = s
+	f.inform(nil, s)
 	return s.DeepCopy(), nil
 }
 
@@ -73,6 +118,7 @@ func (f *fakeGrants) Patch(_ context.Context, namespace, name string, patch []by
 	if !ok {
 		return apierrors.NewNotFound(secretsResource, name)
 	}
+	old := s.DeepCopy()
 	var p struct {
 		Metadata struct {
 			Labels, Annotations map[string]string
@@ -89,12 +135,14 @@ func (f *fakeGrants) Patch(_ context.Context, namespace, name string, patch []by
 	}
 	maps.Copy(s.Labels, p.Metadata.Labels)
 	maps.Copy(s.Annotations, p.Metadata.Annotations)
+	f.inform(old, s)
 	return nil
 }
 
 func (f *fakeGrants) Delete(_ context.Context, namespace, name string, uid types.UID) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.deletes++
 	if f.deleteErr != nil {
 		return f.deleteErr
 	}
@@ -108,13 +156,14 @@ func (f *fakeGrants) Delete(_ context.Context, namespace, name string, uid types
 	}
 	delete(f.secrets, key)
 	f.deleted = append(f.deleted, key)
+	f.inform(s, nil)
 	return nil
 }
 
-func (f *fakeGrants) List(context.Context) ([]corev1.Secret, error) {
+func (f *fakeGrants) ListCredential(_ context.Context, credentialID string) ([]corev1.Secret, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.lists++
+	f.lookups = append(f.lookups, credentialID)
 	if f.listErr != nil {
 		return nil, f.listErr
 	}
@@ -125,30 +174,16 @@ func (f *fakeGrants) List(context.Context) ([]corev1.Secret, error) {
 	return out, nil
 }
 
-// ListServiceAccount returns every Secret in namespace, whatever its type,
-// labels or ServiceAccount, as a store that did not filter would.
-func (f *fakeGrants) ListServiceAccount(_ context.Context, namespace, name string) ([]corev1.Secret, error) {
+// Lookups returns the credential ids ListCredential was asked for.
+func (f *fakeGrants) Lookups() []string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.saLists = append(f.saLists, namespace+"/"+name)
-	if f.listErr != nil {
-		return nil, f.listErr
-	}
-	var out []corev1.Secret
-	for _, s := range f.secrets {
-		if s.Namespace == namespace {
-			out = append(out, *s.DeepCopy())
-		}
-	}
-	return out, nil
+	return slices.Clone(f.lookups)
 }
 
-// SALists returns the ServiceAccounts ListServiceAccount was asked for.
-func (f *fakeGrants) SALists() []string {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return slices.Clone(f.saLists)
-}
+// SALists returns the ServiceAccounts whose grants were read from the
+// cache's index.
+func (f *fakeGrants) SALists() []string { return f.cache.SALists() }
 
 // Keys returns the namespace/name of every Secret it holds, sorted.
 func (f *fakeGrants) Keys() []string {
@@ -169,10 +204,58 @@ func (f *fakeGrants) Deleted() []string {
 	return slices.Clone(f.deleted)
 }
 
-func (f *fakeGrants) Lists() int {
+// Deletes counts the calls to Delete, failed ones included.
+func (f *fakeGrants) Deletes() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.lists
+	return f.deletes
+}
+
+// Lists counts the reads of the whole cache: one per sweep.
+func (f *fakeGrants) Lists() int { return f.cache.Lists() }
+
+func (f *fakeGrants) setDeleteErr(err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.deleteErr = err
+}
+
+// countingIndexer is an informer's indexer that counts what is read from
+// it.
+type countingIndexer struct {
+	cache.Indexer
+
+	mu      sync.Mutex
+	lists   int
+	saLists []string
+}
+
+func (c *countingIndexer) List() []any {
+	c.mu.Lock()
+	c.lists++
+	c.mu.Unlock()
+	return c.Indexer.List()
+}
+
+func (c *countingIndexer) ByIndex(name, value string) ([]any, error) {
+	if name == GrantServiceAccountIndex {
+		c.mu.Lock()
+		c.saLists = append(c.saLists, value)
+		c.mu.Unlock()
+	}
+	return c.Indexer.ByIndex(name, value)
+}
+
+func (c *countingIndexer) Lists() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lists
+}
+
+func (c *countingIndexer) SALists() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.saLists)
 }
 
 func profileFrom(ctx context.Context) string {
@@ -188,13 +271,22 @@ func TestMintBindsTokenToGrant(t *testing.T) {
 	m, err := New(Config{
 		Tokens:          tokens,
 		Grants:          grants,
+		GrantCache:      grants.cache,
 		ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault")),
 		ClusterProfile:  profileFrom,
+		ClusterProfileUID: func(ctx context.Context) string {
+			if profileFrom(ctx) == "" {
+				return ""
+			}
+			return "uid-spoke-1"
+		},
 	})
 	require.NoError(t, err)
 
 	ctx := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-1")
-	resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), Audiences: []string{"vault"}, ExpirationSeconds: 900})
+	sub := subject(argocd)
+	sub.Groups = []string{"system:serviceaccounts", "team,a", "100%"}
+	resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: sub, Audiences: []string{"vault"}, ExpirationSeconds: 900})
 	require.NoError(t, err)
 	require.NotEmpty(t, resp.GetToken())
 
@@ -209,14 +301,17 @@ func TestMintBindsTokenToGrant(t *testing.T) {
 		GrantJTILabel:            "jti-apps-deployer",
 	}, grant.Labels)
 	assert.Equal(t, map[string]string{
-		GrantServiceAccountAnnotation: "deployer",
-		GrantHubUserAnnotation:        argocd,
-		GrantHubUIDAnnotation:         "hub-uid",
-		GrantClusterProfileAnnotation: "fleet/spoke-1",
-		GrantAudiencesAnnotation:      "vault",
-		GrantExpirationAnnotation:     issuedAt.Add(900 * time.Second).Format(time.RFC3339),
-		GrantCredentialIDAnnotation:   "JTI=jti-apps-deployer",
+		GrantServiceAccountAnnotation:    "deployer",
+		GrantHubUserAnnotation:           argocd,
+		GrantHubUIDAnnotation:            "hub-uid",
+		GrantHubGroupsAnnotation:         "system:serviceaccounts,team%2Ca,100%25",
+		GrantClusterProfileAnnotation:    "fleet/spoke-1",
+		GrantClusterProfileUIDAnnotation: "uid-spoke-1",
+		GrantAudiencesAnnotation:         "vault",
+		GrantExpirationAnnotation:        issuedAt.Add(900 * time.Second).Format(time.RFC3339),
+		GrantCredentialIDAnnotation:      "JTI=jti-apps-deployer",
 	}, grant.Annotations)
+	assert.Equal(t, sub.Groups, splitGroups(grant.Annotations[GrantHubGroupsAnnotation]))
 
 	calls := tokens.Calls()
 	require.Len(t, calls, 1)
@@ -267,7 +362,7 @@ func TestMintRefusesWithoutGrant(t *testing.T) {
 			tokens := &fakeTokens{}
 			grants := newFakeGrants()
 			grants.createErr = tt.err
-			m, err := New(Config{Tokens: tokens, Grants: grants, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+			m, err := New(Config{Tokens: tokens, Grants: grants, GrantCache: grants.cache, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
 			require.NoError(t, err)
 			resp, err := m.Mint(tt.ctx, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 			requireRefused(t, tokens, resp, err, tt.wantErr, tt.sentinel)
@@ -303,7 +398,7 @@ func TestMintDeletesGrantOfFailedMint(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			grants := newFakeGrants()
 			grants.patchErr = tt.patchErr
-			m, err := New(Config{Tokens: tt.tokens, Grants: grants, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+			m, err := New(Config{Tokens: tt.tokens, Grants: grants, GrantCache: grants.cache, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
 			require.NoError(t, err)
 			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 			require.EqualError(t, err, tt.wantErr)
@@ -347,7 +442,7 @@ func startRun(t *testing.T, m *Minter, grants *fakeGrants, clk *testingclock.Fak
 func TestRunCollectsGrantWhenTokenExpires(t *testing.T) {
 	clk := testingclock.NewFakeClock(issuedAt)
 	grants := newFakeGrants()
-	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, Clock: clk, CollectInterval: time.Hour,
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, GrantCache: grants.cache, Clock: clk, CollectInterval: time.Hour,
 		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
@@ -369,7 +464,7 @@ func TestRunCollectsGrantWhenTokenExpires(t *testing.T) {
 func TestGrantOfTokenWithoutExpirationLivesItsRequestedLifetime(t *testing.T) {
 	clk := testingclock.NewFakeClock(issuedAt)
 	grants := newFakeGrants()
-	m, err := New(Config{Tokens: &fakeTokens{noExp: true}, Grants: grants, Clock: clk, CollectInterval: time.Hour,
+	m, err := New(Config{Tokens: &fakeTokens{noExp: true}, Grants: grants, GrantCache: grants.cache, Clock: clk, CollectInterval: time.Hour,
 		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
@@ -399,7 +494,7 @@ func TestRunSweepsExpiredGrants(t *testing.T) {
 		grantSecret("apps", "sa-token", corev1.SecretTypeServiceAccountToken, "", issuedAt.Add(-2*time.Hour)),
 	)
 	delete(grants.secrets["apps/garbled-new"].Annotations, GrantExpirationAnnotation)
-	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, Clock: clk, CollectInterval: time.Minute,
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, GrantCache: grants.cache, Clock: clk, CollectInterval: time.Minute,
 		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
@@ -422,19 +517,18 @@ func TestRunSweepsExpiredGrants(t *testing.T) {
 	assert.Equal(t, []string{"apps/db-password", "apps/sa-token"}, grants.Keys())
 }
 
-func TestRunRetriesAfterListFails(t *testing.T) {
+func TestRunRetriesAfterDeleteFails(t *testing.T) {
 	clk := testingclock.NewFakeClock(issuedAt)
 	grants := newFakeGrants(grantSecret("apps", "expired", GrantType, issuedAt.Add(-time.Second).Format(time.RFC3339), issuedAt.Add(-time.Hour)))
-	grants.listErr = apierrors.NewInternalError(errors.New("boom"))
-	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, Clock: clk,
-		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+	grants.deleteErr = apierrors.NewInternalError(errors.New("boom"))
+	m, err := New(withGrants(Config{Tokens: &fakeTokens{}, Clock: clk,
+		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
 	assert.Equal(t, []string{"apps/expired"}, grants.Keys())
+	assert.Equal(t, 1, grants.Deletes())
 
-	grants.mu.Lock()
-	grants.listErr = nil
-	grants.mu.Unlock()
+	grants.setDeleteErr(nil)
 	clk.Step(DefaultCollectInterval)
 	require.Eventually(t, func() bool { return len(grants.Keys()) == 0 }, 5*time.Second, time.Millisecond)
 }

@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	corev1listers "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/utils/clock"
 
@@ -100,11 +101,22 @@ type Config struct {
 	// it when the token expires; required. Mint fails when it cannot create
 	// one: there is no unbound token.
 	Grants GrantStore
+	// GrantCache is the agent's view of its grants: the indexer of the
+	// informer NewGrantInformer returns (it needs GrantIndexers); required.
+	// Run's sweep, Reconcile, Snapshot and Revoke read grants from it, so
+	// that an agent costs the spoke API server a watch rather than a list
+	// every CollectInterval. Register GrantEvents on that informer, and
+	// wait for it to sync before Run and before the first Snapshot.
+	GrantCache cache.Indexer
 	// ClusterProfile returns the hub ClusterProfile ("namespace/name") the
 	// mint's request came through, from the request's context; the grant
 	// records it. The agent passes tunnel.AdmittedClusterProfile. Nil
 	// records none.
 	ClusterProfile func(context.Context) string
+	// ClusterProfileUID returns the UID of that ClusterProfile incarnation,
+	// from the same context; the grant records it. The agent passes
+	// tunnel.AdmittedClusterProfileUID. Nil records none.
+	ClusterProfileUID func(context.Context) string
 	// CollectInterval is how often Run lists grants to delete those whose
 	// token has expired. Zero means DefaultCollectInterval.
 	CollectInterval time.Duration
@@ -120,7 +132,9 @@ type Config struct {
 type Minter struct {
 	tokens         TokenCreator
 	grants         GrantStore
+	grantCache     cache.Indexer
 	clusterProfile func(context.Context) string
+	clusterUID     func(context.Context) string
 	sas            corev1listers.ServiceAccountLister
 	minSeconds     int64
 	maxSeconds     int64
@@ -135,8 +149,13 @@ type Minter struct {
 	// timers delete grants when their token expires, by grant UID.
 	timers map[types.UID]clock.Timer
 	// queue holds the ServiceAccounts whose policy changed, for Run to
-	// revoke the grants it no longer allows.
+	// revoke the grants it no longer allows; nil until Run starts it.
 	queue workqueue.TypedRateLimitingInterface[types.NamespacedName]
+
+	subMu sync.RWMutex
+	// subscribers are called with every change to the grants (Subscribe).
+	subscribers map[int]func(*credbrokerv1alpha1.GrantUpdate)
+	nextSub     int
 }
 
 // New returns a Minter, or an error if cfg is incomplete or its expiration
@@ -150,6 +169,14 @@ func New(cfg Config) (*Minter, error) {
 	}
 	if cfg.Grants == nil {
 		return nil, errors.New("spoke config: Grants is required")
+	}
+	if cfg.GrantCache == nil {
+		return nil, errors.New("spoke config: GrantCache is required")
+	}
+	for name := range GrantIndexers() {
+		if _, ok := cfg.GrantCache.GetIndexers()[name]; !ok {
+			return nil, fmt.Errorf("spoke config: GrantCache has no index %q; build it with GrantIndexers", name)
+		}
 	}
 	if cfg.CollectInterval < 0 {
 		return nil, fmt.Errorf("spoke config: CollectInterval %s is negative", cfg.CollectInterval)
@@ -182,7 +209,9 @@ func New(cfg Config) (*Minter, error) {
 	return &Minter{
 		tokens:         cfg.Tokens,
 		grants:         cfg.Grants,
+		grantCache:     cfg.GrantCache,
 		clusterProfile: cfg.ClusterProfile,
+		clusterUID:     cfg.ClusterProfileUID,
 		sas:            cfg.ServiceAccounts,
 		minSeconds:     int64(minExp / time.Second),
 		maxSeconds:     int64(maxExp / time.Second),
@@ -190,7 +219,7 @@ func New(cfg Config) (*Minter, error) {
 		clock:          clk,
 		log:            cfg.Log,
 		timers:         map[types.UID]clock.Timer{},
-		queue:          newPolicyQueue(),
+		subscribers:    map[int]func(*credbrokerv1alpha1.GrantUpdate){},
 	}, nil
 }
 
@@ -222,15 +251,20 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	}
 	ref := sa.Namespace + "/" + sa.Name
 	seconds := m.expirationSeconds(req.GetExpirationSeconds())
-	cluster := ""
+	cluster, clusterUID := "", ""
 	if m.clusterProfile != nil {
 		cluster = m.clusterProfile(ctx)
+	}
+	if m.clusterUID != nil {
+		clusterUID = m.clusterUID(ctx)
 	}
 	grant, err := m.grants.Create(ctx, newGrant(grantInfo{
 		serviceAccount: sa,
 		hubUser:        user,
 		hubUID:         req.GetSubject().GetUid(),
+		hubGroups:      req.GetSubject().GetGroups(),
 		clusterProfile: cluster,
+		clusterUID:     clusterUID,
 		audiences:      req.GetAudiences(),
 		// The latest the token can expire; the patch below records when it
 		// does.
@@ -246,8 +280,9 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	}
 	grantRef := sa.Namespace + "/" + grant.Name
 	// Check the policy again now that the grant exists: a change the cache
-	// took since pick shows here, and any later one queues a Reconcile,
-	// which lists the grants after this one was created and revokes it.
+	// took since pick shows here. A later one queues a Reconcile, and so
+	// does this grant's arrival in the grant cache: whichever of the two
+	// reaches the agent last, its Reconcile sees both and revokes it.
 	if err := m.recheck(sa, grant); err != nil {
 		m.deleteGrant(ctx, grant)
 		m.log.Info("refused mint request", "subject", user, "error", err.Error())

@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
@@ -137,9 +138,11 @@ func TestMinterIntegration(t *testing.T) {
 		require.True(t, ok, "informer for %v did not sync", typ)
 	}
 
+	grantInformer := startGrantInformer(t, cs)
 	m, err := New(Config{
 		Tokens:          NewTokenCreator(cs),
 		Grants:          NewGrantStore(cs, ""),
+		GrantCache:      grantInformer.GetIndexer(),
 		ClusterProfile:  profileFrom,
 		ServiceAccounts: saLister,
 		MaxExpiration:   2 * time.Hour,
@@ -300,6 +303,7 @@ func TestMinterIntegration(t *testing.T) {
 		weak, err := New(Config{
 			Tokens:          NewTokenCreator(kubernetes.NewForConfigOrDie(agent.Config())),
 			Grants:          NewGrantStore(cs, ""),
+			GrantCache:      emptyGrantCache(),
 			ServiceAccounts: saLister,
 		})
 		require.NoError(t, err)
@@ -322,7 +326,7 @@ func TestMinterIntegration(t *testing.T) {
 
 		// A cache that still holds the old objects, as an informer that has
 		// not caught up would.
-		stale, err := New(Config{Tokens: NewTokenCreator(cs), Grants: NewGrantStore(cs, ""), ServiceAccounts: lister(t, old, gone)})
+		stale, err := New(Config{Tokens: NewTokenCreator(cs), Grants: NewGrantStore(cs, ""), GrantCache: emptyGrantCache(), ServiceAccounts: lister(t, old, gone)})
 		require.NoError(t, err)
 
 		_, err = stale.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "replaced")})
@@ -382,6 +386,7 @@ func TestMinterIntegration(t *testing.T) {
 		weak, err := New(Config{
 			Tokens:          tokens,
 			Grants:          NewGrantStore(kubernetes.NewForConfigOrDie(agent.Config()), ""),
+			GrantCache:      emptyGrantCache(),
 			ServiceAccounts: saLister,
 		})
 		require.NoError(t, err)
@@ -402,9 +407,11 @@ func TestMinterIntegration(t *testing.T) {
 		// Carries the grant label and a past expiry, but is not a grant.
 		opaque := createSecret(t, cs, "opaque-", corev1.SecretTypeOpaque, past)
 
+		// A new agent: its grant informer lists what its predecessor left.
 		restarted, err := New(Config{
 			Tokens:          NewTokenCreator(cs),
 			Grants:          NewGrantStore(cs, ""),
+			GrantCache:      startGrantInformer(t, cs).GetIndexer(),
 			ServiceAccounts: saLister,
 			Log:             testr.New(t),
 		})
@@ -421,6 +428,27 @@ func TestMinterIntegration(t *testing.T) {
 		_, err = cs.CoreV1().Secrets(testNamespace).Get(t.Context(), opaque, metav1.GetOptions{})
 		assert.NoError(t, err, "the collector deleted a Secret that is not a grant")
 	})
+}
+
+// startGrantInformer runs on cs the grant informer the agent runs, until
+// the test ends, and returns it once it has synced.
+func startGrantInformer(t *testing.T, cs kubernetes.Interface) cache.SharedIndexInformer {
+	t.Helper()
+	inf := NewGrantInformer(cs, "")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		inf.RunWithContext(ctx)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	require.True(t, cache.WaitForCacheSync(t.Context().Done(), inf.HasSynced), "the grant informer did not sync")
+	return inf
+}
+
+// emptyGrantCache is the grant cache of an agent that knows no grants.
+func emptyGrantCache() cache.Indexer {
+	return cache.NewIndexer(cache.MetaNamespaceKeyFunc, GrantIndexers())
 }
 
 // countingTokens counts the TokenRequests it passes on.

@@ -113,7 +113,7 @@ func lister(t *testing.T, sas ...*corev1.ServiceAccount) corev1listers.ServiceAc
 
 func newMinter(t *testing.T, tokens TokenCreator, sas ...*corev1.ServiceAccount) *Minter {
 	t.Helper()
-	m, err := New(Config{Tokens: tokens, ServiceAccounts: lister(t, sas...), Grants: newFakeGrants()})
+	m, err := New(withGrants(Config{Tokens: tokens, ServiceAccounts: lister(t, sas...)}, newFakeGrants()))
 	require.NoError(t, err)
 	return m
 }
@@ -147,58 +147,58 @@ func TestNew(t *testing.T) {
 		wantMax int64
 		wantErr string
 	}{
-		{name: "defaults", cfg: Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants}, wantMin: 600, wantMax: 3600},
+		{name: "defaults", cfg: Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache}, wantMin: 600, wantMax: 3600},
 		{
 			name:    "explicit bounds",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: 15 * time.Minute, MaxExpiration: 2 * time.Hour},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MinExpiration: 15 * time.Minute, MaxExpiration: 2 * time.Hour},
 			wantMin: 900, wantMax: 7200,
 		},
 		{
 			name:    "min equals max",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: 10 * time.Minute, MaxExpiration: 10 * time.Minute},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MinExpiration: 10 * time.Minute, MaxExpiration: 10 * time.Minute},
 			wantMin: 600, wantMax: 600,
 		},
 		{
 			name:    "longest max",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MaxExpiration: (1 << 32) * time.Second},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MaxExpiration: (1 << 32) * time.Second},
 			wantMin: 600, wantMax: 1 << 32,
 		},
-		{name: "no tokens", cfg: Config{ServiceAccounts: sas, Grants: grants}, wantErr: "spoke config: Tokens is required"},
-		{name: "no lister", cfg: Config{Tokens: tokens, Grants: grants}, wantErr: "spoke config: ServiceAccounts is required"},
+		{name: "no tokens", cfg: Config{ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache}, wantErr: "spoke config: Tokens is required"},
+		{name: "no lister", cfg: Config{Tokens: tokens, Grants: grants, GrantCache: grants.cache}, wantErr: "spoke config: ServiceAccounts is required"},
 		{name: "no grants", cfg: Config{Tokens: tokens, ServiceAccounts: sas}, wantErr: "spoke config: Grants is required"},
 		{
 			name:    "negative collect interval",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, CollectInterval: -time.Second},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, CollectInterval: -time.Second},
 			wantErr: "spoke config: CollectInterval -1s is negative",
 		},
 		{
 			name:    "min below TokenRequest floor",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: 5 * time.Minute},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MinExpiration: 5 * time.Minute},
 			wantErr: "spoke config: MinExpiration 5m0s is shorter than 10m0s, the TokenRequest API's minimum",
 		},
 		{
 			name:    "negative min",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: -time.Hour},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MinExpiration: -time.Hour},
 			wantErr: "spoke config: MinExpiration -1h0m0s is shorter than 10m0s, the TokenRequest API's minimum",
 		},
 		{
 			name:    "max below default min",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MaxExpiration: 5 * time.Minute},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MaxExpiration: 5 * time.Minute},
 			wantErr: "spoke config: MaxExpiration 5m0s is shorter than MinExpiration 10m0s",
 		},
 		{
 			name:    "min above default max",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MinExpiration: 2 * time.Hour},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MinExpiration: 2 * time.Hour},
 			wantErr: "spoke config: MaxExpiration 1h0m0s is shorter than MinExpiration 2h0m0s",
 		},
 		{
 			name:    "max above TokenRequest ceiling",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MaxExpiration: (1<<32 + 1) * time.Second},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MaxExpiration: (1<<32 + 1) * time.Second},
 			wantErr: "spoke config: MaxExpiration 1193046h28m17s is longer than 1193046h28m16s, the TokenRequest API's maximum",
 		},
 		{
 			name:    "fractional seconds",
-			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, MaxExpiration: time.Hour + time.Millisecond},
+			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, MaxExpiration: time.Hour + time.Millisecond},
 			wantErr: "spoke config: MinExpiration 10m0s and MaxExpiration 1h0m0.001s must be whole seconds",
 		},
 	}
@@ -435,13 +435,12 @@ func TestMintExpirationAndAudiences(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			tokens := &fakeTokens{}
-			m, err := New(Config{
+			m, err := New(withGrants(Config{
 				Tokens:          tokens,
-				Grants:          newFakeGrants(),
 				ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault,https://kubernetes.default.svc")),
 				MinExpiration:   tt.min,
 				MaxExpiration:   tt.max,
-			})
+			}, newFakeGrants()))
 			require.NoError(t, err)
 			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
 				Subject:           subject(argocd),
@@ -555,12 +554,11 @@ func capture() (logr.Logger, *strings.Builder) {
 func TestMintLogsWithoutToken(t *testing.T) {
 	log, lines := capture()
 	tokens := &fakeTokens{}
-	m, err := New(Config{
+	m, err := New(withGrants(Config{
 		Tokens:          tokens,
-		Grants:          newFakeGrants(),
 		ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault")),
 		Log:             log,
-	})
+	}, newFakeGrants()))
 	require.NoError(t, err)
 
 	resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
@@ -584,7 +582,7 @@ func TestMintLogsWithoutToken(t *testing.T) {
 }
 
 func TestMintZeroLoggerDiscards(t *testing.T) {
-	m, err := New(Config{Tokens: &fakeTokens{}, Grants: newFakeGrants(), ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
+	m, err := New(withGrants(Config{Tokens: &fakeTokens{}, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, newFakeGrants()))
 	require.NoError(t, err)
 	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 	require.NoError(t, err)

@@ -38,7 +38,18 @@ func (m *Minter) PolicyChanged(old, now *corev1.ServiceAccount) {
 		old.Annotations[AllowedAudiencesAnnotation] == now.Annotations[AllowedAudiencesAnnotation] {
 		return
 	}
-	m.queue.Add(types.NamespacedName{Namespace: now.Namespace, Name: now.Name})
+	m.enqueue(types.NamespacedName{Namespace: now.Namespace, Name: now.Name})
+}
+
+// enqueue queues the ServiceAccount key for Reconcile. Before Run starts,
+// it does nothing: Run's first sweep checks every grant.
+func (m *Minter) enqueue(key types.NamespacedName) {
+	m.mu.Lock()
+	q := m.queue
+	m.mu.Unlock()
+	if q != nil {
+		q.Add(key) // a no-op once Run has shut the queue down
+	}
 }
 
 // Reconcile revokes, by deleting them, the grants of the spoke
@@ -46,7 +57,8 @@ func (m *Minter) PolicyChanged(old, now *corev1.ServiceAccount) {
 // has it now, no longer allows: those whose hub user its
 // AllowedSubjectsAnnotation no longer lists, and those with an audience
 // its AllowedAudiencesAnnotation no longer lists. It applies the checks Mint
-// applies. It lists only that ServiceAccount's grants. A ServiceAccount
+// applies. It reads that ServiceAccount's grants from GrantCache's index,
+// at no API cost. A ServiceAccount
 // that is gone needs nothing: its tokens died with it, and Run collects its
 // grants when they expire. Errors wrap ErrUnavailable.
 func (m *Minter) Reconcile(ctx context.Context, namespace, name string) error {
@@ -58,17 +70,17 @@ func (m *Minter) Reconcile(ctx context.Context, namespace, name string) error {
 	case err != nil:
 		return fmt.Errorf("read spoke ServiceAccount %s from the agent's cache: %v: %w", ref, err, errdefs.ErrUnavailable)
 	}
-	grants, err := m.grants.ListServiceAccount(ctx, namespace, name)
+	grants, err := m.grantCache.ByIndex(GrantServiceAccountIndex, ref)
 	if err != nil {
-		return fmt.Errorf("list the grants of spoke ServiceAccount %s: %v: %w", ref, err, errdefs.ErrUnavailable)
+		return fmt.Errorf("read the grants of spoke ServiceAccount %s from the agent's cache: %v: %w", ref, err, errdefs.ErrUnavailable)
 	}
 	var errs []error
-	for i := range grants {
-		g := &grants[i]
-		// The API server selects by label; check again, so that neither
-		// a store that does not nor a ServiceAccount whose name is too long
-		// for a label can make the agent delete another grant or Secret.
-		if !isGrant(g) || g.Namespace != namespace || g.Annotations[GrantServiceAccountAnnotation] != name {
+	for _, obj := range grants {
+		g, ok := obj.(*corev1.Secret)
+		// The informer selects by label and type; check again, so that a
+		// cache that does not can never make the agent delete another
+		// Secret.
+		if !ok || !isGrant(g) || g.Namespace != namespace || g.Annotations[GrantServiceAccountAnnotation] != name {
 			continue
 		}
 		if err := m.revokeDisallowed(ctx, sa, g); err != nil {
@@ -122,12 +134,7 @@ func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount
 		return fmt.Errorf("revoke grant %s, which spoke ServiceAccount %s/%s no longer allows: %v: %w",
 			ref, sa.Namespace, sa.Name, err, errdefs.ErrUnavailable)
 	}
-	m.mu.Lock()
-	if t, ok := m.timers[grant.UID]; ok {
-		t.Stop()
-		delete(m.timers, grant.UID)
-	}
-	m.mu.Unlock()
+	m.stopTimer(grant.UID)
 	m.log.Info("revoked grant",
 		"grant", ref,
 		"credentialID", grant.Annotations[GrantCredentialIDAnnotation],
@@ -141,20 +148,20 @@ func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount
 
 // reconcilePolicies reconciles the ServiceAccounts PolicyChanged queues
 // until the queue shuts down, retrying failures with backoff.
-func (m *Minter) reconcilePolicies(ctx context.Context) {
+func (m *Minter) reconcilePolicies(ctx context.Context, queue workqueue.TypedRateLimitingInterface[types.NamespacedName]) {
 	for {
-		key, shutdown := m.queue.Get()
+		key, shutdown := queue.Get()
 		if shutdown {
 			return
 		}
 		err := m.Reconcile(ctx, key.Namespace, key.Name)
 		switch {
 		case err == nil || ctx.Err() != nil:
-			m.queue.Forget(key)
+			queue.Forget(key)
 		default:
 			m.log.Error(err, "failed to revoke the grants a ServiceAccount's policy no longer allows; retrying", "serviceAccount", key.String())
-			m.queue.AddRateLimited(key)
+			queue.AddRateLimited(key)
 		}
-		m.queue.Done(key)
+		queue.Done(key)
 	}
 }

@@ -36,12 +36,16 @@ func TestPolicyRevocationIntegration(t *testing.T) {
 
 	factory := informers.NewSharedInformerFactory(cs, 0)
 	sas := factory.Core().V1().ServiceAccounts()
+	grantInformer := startGrantInformer(t, cs)
 	m, err := New(Config{
 		Tokens:          NewTokenCreator(cs),
 		Grants:          NewGrantStore(cs, ""),
+		GrantCache:      grantInformer.GetIndexer(),
 		ServiceAccounts: sas.Lister(),
 		Log:             testr.New(t),
 	})
+	require.NoError(t, err)
+	_, err = grantInformer.AddEventHandler(m.GrantEvents())
 	require.NoError(t, err)
 	_, err = sas.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		UpdateFunc: func(old, now any) { m.PolicyChanged(old.(*corev1.ServiceAccount), now.(*corev1.ServiceAccount)) },

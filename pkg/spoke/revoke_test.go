@@ -134,7 +134,7 @@ func TestReconcileRevokesWhatPolicyNoLongerAllows(t *testing.T) {
 			_, sal := cachedServiceAccounts(t, sas...)
 			grants := newFakeGrants(deployerGrants()...)
 			before := grants.Keys()
-			m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, ServiceAccounts: sal})
+			m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, GrantCache: grants.cache, ServiceAccounts: sal})
 			require.NoError(t, err)
 
 			require.NoError(t, m.Reconcile(t.Context(), "apps", "deployer"))
@@ -148,7 +148,8 @@ func TestReconcileRevokesWhatPolicyNoLongerAllows(t *testing.T) {
 			} else {
 				assert.Equal(t, []string{"apps/deployer"}, grants.SALists(), "only the ServiceAccount's grants are listed")
 			}
-			assert.Zero(t, grants.Lists(), "no list of every grant")
+			assert.Zero(t, grants.Lists(), "no read of every grant")
+			assert.Empty(t, grants.Lookups(), "no API list")
 		})
 	}
 }
@@ -157,7 +158,7 @@ func TestReconcileLogsCredentialID(t *testing.T) {
 	log, lines := capture()
 	_, sal := cachedServiceAccounts(t, policySA("deployer", flux, "vault"))
 	grants := newFakeGrants(deployerGrants()...)
-	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, ServiceAccounts: sal, Log: log})
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, GrantCache: grants.cache, ServiceAccounts: sal, Log: log})
 	require.NoError(t, err)
 	require.NoError(t, m.Reconcile(t.Context(), "apps", "deployer"))
 	assert.Equal(t,
@@ -177,15 +178,10 @@ func sortedLines(s string) string {
 func TestReconcileErrors(t *testing.T) {
 	boom := apierrors.NewInternalError(errors.New("boom"))
 	tests := []struct {
-		name            string
-		listErr, delErr error
-		wantErr         string
+		name    string
+		delErr  error
+		wantErr string
 	}{
-		{
-			name:    "list fails",
-			listErr: boom,
-			wantErr: "list the grants of spoke ServiceAccount apps/deployer: Internal error occurred: boom: unavailable",
-		},
 		{
 			name:    "delete fails",
 			delErr:  boom,
@@ -200,8 +196,8 @@ func TestReconcileErrors(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			_, sal := cachedServiceAccounts(t, policySA("deployer", flux, "vault,sts"))
 			grants := newFakeGrants(deployerGrants()...)
-			grants.listErr, grants.deleteErr = tt.listErr, tt.delErr
-			m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, ServiceAccounts: sal})
+			grants.deleteErr = tt.delErr
+			m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, GrantCache: grants.cache, ServiceAccounts: sal})
 			require.NoError(t, err)
 			err = m.Reconcile(t.Context(), "apps", "deployer")
 			if tt.wantErr == "" {
@@ -231,6 +227,12 @@ func TestPolicyChangedQueuesOnlyPolicyChanges(t *testing.T) {
 			m := newMinter(t, &fakeTokens{})
 			now := old.DeepCopy()
 			tt.change(now)
+			// Before Run, nothing is queued: Run's first sweep checks
+			// every grant.
+			m.PolicyChanged(old, now)
+			require.Nil(t, m.queue)
+			m.queue = newPolicyQueue() // as Run starts it
+			t.Cleanup(m.queue.ShutDown)
 			m.PolicyChanged(old, now)
 			m.PolicyChanged(old, now) // a burst is reconciled once
 			m.PolicyChanged(nil, now)
@@ -250,7 +252,7 @@ func TestRunRevokesOnPolicyChange(t *testing.T) {
 	old := policySA("deployer", argocd+","+flux, "")
 	indexer, sal := cachedServiceAccounts(t, old, policySA("reader", argocd, ""))
 	grants := newFakeGrants()
-	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, Clock: clk, CollectInterval: time.Hour, ServiceAccounts: sal})
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, GrantCache: grants.cache, Clock: clk, CollectInterval: time.Hour, ServiceAccounts: sal})
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
 	for _, req := range []*credbrokerv1alpha1.MintRequest{
@@ -271,7 +273,7 @@ func TestRunRevokesOnPolicyChange(t *testing.T) {
 	now := policySA("deployer", flux, "")
 	require.NoError(t, indexer.Update(now))
 	m.PolicyChanged(old, now)
-	require.Eventually(t, func() bool { return len(grants.SALists()) >= 2 }, 5*time.Second, time.Millisecond, "no retry")
+	require.Eventually(t, func() bool { return grants.Deletes() >= 2 }, 5*time.Second, time.Millisecond, "no retry")
 	grants.mu.Lock()
 	grants.deleteErr = nil
 	grants.mu.Unlock()
@@ -298,13 +300,14 @@ func TestRunSweepRevokesWhatPolicyNoLongerAllows(t *testing.T) {
 		grantOf("apps", "sa-deleted", "gone", argocd, ""),
 		grantOf("apps", "no-sa", "", argocd, ""),
 	)...)
-	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, Clock: clk, ServiceAccounts: sal})
+	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, GrantCache: grants.cache, Clock: clk, ServiceAccounts: sal})
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
 	assert.ElementsMatch(t, []string{"apps/argocd-default", "apps/flux-sts", "apps/expired"}, grants.Deleted())
 	assert.Equal(t, []string{"apps/db-password", "apps/flux-vault", "apps/no-sa", "apps/other-sa", "apps/sa-deleted", "tools/other-ns"}, grants.Keys())
-	assert.Equal(t, 1, grants.Lists(), "one list per sweep")
+	assert.Equal(t, 1, grants.Lists(), "one read of the cache per sweep")
 	assert.Empty(t, grants.SALists())
+	assert.Empty(t, grants.Lookups(), "no API list")
 }
 
 // hookGrants runs onCreate after each grant is created.
@@ -358,7 +361,7 @@ func TestMintRefusesWhenPolicyChangesDuringMint(t *testing.T) {
 				}
 			}}
 			tokens := &fakeTokens{}
-			m, err := New(Config{Tokens: tokens, Grants: grants, ServiceAccounts: sal})
+			m, err := New(Config{Tokens: tokens, Grants: grants, GrantCache: grants.cache, ServiceAccounts: sal})
 			require.NoError(t, err)
 			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), Audiences: []string{"vault"}})
 			requireRefused(t, tokens, resp, err, tt.wantErr, tt.sentinel)

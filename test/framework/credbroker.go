@@ -288,13 +288,13 @@ func (d *Deployment) WaitForServiceAccount(ctx context.Context, spoke *Cluster, 
 
 // AgentRules are the spoke permissions an agent needs, as
 // deploy/spoke/rbac.yaml grants them: read ServiceAccounts (for their opt-in
-// annotation), create tokens for them, and create, annotate, delete and list
-// the grant Secrets the tokens are bound to.
+// annotation), create tokens for them, and create, annotate, delete, list
+// and watch the grant Secrets the tokens are bound to.
 func AgentRules() []rbacv1.PolicyRule {
 	return []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"serviceaccounts/token"}, Verbs: []string{"create"}},
-		{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"create", "patch", "delete", "list"}},
+		{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"create", "patch", "delete", "list", "watch"}},
 	}
 }
 
