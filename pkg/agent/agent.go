@@ -27,6 +27,9 @@ import (
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
+// The Minter answers the brokers' revoke requests and reports the grants.
+var _ tunnel.Grants = (*spoke.Minter)(nil)
+
 // Version is reported to the broker in the agent's hello.
 var Version = "dev"
 
