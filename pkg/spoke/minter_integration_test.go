@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
@@ -140,14 +141,19 @@ func TestMinterIntegration(t *testing.T) {
 
 	grantInformer := startGrantInformer(t, cs)
 	m, err := New(Config{
-		Tokens:          NewTokenCreator(cs),
-		Grants:          NewGrantStore(cs, ""),
-		GrantCache:      grantInformer.GetIndexer(),
-		ClusterProfile:  profileFrom,
+		Tokens:         NewTokenCreator(cs),
+		Grants:         NewGrantStore(cs, ""),
+		GrantCache:     grantInformer.GetIndexer(),
+		ClusterProfile: profileFrom,
+		ClusterProfileUID: func(ctx context.Context) string {
+			return "uid-" + profileFrom(ctx)
+		},
 		ServiceAccounts: saLister,
 		MaxExpiration:   2 * time.Hour,
 		Log:             testr.New(t),
 	})
+	require.NoError(t, err)
+	_, err = grantInformer.AddEventHandler(m.GrantEvents())
 	require.NoError(t, err)
 
 	// The API server's default audiences are its issuer, which OIDC
@@ -377,6 +383,63 @@ func TestMinterIntegration(t *testing.T) {
 			return !tokenReview(t, cs, resp.GetToken(), "vault").Authenticated
 		}, 30*time.Second, 100*time.Millisecond, "the spoke still accepts the token of a deleted grant")
 		t.Logf("revocation lag: the spoke refused the token %s after its grant was deleted", time.Since(deleted).Round(100*time.Millisecond))
+	})
+
+	t.Run("the grant informer reports grants, and revoke deletes them for the admitted ClusterProfile only", func(t *testing.T) {
+		var r recorder
+		defer m.Subscribe(r.fn)()
+		ctx := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-1")
+		sub := subject(argocd)
+		sub.Groups = []string{"system:serviceaccounts", "team,a"}
+		resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: sub, ServiceAccount: ref(testNamespace, "deployer")})
+		require.NoError(t, err)
+		id := token.ID(resp.GetToken())
+
+		require.Eventually(t, func() bool { return slices.Contains(r.summary(), "+"+id) }, 10*time.Second, 20*time.Millisecond,
+			"the informer never reported the grant's credential id")
+		i := slices.IndexFunc(m.Snapshot(), func(g *credbrokerv1alpha1.Grant) bool { return g.GetCredentialId() == id })
+		require.GreaterOrEqual(t, i, 0, "the snapshot misses %s", id)
+		g := m.Snapshot()[i]
+		assert.Equal(t, sub.Groups, g.GetSubject().GetGroups())
+		assert.Equal(t, argocd, g.GetSubject().GetUsername())
+		assert.Equal(t, "hub-uid", g.GetSubject().GetUid())
+		assert.Equal(t, "fleet", g.GetCluster().GetNamespace())
+		assert.Equal(t, "spoke-1", g.GetCluster().GetName())
+		assert.Equal(t, "uid-fleet/spoke-1", g.GetClusterUid())
+		assert.Equal(t, resp.GetExpirationTime().AsTime(), g.GetExpirationTime().AsTime())
+		grantName := g.GetSecret().GetName()
+
+		// Another ClusterProfile's broker revokes nothing.
+		other := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-2")
+		got, err := m.Revoke(other, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}, Reason: "test"})
+		require.NoError(t, err)
+		assert.Empty(t, got.GetCredentialIds())
+		assert.Contains(t, grantNames(t, cs), grantName)
+		require.True(t, tokenReview(t, cs, resp.GetToken()).Authenticated)
+
+		got, err = m.Revoke(ctx, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}, Reason: "test"})
+		require.NoError(t, err)
+		assert.Equal(t, []string{id}, got.GetCredentialIds())
+		_, err = cs.CoreV1().Secrets(testNamespace).Get(t.Context(), grantName, metav1.GetOptions{})
+		require.True(t, apierrors.IsNotFound(err), "the grant is still there: %v", err)
+		require.Eventually(t, func() bool { return slices.Contains(r.summary(), "-"+id) }, 10*time.Second, 20*time.Millisecond,
+			"the informer never reported the grant's deletion")
+		require.Eventually(t, func() bool { return !tokenReview(t, cs, resp.GetToken()).Authenticated }, 30*time.Second, 100*time.Millisecond,
+			"the spoke still accepts a revoked token")
+
+		// Revoked again: already gone.
+		got, err = m.Revoke(ctx, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}})
+		require.NoError(t, err)
+		assert.Equal(t, []string{id}, got.GetCredentialIds())
+
+		// Revoked the moment it is minted, before the cache may have it.
+		resp, err = m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: sub, ServiceAccount: ref(testNamespace, "deployer")})
+		require.NoError(t, err)
+		before := len(grantNames(t, cs))
+		got, err = m.Revoke(ctx, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{token.ID(resp.GetToken())}})
+		require.NoError(t, err)
+		assert.Equal(t, []string{token.ID(resp.GetToken())}, got.GetCredentialIds())
+		assert.Len(t, grantNames(t, cs), before-1)
 	})
 
 	t.Run("an agent that cannot create grants mints nothing", func(t *testing.T) {
