@@ -193,14 +193,21 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
 	})
 	t.Run("the agent may not rewrite whom a grant is for", func(t *testing.T) {
-		g := grantObject("owned", nil)
-		g.Annotations = map[string]string{spoke.GrantHubUserAnnotation: "system:serviceaccount:hub:a"}
-		g, err := agent.Create(ctx, g, metav1.CreateOptions{})
-		require.NoError(t, err)
-		_, err = agent.Patch(ctx, g.Name, types.MergePatchType,
-			[]byte(`{"metadata":{"annotations":{"`+spoke.GrantHubUserAnnotation+`":"system:serviceaccount:hub:b"}}}`), metav1.PatchOptions{})
-		refused(t, err)
-		require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
+		for key, values := range map[string][2]string{
+			spoke.GrantHubUserAnnotation:           {"system:serviceaccount:hub:a", "system:serviceaccount:hub:b"},
+			spoke.GrantHubGroupsAnnotation:         {"system:serviceaccounts", "system:masters"},
+			spoke.GrantClusterProfileAnnotation:    {"fleet/a", "fleet/b"},
+			spoke.GrantClusterProfileUIDAnnotation: {"uid-a", "uid-b"},
+		} {
+			g := grantObject("owned", nil)
+			g.Annotations = map[string]string{key: values[0]}
+			g, err := agent.Create(ctx, g, metav1.CreateOptions{})
+			require.NoError(t, err)
+			_, err = agent.Patch(ctx, g.Name, types.MergePatchType,
+				[]byte(`{"metadata":{"annotations":{"`+key+`":"`+values[1]+`"}}}`), metav1.PatchOptions{})
+			refused(t, err)
+			require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
+		}
 	})
 	t.Run("the agent may create, patch and delete a grant", func(t *testing.T) {
 		g, err := agent.Create(ctx, grantObject("a-grant", nil), metav1.CreateOptions{})

@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/utils/clock"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/internal/testpki"
@@ -185,6 +186,14 @@ type AgentOptions struct {
 	NoWait bool
 	// Log replaces the deployment's log for this agent.
 	Log *logr.Logger
+	// Namespace is the agent's --namespace: the only namespace whose
+	// ServiceAccounts and grants it sees. Empty: every namespace.
+	Namespace string
+	// CollectInterval is the agent's --grant-collect-interval. Zero: the
+	// default.
+	CollectInterval time.Duration
+	// Clock times the agent's grant expiry. Nil: the real clock.
+	Clock clock.WithTickerAndDelayedExecution
 }
 
 // StartAgentWith is StartAgent with options.
@@ -231,6 +240,10 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	if opts.Cluster != "" {
 		ns, name, _ := strings.Cut(opts.Cluster, "/")
 		cfg.Cluster = types.NamespacedName{Namespace: ns, Name: name}
+	}
+	cfg.Namespace, cfg.Clock = opts.Namespace, opts.Clock
+	if opts.CollectInterval != 0 {
+		cfg.CollectInterval = opts.CollectInterval
 	}
 	a, err := agent.New(cfg)
 	if err != nil {
