@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -173,7 +174,7 @@ func New(cfg Config) (*Minter, error) {
 	if cfg.GrantCache == nil {
 		return nil, errors.New("spoke config: GrantCache is required")
 	}
-	for name := range GrantIndexers() {
+	for _, name := range slices.Sorted(maps.Keys(GrantIndexers())) {
 		if _, ok := cfg.GrantCache.GetIndexers()[name]; !ok {
 			return nil, fmt.Errorf("spoke config: GrantCache has no index %q; build it with GrantIndexers", name)
 		}

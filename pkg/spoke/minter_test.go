@@ -166,6 +166,13 @@ func TestNew(t *testing.T) {
 		{name: "no tokens", cfg: Config{ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache}, wantErr: "spoke config: Tokens is required"},
 		{name: "no lister", cfg: Config{Tokens: tokens, Grants: grants, GrantCache: grants.cache}, wantErr: "spoke config: ServiceAccounts is required"},
 		{name: "no grants", cfg: Config{Tokens: tokens, ServiceAccounts: sas}, wantErr: "spoke config: Grants is required"},
+		{name: "no grant cache", cfg: Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants}, wantErr: "spoke config: GrantCache is required"},
+		{
+			name: "grant cache without the indexes",
+			cfg: Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants,
+				GrantCache: cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{GrantServiceAccountIndex: GrantIndexers()[GrantServiceAccountIndex]})},
+			wantErr: `spoke config: GrantCache has no index "credbroker.io/credential-id"; build it with GrantIndexers`,
+		},
 		{
 			name:    "negative collect interval",
 			cfg:     Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, CollectInterval: -time.Second},
