@@ -177,7 +177,7 @@ func TestRevokeAuthorization(t *testing.T) {
 		},
 		{
 			name: "one review per ClusterProfile", caller: userARecreated, rules: []string{"delete fleet/spoke-1"},
-			selector: &pb.GrantSelector{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "spoke-1"}},
+			selector:    &pb.GrantSelector{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "spoke-1"}},
 			wantRevoked: []string{"JTI=a1", "JTI=b1"}, wantReviews: 1,
 		},
 	} {
