@@ -4,14 +4,14 @@ import (
 	"time"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tokenexchange"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // auditRecord collects what one call learned, for its audit line.
 type auditRecord struct {
 	method   string
-	user     *tokenexchange.User
+	user     *hubauth.User
 	selector *pb.GrantSelector
 	reason   string
 	listed   int

@@ -20,8 +20,8 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/token"
-	"github.com/credbroker/credbroker/pkg/tokenexchange"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -37,7 +37,7 @@ const (
 // (*tokenexchange.Service), so that both services of the exchange port
 // authenticate alike.
 type Authenticator interface {
-	Authenticate(ctx context.Context) (tokenexchange.User, error)
+	Authenticate(ctx context.Context) (hubauth.User, error)
 }
 
 // AccessReviewer creates hub SubjectAccessReviews; the broker passes the
@@ -182,7 +182,7 @@ func (s *Service) revoke(ctx context.Context, req *pb.RevokeGrantsRequest, rec *
 		if !allowed[c] {
 			return nil, fmt.Errorf("%d of the matching grants of ClusterProfile %s are not yours, and hub RBAC does not allow %q to %s "+
 				"%s.%s/%s %q in namespace %q, which revoking them needs; nothing was revoked: %w",
-				len(foreign[c]), c, user.Username, VerbDelete, tokenexchange.Resource, tokenexchange.Group, tokenexchange.Subresource,
+				len(foreign[c]), c, user.Username, VerbDelete, hubauth.Resource, hubauth.Group, hubauth.Subresource,
 				c.Name, c.Namespace, errdefs.ErrPermissionDenied)
 		}
 	}
@@ -199,7 +199,7 @@ func (s *Service) revoke(ctx context.Context, req *pb.RevokeGrantsRequest, rec *
 // username and UID. A ServiceAccount deleted and created again under the
 // same name has another UID and owns none of its predecessor's grants; a
 // user without a UID owns none.
-func Owns(user tokenexchange.User, g *pb.Grant) bool {
+func Owns(user hubauth.User, g *pb.Grant) bool {
 	return user.UID != "" && g.GetSubject().GetUid() == user.UID && g.GetSubject().GetUsername() == user.Username
 }
 
@@ -208,7 +208,7 @@ func clusterOf(g *pb.Grant) types.NamespacedName {
 }
 
 // others returns the grants of gs that user does not own, by ClusterProfile.
-func others(user tokenexchange.User, gs []*pb.Grant) map[types.NamespacedName][]*pb.Grant {
+func others(user hubauth.User, gs []*pb.Grant) map[types.NamespacedName][]*pb.Grant {
 	out := map[types.NamespacedName][]*pb.Grant{}
 	for _, g := range gs {
 		if !Owns(user, g) {
@@ -235,7 +235,7 @@ const reviewConcurrency = 8
 // review asks the hub, once per ClusterProfile of clusters, whether user
 // may verb its clusterprofiles/token, and returns the allowed ones. A
 // review the hub does not answer fails the call: the service fails closed.
-func (s *Service) review(ctx context.Context, user tokenexchange.User, verb string, clusters map[types.NamespacedName][]*pb.Grant) (map[types.NamespacedName]bool, error) {
+func (s *Service) review(ctx context.Context, user hubauth.User, verb string, clusters map[types.NamespacedName][]*pb.Grant) (map[types.NamespacedName]bool, error) {
 	allowed := make(map[types.NamespacedName]bool, len(clusters))
 	var mu sync.Mutex
 	g, ctx := errgroup.WithContext(ctx)
@@ -244,12 +244,12 @@ func (s *Service) review(ctx context.Context, user tokenexchange.User, verb stri
 		g.Go(func() error {
 			rctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 			defer cancel()
-			answer, err := s.cfg.AccessReviews.Create(rctx, accessReview(user, verb, c), metav1.CreateOptions{})
+			answer, err := s.cfg.AccessReviews.Create(rctx, hubauth.AccessReview(user, verb, c), metav1.CreateOptions{})
 			if err != nil {
 				return s.hubFailure(err)
 			}
 			mu.Lock()
-			allowed[c] = answer.Status.Allowed && !answer.Status.Denied
+			allowed[c] = hubauth.Allowed(answer)
 			mu.Unlock()
 			return nil
 		})
@@ -258,32 +258,6 @@ func (s *Service) review(ctx context.Context, user tokenexchange.User, verb stri
 		return nil, err
 	}
 	return allowed, nil
-}
-
-// accessReview asks whether user may verb multicluster.x-k8s.io
-// clusterprofiles/token of cluster, with the user's username, uid, groups
-// and extra, as the exchange asks for create.
-func accessReview(user tokenexchange.User, verb string, cluster types.NamespacedName) *authorizationv1.SubjectAccessReview {
-	extra := make(map[string]authorizationv1.ExtraValue, len(user.Extra))
-	for k, v := range user.Extra {
-		extra[k] = authorizationv1.ExtraValue(v)
-	}
-	return &authorizationv1.SubjectAccessReview{
-		Spec: authorizationv1.SubjectAccessReviewSpec{
-			User:   user.Username,
-			UID:    user.UID,
-			Groups: user.Groups,
-			Extra:  extra,
-			ResourceAttributes: &authorizationv1.ResourceAttributes{
-				Group:       tokenexchange.Group,
-				Resource:    tokenexchange.Resource,
-				Subresource: tokenexchange.Subresource,
-				Verb:        verb,
-				Namespace:   cluster.Namespace,
-				Name:        cluster.Name,
-			},
-		},
-	}
 }
 
 // hubFailure describes a failed SubjectAccessReview for the caller; the
@@ -345,7 +319,7 @@ func parseSelector(s *pb.GrantSelector) (Selector, error) {
 
 // parseReason checks a revoke's reason; without one, the reason names the
 // caller.
-func parseReason(reason string, user tokenexchange.User) (string, error) {
+func parseReason(reason string, user hubauth.User) (string, error) {
 	if len(reason) > maxReasonLength || strings.ContainsFunc(reason, isControl) {
 		return "", fmt.Errorf("the reason must be at most %d bytes without control characters: %w", maxReasonLength, errdefs.ErrInvalidArgument)
 	}

@@ -19,18 +19,18 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tokenexchange"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // fakeAuthn authenticates every call as user, or fails with err.
 type fakeAuthn struct {
-	user tokenexchange.User
+	user hubauth.User
 	err  error
 }
 
-func (f fakeAuthn) Authenticate(context.Context) (tokenexchange.User, error) { return f.user, f.err }
+func (f fakeAuthn) Authenticate(context.Context) (hubauth.User, error) { return f.user, f.err }
 
 // fakeSAR allows what its rules list, as "<verb> <namespace>/<name>", for
 // every user, and records every review.
@@ -55,16 +55,16 @@ func (f *fakeSAR) Create(_ context.Context, r *authorizationv1.SubjectAccessRevi
 }
 
 var (
-	userA = tokenexchange.User{Username: "system:serviceaccount:team-a:app", UID: "uid-a", Groups: []string{"system:serviceaccounts"},
+	userA = hubauth.User{Username: "system:serviceaccount:team-a:app", UID: "uid-a", Groups: []string{"system:serviceaccounts"},
 		Extra: map[string]authenticationv1.ExtraValue{"authentication.kubernetes.io/pod-name": {"app-0"}}}
 	// userARecreated has A's name but another UID: its ServiceAccount was
 	// deleted and created again.
-	userARecreated = tokenexchange.User{Username: userA.Username, UID: "uid-a-2"}
-	userB          = tokenexchange.User{Username: "system:serviceaccount:team-b:app", UID: "uid-b"}
+	userARecreated = hubauth.User{Username: userA.Username, UID: "uid-a-2"}
+	userB          = hubauth.User{Username: "system:serviceaccount:team-b:app", UID: "uid-b"}
 )
 
 // grantOf returns a grant of user on cluster.
-func grantOf(id string, user tokenexchange.User, cluster tunnel.ClusterRef) *pb.Grant {
+func grantOf(id string, user hubauth.User, cluster tunnel.ClusterRef) *pb.Grant {
 	g := grant(id, user.Username, time.Hour)
 	g.Subject.Uid = user.UID
 	return on(cluster, g)[0]
@@ -127,7 +127,7 @@ func TestRevokeOthersGrantWithoutRBACIsRefused(t *testing.T) {
 func TestRevokeAuthorization(t *testing.T) {
 	for _, tc := range []struct {
 		name        string
-		caller      tokenexchange.User
+		caller      hubauth.User
 		rules       []string
 		selector    *pb.GrantSelector
 		wantCode    codes.Code
@@ -159,7 +159,7 @@ func TestRevokeAuthorization(t *testing.T) {
 			selector: &pb.GrantSelector{CredentialId: "JTI=a1"}, wantCode: codes.PermissionDenied, wantReviews: 1,
 		},
 		{
-			name: "a user without a UID owns nothing", caller: tokenexchange.User{Username: userA.Username},
+			name: "a user without a UID owns nothing", caller: hubauth.User{Username: userA.Username},
 			selector: &pb.GrantSelector{CredentialId: "JTI=a1"}, wantCode: codes.PermissionDenied, wantReviews: 1,
 		},
 		{
@@ -203,7 +203,7 @@ func TestRevokeAuthorization(t *testing.T) {
 func TestListAuthorization(t *testing.T) {
 	for _, tc := range []struct {
 		name        string
-		caller      tokenexchange.User
+		caller      hubauth.User
 		rules       []string
 		selector    *pb.GrantSelector
 		want        []string

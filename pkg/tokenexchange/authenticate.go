@@ -2,7 +2,12 @@ package tokenexchange
 
 import (
 	"context"
+
+	"github.com/credbroker/credbroker/pkg/hubauth"
 )
+
+// User is the hub identity of a caller.
+type User = hubauth.User
 
 // Authenticate authenticates the caller of a gRPC call as Exchange does:
 // the "authorization: Bearer" metadata, checked by the Verifier, then by a

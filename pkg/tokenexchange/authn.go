@@ -18,19 +18,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/token"
 )
 
-// User is a caller's hub identity, as the hub's TokenReview returned it.
-type User struct {
-	Username string
-	UID      string
-	Groups   []string
-	Extra    map[string]authenticationv1.ExtraValue
-}
-
-// userInfo is the name the exchange's code uses for User.
-type userInfo = User
+// userInfo is the hub identity a TokenReview returned.
+type userInfo = hubauth.User
 
 // authnResult is a cached TokenReview outcome: a user, or why there is none.
 type authnResult struct {
