@@ -12,7 +12,6 @@ import (
 
 	"github.com/go-logr/logr"
 	"golang.org/x/sync/errgroup"
-	authorizationv1 "k8s.io/api/authorization/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -38,18 +37,6 @@ const (
 // authenticate alike.
 type Authenticator interface {
 	Authenticate(ctx context.Context) (hubauth.User, error)
-}
-
-// AccessReviewer creates hub SubjectAccessReviews; the broker passes the
-// hub client's SubjectAccessReviews().
-type AccessReviewer interface {
-	Create(ctx context.Context, review *authorizationv1.SubjectAccessReview, opts metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error)
-}
-
-// Table is what the service needs of a Registry.
-type Table interface {
-	Select(s Selector) []*pb.Grant
-	Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant)
 }
 
 // ServiceConfig configures a Service.
