@@ -15,14 +15,14 @@ ASSETS     = KUBEBUILDER_ASSETS="$$($(TESTBIN))"
 TEST_FLAGS ?= -race -timeout 20m
 BENCH_FLAGS ?= -benchtime 200x -count 1
 
-BINARIES := broker spoke-agent credbroker-plugin
+BINARIES := broker spoke-agent credbroker-plugin credbroker
 
 .PHONY: help
 help: ## List the targets.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z0-9-]+:.*## / {printf "  %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: build
-build: ## Build broker, spoke-agent and credbroker-plugin into ./bin.
+build: ## Build broker, spoke-agent, credbroker-plugin and credbroker into ./bin.
 	@mkdir -p $(BIN)
 	$(GO) build -trimpath -o $(BIN)/ $(addprefix ./cmd/,$(BINARIES))
 

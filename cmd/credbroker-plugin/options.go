@@ -7,10 +7,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 	"time"
 
+	"github.com/credbroker/credbroker/pkg/brokerclient"
 	"github.com/credbroker/credbroker/pkg/plugin"
 )
 
@@ -115,13 +115,9 @@ func (o *options) config() (plugin.Config, error) {
 }
 
 func loadCAFile(name string) (*x509.CertPool, error) {
-	pemData, err := os.ReadFile(name)
+	pool, err := brokerclient.LoadCAFile(name)
 	if err != nil {
 		return nil, fmt.Errorf("--ca-file: %w", err)
-	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(pemData) {
-		return nil, fmt.Errorf("--ca-file %s holds no PEM certificate", name)
 	}
 	return pool, nil
 }

@@ -31,6 +31,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/clusterprofile"
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/hubkeys"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
@@ -52,6 +53,8 @@ type Broker struct {
 	tunnel    *tunnel.Server
 	keys      *hubkeys.Keys
 	exchange  *tokenexchange.Service
+	grants    *grants.Registry
+	grantsAPI *grants.Service
 	health    *health.Server
 	registry  *prometheus.Registry
 }
@@ -140,6 +143,19 @@ func New(cfg Config) (b *Broker, err error) {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 
+	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{Revoker: unwiredRevoker{}, Log: cfg.Log.WithName("grants")}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+	if b.grantsAPI, err = grants.NewService(grants.ServiceConfig{
+		Authenticator: b.exchange,
+		AccessReviews: hubClient.AuthorizationV1().SubjectAccessReviews(),
+		Grants:        b.grants,
+		Log:           cfg.Log.WithName("grants"),
+		Audit:         cfg.Audit,
+	}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+
 	b.health = health.NewServer()
 	b.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	b.registry = prometheus.NewRegistry()
@@ -216,6 +232,7 @@ func (b *Broker) Run(ctx context.Context) error {
 		MinVersion:     tls.VersionTLS12,
 	}), keepaliveParams)
 	pb.RegisterTokenExchangeServer(exchange, b.exchange)
+	pb.RegisterGrantsServer(exchange, b.grantsAPI)
 	if b.cfg.EnableReflection {
 		reflection.Register(exchange)
 	}

@@ -18,4 +18,22 @@
 // its revoke again when the agent next reports it, in a hello or an update.
 // Until its token expires, a revoked credential id stays known as revoked,
 // so the exchange's token cache never hands the token out again.
+//
+// A Service serves the Grants gRPC API over a Registry, beside TokenExchange
+// on the broker's exchange port, and authenticates its callers as the
+// exchange does. A caller may always list and revoke its own grants (same
+// hub username and UID); other consumers' grants need hub RBAC on
+// multicluster.x-k8s.io clusterprofiles/token of their ClusterProfile: list
+// to see them, delete to revoke them. One SubjectAccessReview is made per
+// ClusterProfile per call. List leaves out what the caller may not see;
+// Revoke revokes nothing when any matching grant is not the caller's to
+// revoke:
+//
+//	svc, err := grants.NewService(grants.ServiceConfig{
+//		Authenticator: exchange, // *tokenexchange.Service
+//		AccessReviews: hub.AuthorizationV1().SubjectAccessReviews(),
+//		Grants:        reg,
+//		Audit:         auditLog,
+//	})
+//	pb.RegisterGrantsServer(server, svc)
 package grants

@@ -7,11 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"net"
-	"os"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -23,8 +19,8 @@ import (
 	clientauthenticationv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
 	"sigs.k8s.io/cluster-inventory-api/pkg/credentialplugin"
 
+	"github.com/credbroker/credbroker/pkg/brokerclient"
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/token"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -70,14 +66,12 @@ var _ credentialplugin.Provider = (*Provider)(nil)
 // New validates cfg and returns a Provider. It does not connect to the
 // broker or read the token file; GetToken does, on every call.
 func New(cfg Config) (*Provider, error) {
-	if err := validateAddress(cfg.BrokerAddress); err != nil {
+	if err := brokerclient.ValidateAddress(cfg.BrokerAddress); err != nil {
 		return nil, err
 	}
-	if cfg.TLS == nil {
-		return nil, errors.New("TLS config for the broker is required")
-	}
-	if cfg.TLS.InsecureSkipVerify {
-		return nil, errors.New("TLS config must verify the broker: InsecureSkipVerify is not allowed")
+	creds, err := brokerclient.TLSCredentials(cfg.TLS)
+	if err != nil {
+		return nil, err
 	}
 	if cfg.TokenFile == "" {
 		return nil, errors.New("token file is required")
@@ -112,24 +106,7 @@ func New(cfg Config) (*Provider, error) {
 		cfg.Timeout = DefaultTimeout
 	}
 	cfg.TLS = cfg.TLS.Clone()
-	return &Provider{cfg: cfg, creds: credentials.NewTLS(cfg.TLS)}, nil
-}
-
-func validateAddress(addr string) error {
-	if addr == "" {
-		return errors.New("broker address is required")
-	}
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return fmt.Errorf("broker address %q is not host:port: %w", addr, err)
-	}
-	if host == "" {
-		return fmt.Errorf("broker address %q has no host", addr)
-	}
-	if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
-		return fmt.Errorf("broker address %q has an invalid port", addr)
-	}
-	return nil
+	return &Provider{cfg: cfg, creds: creds}, nil
 }
 
 // Name returns Name.
@@ -172,21 +149,16 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 	if err := checkTransport(cluster, in.Spec.Cluster); err != nil {
 		return none, err
 	}
-	hubToken, err := readToken(p.cfg.TokenFile)
+	hubToken, err := brokerclient.ReadToken(p.cfg.TokenFile)
 	if err != nil {
 		return none, err
 	}
 
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	defer cancel()
-	// The dns scheme is explicit so that a host name is never taken for a
-	// URL scheme ("broker:443").
-	conn, err := grpc.NewClient("dns:///"+p.cfg.BrokerAddress,
-		grpc.WithTransportCredentials(p.creds),
-		grpc.WithUserAgent("credbroker-plugin"),
-	)
+	conn, err := brokerclient.Dial(p.cfg.BrokerAddress, p.creds, "credbroker-plugin")
 	if err != nil {
-		return none, fmt.Errorf("exchange for cluster %s: broker %s: %w", cluster, p.cfg.BrokerAddress, err)
+		return none, fmt.Errorf("exchange for cluster %s: %w", cluster, err)
 	}
 	defer func() { _ = conn.Close() }()
 
@@ -199,7 +171,7 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 		req.ServiceAccount = &credbrokerv1alpha1.ObjectReference{Namespace: sa.Namespace, Name: sa.Name}
 	}
 	resp, err := credbrokerv1alpha1.NewTokenExchangeClient(conn).Exchange(ctx, req,
-		grpc.PerRPCCredentials(bearer{token: hubToken}))
+		grpc.PerRPCCredentials(brokerclient.Bearer(hubToken)))
 	if err != nil {
 		return none, p.exchangeError(cluster, err, hubToken)
 	}
@@ -255,32 +227,6 @@ func (p *Provider) cluster(in *clientauthenticationv1.ExecCredential) (Reference
 	return *ec.ClusterProfile, nil
 }
 
-// readToken reads the hub token from name. Errors name the file, never its
-// content.
-func readToken(name string) (string, error) {
-	f, err := os.Open(name)
-	if err != nil {
-		return "", fmt.Errorf("read hub token: %w", err)
-	}
-	defer func() { _ = f.Close() }()
-	// Allow for some surrounding white space; anything larger is not a token.
-	const limit = token.MaxLength + 1024
-	b, err := io.ReadAll(io.LimitReader(f, limit))
-	if err != nil {
-		return "", fmt.Errorf("read hub token from %s: %w", name, err)
-	}
-	s := strings.TrimSpace(string(b))
-	switch {
-	case s == "":
-		return "", fmt.Errorf("hub token file %s is empty", name)
-	case len(b) == limit || len(s) > token.MaxLength:
-		return "", fmt.Errorf("hub token file %s holds more than %d bytes", name, token.MaxLength)
-	case strings.IndexFunc(s, func(r rune) bool { return r <= ' ' || r > '~' }) >= 0:
-		return "", fmt.Errorf("hub token file %s does not hold a bearer token: it has spaces or characters that are not printable ASCII", name)
-	}
-	return s, nil
-}
-
 // exchangeError turns a failed Exchange into an error that names the
 // cluster, the gRPC code and the message, with the hub token redacted should
 // the message ever carry it. It wraps errdefs.FromCode, so errdefs.Code and
@@ -294,21 +240,3 @@ func (p *Provider) exchangeError(cluster Reference, err error, hubToken string) 
 	}
 	return fmt.Errorf("exchange for cluster %s: %s: %w", cluster, st.Code(), errdefs.FromCode(st.Code(), msg))
 }
-
-// bearer is per-RPC credentials that send the hub token as
-// "authorization: Bearer <token>", and only over a secure transport.
-type bearer struct{ token string }
-
-func (b bearer) GetRequestMetadata(ctx context.Context, _ ...string) (map[string]string, error) {
-	ri, _ := credentials.RequestInfoFromContext(ctx)
-	if err := credentials.CheckSecurityLevel(ri.AuthInfo, credentials.PrivacyAndIntegrity); err != nil {
-		return nil, fmt.Errorf("refusing to send the hub token over this connection: %w", err)
-	}
-	return map[string]string{"authorization": "Bearer " + b.token}, nil
-}
-
-func (bearer) RequireTransportSecurity() bool { return true }
-
-// String and GoString keep the token out of any formatted output.
-func (bearer) String() string   { return "bearer([redacted])" }
-func (bearer) GoString() string { return "bearer([redacted])" }

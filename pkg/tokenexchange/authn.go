@@ -18,16 +18,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/token"
 )
 
 // userInfo is the hub identity a TokenReview returned.
-type userInfo struct {
-	Username string
-	UID      string
-	Groups   []string
-	Extra    map[string]authenticationv1.ExtraValue
-}
+type userInfo = hubauth.User
 
 // authnResult is a cached TokenReview outcome: a user, or why there is none.
 type authnResult struct {

@@ -9,19 +9,19 @@ import (
 	"fmt"
 	"time"
 
-	authorizationv1 "k8s.io/api/authorization/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 )
 
 // The permission a consumer needs on the hub, per ClusterProfile.
 const (
-	Group       = "multicluster.x-k8s.io"
-	Resource    = "clusterprofiles"
-	Subresource = "token"
+	Group       = hubauth.Group
+	Resource    = hubauth.Resource
+	Subresource = hubauth.Subresource
 	Verb        = "create"
 )
 
@@ -51,30 +51,11 @@ func (s *Service) accessReview(ctx context.Context, user userInfo, cluster types
 	now := s.cfg.Clock.Now()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()
-	extra := make(map[string]authorizationv1.ExtraValue, len(user.Extra))
-	for k, v := range user.Extra {
-		extra[k] = authorizationv1.ExtraValue(v)
-	}
-	review, err := s.cfg.AccessReviews.Create(ctx, &authorizationv1.SubjectAccessReview{
-		Spec: authorizationv1.SubjectAccessReviewSpec{
-			User:   user.Username,
-			UID:    user.UID,
-			Groups: user.Groups,
-			Extra:  extra,
-			ResourceAttributes: &authorizationv1.ResourceAttributes{
-				Group:       Group,
-				Resource:    Resource,
-				Subresource: Subresource,
-				Verb:        Verb,
-				Namespace:   cluster.Namespace,
-				Name:        cluster.Name,
-			},
-		},
-	}, metav1.CreateOptions{})
+	review, err := s.cfg.AccessReviews.Create(ctx, hubauth.AccessReview(user, Verb, cluster), metav1.CreateOptions{})
 	if err != nil {
 		return false, time.Time{}, s.hubFailure("SubjectAccessReview", err)
 	}
-	if review.Status.Allowed && !review.Status.Denied {
+	if hubauth.Allowed(review) {
 		return true, now.Add(s.cfg.AllowTTL), nil
 	}
 	return false, now.Add(s.cfg.DenyTTL), nil

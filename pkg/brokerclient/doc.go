@@ -1,0 +1,15 @@
+// Package brokerclient holds what every client of the broker's exchange
+// port shares: the check of the broker's address, the TLS connection, the
+// hub token read from a file and sent as "authorization: Bearer" only over
+// a secure transport. credbroker-plugin (package plugin) and the credbroker
+// command use it.
+//
+//	roots, err := brokerclient.LoadCAFile("ca.pem")
+//	conn, err := brokerclient.Dial("credbroker.credbroker-system.svc:8443",
+//		&tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}, "credbroker")
+//	hubToken, err := brokerclient.ReadToken("/var/run/secrets/credbroker/token")
+//	resp, err := pb.NewGrantsClient(conn).List(ctx, req, grpc.PerRPCCredentials(brokerclient.Bearer(hubToken)))
+//
+// Errors name files, never their content: a token read here never appears
+// in an error, and Bearer's String is redacted.
+package brokerclient

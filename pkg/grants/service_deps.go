@@ -1,0 +1,22 @@
+package grants
+
+import (
+	"context"
+
+	authorizationv1 "k8s.io/api/authorization/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// AccessReviewer creates hub SubjectAccessReviews; the broker passes the
+// hub client's SubjectAccessReviews().
+type AccessReviewer interface {
+	Create(ctx context.Context, review *authorizationv1.SubjectAccessReview, opts metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error)
+}
+
+// Table is what the service needs of a Registry.
+type Table interface {
+	Select(s Selector) []*pb.Grant
+	Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant)
+}
