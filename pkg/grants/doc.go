@@ -18,4 +18,20 @@
 // its revoke again when the agent next reports it, in a hello or an update.
 // Until its token expires, a revoked credential id stays known as revoked,
 // so the exchange's token cache never hands the token out again.
+//
+// Triggers revoke, through a Registry, the grants the hub no longer allows:
+//   - hub RBAC no longer lets the consumer create clusterprofiles/token on
+//     the grant's ClusterProfile: every change of a Role, RoleBinding,
+//     ClusterRole or ClusterRoleBinding, debounced, leads to one
+//     SubjectAccessReview per distinct consumer and ClusterProfile with live
+//     grants, rate limited, the same review the exchange makes;
+//   - the ClusterProfile is deleted, being deleted, or replaced by another
+//     incarnation (ClusterProfileChanged, which the broker calls before it
+//     closes the agent streams of that ClusterProfile);
+//   - the consumer's hub ServiceAccount is deleted, or created again with
+//     another UID (a metadata-only informer).
+//
+// A slow sweep checks every live grant in all three ways, for what no event
+// told of. A review the hub fails revokes nothing; the next change or sweep
+// asks again.
 package grants
