@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"time"
 
-	authenticationv1 "k8s.io/api/authentication/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -25,43 +24,6 @@ const (
 	Subresource = "token"
 	Verb        = "create"
 )
-
-// AccessReview returns the SubjectAccessReview that asks the hub whether
-// user may verb clusterprofiles/token (group multicluster.x-k8s.io) of the
-// ClusterProfile cluster. The exchange asks it with Verb for every token it
-// mints; the broker asks it again of live grants when hub RBAC changes
-// (package grants), so that both decide alike.
-func AccessReview(user authenticationv1.UserInfo, verb string, cluster types.NamespacedName) *authorizationv1.SubjectAccessReview {
-	var extra map[string]authorizationv1.ExtraValue
-	if len(user.Extra) > 0 {
-		extra = make(map[string]authorizationv1.ExtraValue, len(user.Extra))
-		for k, v := range user.Extra {
-			extra[k] = authorizationv1.ExtraValue(v)
-		}
-	}
-	return &authorizationv1.SubjectAccessReview{
-		Spec: authorizationv1.SubjectAccessReviewSpec{
-			User:   user.Username,
-			UID:    user.UID,
-			Groups: user.Groups,
-			Extra:  extra,
-			ResourceAttributes: &authorizationv1.ResourceAttributes{
-				Group:       Group,
-				Resource:    Resource,
-				Subresource: Subresource,
-				Verb:        verb,
-				Namespace:   cluster.Namespace,
-				Name:        cluster.Name,
-			},
-		},
-	}
-}
-
-// ReviewAllows reports whether a SubjectAccessReview that the hub answered
-// allows: allowed, and not denied.
-func ReviewAllows(review *authorizationv1.SubjectAccessReview) bool {
-	return review.Status.Allowed && !review.Status.Denied
-}
 
 // authorize asks the hub whether user may create clusterprofiles/token for
 // cluster. Allowed decisions are cached for AllowTTL, denials for DenyTTL.
@@ -89,13 +51,30 @@ func (s *Service) accessReview(ctx context.Context, user userInfo, cluster types
 	now := s.cfg.Clock.Now()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()
-	review, err := s.cfg.AccessReviews.Create(ctx, AccessReview(authenticationv1.UserInfo{
-		Username: user.Username, UID: user.UID, Groups: user.Groups, Extra: user.Extra,
-	}, Verb, cluster), metav1.CreateOptions{})
+	extra := make(map[string]authorizationv1.ExtraValue, len(user.Extra))
+	for k, v := range user.Extra {
+		extra[k] = authorizationv1.ExtraValue(v)
+	}
+	review, err := s.cfg.AccessReviews.Create(ctx, &authorizationv1.SubjectAccessReview{
+		Spec: authorizationv1.SubjectAccessReviewSpec{
+			User:   user.Username,
+			UID:    user.UID,
+			Groups: user.Groups,
+			Extra:  extra,
+			ResourceAttributes: &authorizationv1.ResourceAttributes{
+				Group:       Group,
+				Resource:    Resource,
+				Subresource: Subresource,
+				Verb:        Verb,
+				Namespace:   cluster.Namespace,
+				Name:        cluster.Name,
+			},
+		},
+	}, metav1.CreateOptions{})
 	if err != nil {
 		return false, time.Time{}, s.hubFailure("SubjectAccessReview", err)
 	}
-	if ReviewAllows(review) {
+	if review.Status.Allowed && !review.Status.Denied {
 		return true, now.Add(s.cfg.AllowTTL), nil
 	}
 	return false, now.Add(s.cfg.DenyTTL), nil
