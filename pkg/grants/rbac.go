@@ -7,11 +7,11 @@ import (
 	"slices"
 	"strings"
 
-	authenticationv1 "k8s.io/api/authentication/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -37,8 +37,8 @@ func accessOf(g *pb.Grant) access {
 	}
 }
 
-func (a access) user() authenticationv1.UserInfo {
-	u := authenticationv1.UserInfo{Username: a.username, UID: a.uid}
+func (a access) user() hubauth.User {
+	u := hubauth.User{Username: a.username, UID: a.uid}
 	if a.groups != "" {
 		u.Groups = strings.Split(a.groups, "\n")
 	}
@@ -48,8 +48,8 @@ func (a access) user() authenticationv1.UserInfo {
 // checkRBAC asks the hub, once per distinct subject and ClusterProfile,
 // whether the subject of each live grant may still create
 // clusterprofiles/token on its ClusterProfile, and revokes the grants it no
-// longer may. The reviews are those of the exchange (tokenexchange
-// .AccessReview) but for the subject's extra attributes, which grants do not
+// longer may. The reviews are those of the exchange (hubauth.AccessReview,
+// verb create) but for the subject's extra attributes, which grants do not
 // record; RBAC does not read them. A review that fails revokes nothing; when
 // the hub does not answer at all, the check stops there and is made again at
 // the next change or sweep.
@@ -82,7 +82,7 @@ func (t *Triggers) checkRBAC(ctx context.Context) {
 		}
 		if !allowed {
 			t.revoke(ctx, "rbac", byAccess[a], fmt.Sprintf("hub RBAC no longer allows %s to %s %s.%s/%s %s in namespace %s",
-				a.username, tokenexchange.Verb, tokenexchange.Resource, tokenexchange.Group, tokenexchange.Subresource, a.cluster.Name, a.cluster.Namespace))
+				a.username, tokenexchange.Verb, hubauth.Resource, hubauth.Group, hubauth.Subresource, a.cluster.Name, a.cluster.Namespace))
 		}
 	}
 }
@@ -90,9 +90,9 @@ func (t *Triggers) checkRBAC(ctx context.Context) {
 func (t *Triggers) review(ctx context.Context, a access) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, t.cfg.ReviewTimeout)
 	defer cancel()
-	review, err := t.cfg.AccessReviews.Create(ctx, tokenexchange.AccessReview(a.user(), tokenexchange.Verb, a.cluster), metav1.CreateOptions{})
+	review, err := t.cfg.AccessReviews.Create(ctx, hubauth.AccessReview(a.user(), tokenexchange.Verb, a.cluster), metav1.CreateOptions{})
 	if err != nil {
 		return false, fmt.Errorf("SubjectAccessReview: %w", err)
 	}
-	return tokenexchange.ReviewAllows(review), nil
+	return hubauth.Allowed(review), nil
 }

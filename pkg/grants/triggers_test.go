@@ -11,7 +11,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	authenticationv1 "k8s.io/api/authentication/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -22,7 +21,7 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tokenexchange"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -312,8 +311,8 @@ func (f *fixture) stepUntil(t *testing.T, step, limit time.Duration, cond func()
 	return went
 }
 
-func userInfo(name, uid string, groups ...string) authenticationv1.UserInfo {
-	return authenticationv1.UserInfo{Username: name, UID: uid, Groups: groups}
+func userInfo(name, uid string, groups ...string) hubauth.User {
+	return hubauth.User{Username: name, UID: uid, Groups: groups}
 }
 
 func role(rv string) *rbacv1.Role {
@@ -358,7 +357,7 @@ func TestRBACChangeRevokesGrantsNoLongerAllowed(t *testing.T) {
 		}
 	}
 	// The review is the exchange's.
-	assert.Contains(t, asked, tokenexchange.AccessReview(
+	assert.Contains(t, asked, hubauth.AccessReview(
 		userInfo(alice, "alice-uid", "system:serviceaccounts", "system:serviceaccounts:team-a"), "create",
 		types.NamespacedName{Namespace: "fleet", Name: "spoke-1"}).Spec)
 }
