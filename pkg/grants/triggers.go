@@ -22,16 +22,16 @@ import (
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// Table is what the triggers need of a Registry: the live grants, and a way
-// to revoke them.
-type Table interface {
+// GrantTable is what the triggers need of a Registry: the live grants, and
+// a way to revoke them.
+type GrantTable interface {
 	Select(Selector) []*pb.Grant
 	Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant)
 }
 
-// AccessReviewer creates SubjectAccessReviews on the hub, as client-go's
-// AuthorizationV1().SubjectAccessReviews() does.
-type AccessReviewer interface {
+// SubjectAccessReviewer creates SubjectAccessReviews on the hub, as
+// client-go's AuthorizationV1().SubjectAccessReviews() does.
+type SubjectAccessReviewer interface {
 	Create(ctx context.Context, review *authorizationv1.SubjectAccessReview, opts metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error)
 }
 
@@ -53,9 +53,9 @@ type ClusterProfiles interface {
 // TriggersConfig configures Triggers.
 type TriggersConfig struct {
 	// Grants is the broker's Registry; required.
-	Grants Table
+	Grants GrantTable
 	// AccessReviews asks the hub's authorizer; required.
-	AccessReviews AccessReviewer
+	AccessReviews SubjectAccessReviewer
 	// ClusterProfiles is the broker's ClusterProfile index; required.
 	ClusterProfiles ClusterProfiles
 	// RBAC are informers of the hub's Roles, RoleBindings, ClusterRoles and
