@@ -120,13 +120,6 @@ func New(cfg Config) (b *Broker, err error) {
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
-	// TODO(i7-tunnel): the Registry revokes through the tunnel server.
-	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{Revoker: unwiredRevoker{}, Log: cfg.Log.WithName("grants")}); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-	if b.triggers, err = newTriggers(cfg, hub, hubClient, b); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
 	b.profiles.OnChange(func(key types.NamespacedName, _ types.UID) {
 		// The grants of a deleted or replaced ClusterProfile are revoked
 		// first, since the revoke travels on its agent's streams, which
@@ -165,6 +158,13 @@ func New(cfg Config) (b *Broker, err error) {
 		PeerReviewRateLimit: rate.Limit(cfg.PeerReviewRateLimit),
 		PeerReviewBurst:     cfg.PeerReviewBurst,
 	}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+
+	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{Revoker: unwiredRevoker{}, Log: cfg.Log.WithName("grants")}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+	if b.triggers, err = newTriggers(cfg, hub, hubClient, b); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 
@@ -416,13 +416,6 @@ func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, b
 		RevokeTimeout:   cfg.MintTimeout,
 		Log:             cfg.Log.WithName("triggers"),
 	})
-}
-
-// unwiredRevoker stands in for the tunnel server until it revokes.
-type unwiredRevoker struct{}
-
-func (unwiredRevoker) Revoke(context.Context, tunnel.ClusterRef, []string, string) ([]string, error) {
-	return nil, fmt.Errorf("the broker cannot revoke yet: %w", errdefs.ErrUnavailable)
 }
 
 // agentResolver admits agents through the ClusterProfile index.
