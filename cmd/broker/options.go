@@ -50,6 +50,11 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.StringVar(&cfg.IssuerJWKSFile, "issuer-jwks-file", "", "JWKS (JSON) file of the hub service-account issuer's public keys, reloaded on change; empty means the hub's /openid/v1/jwks")
 	fs.DurationVar(&cfg.IssuerKeysRefresh, "issuer-keys-refresh", cfg.IssuerKeysRefresh, "how often the hub issuer's public keys are fetched from the hub")
 	fs.DurationVar(&cfg.IssuerKeysMinRefresh, "issuer-keys-min-refresh", cfg.IssuerKeysMinRefresh, "least time between two fetches of the hub issuer's keys, which a token naming an unknown key also triggers")
+	fs.DurationVar(&cfg.GrantRecheckInterval, "grant-recheck-interval", cfg.GrantRecheckInterval, "how often every live grant is checked against hub RBAC, its ClusterProfile and its consumer's hub ServiceAccount")
+	fs.DurationVar(&cfg.RBACDebounce, "rbac-debounce", cfg.RBACDebounce, "quiet time after a hub RBAC change before live grants are checked again")
+	fs.DurationVar(&cfg.RBACDebounceMax, "rbac-debounce-max", cfg.RBACDebounceMax, "longest wait from a hub RBAC change to the check of live grants, however many changes follow")
+	fs.Float64Var(&cfg.GrantReviewRateLimit, "grant-review-rate-limit", cfg.GrantReviewRateLimit, "SubjectAccessReviews per second when live grants are checked again")
+	fs.IntVar(&cfg.GrantReviewBurst, "grant-review-burst", cfg.GrantReviewBurst, "burst of SubjectAccessReviews when live grants are checked again")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err

@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -81,4 +82,25 @@ func TestParseFlagsReflection(t *testing.T) {
 	cfg, err = parseFlags(append(required, "--enable-reflection"))
 	require.NoError(t, err)
 	assert.True(t, cfg.EnableReflection)
+}
+
+func TestParseFlagsGrantTriggers(t *testing.T) {
+	required := requiredFlags(t)
+	cfg, err := parseFlags(required)
+	require.NoError(t, err)
+	assert.Equal(t, 5*time.Minute, cfg.GrantRecheckInterval)
+	assert.Equal(t, 2*time.Second, cfg.RBACDebounce)
+	assert.Equal(t, 5*time.Second, cfg.RBACDebounceMax)
+
+	cfg, err = parseFlags(append(required, "--grant-recheck-interval=1m", "--rbac-debounce=500ms", "--rbac-debounce-max=1s",
+		"--grant-review-rate-limit=5", "--grant-review-burst=7"))
+	require.NoError(t, err)
+	assert.Equal(t, time.Minute, cfg.GrantRecheckInterval)
+	assert.Equal(t, 500*time.Millisecond, cfg.RBACDebounce)
+	assert.Equal(t, time.Second, cfg.RBACDebounceMax)
+	assert.Equal(t, 5.0, cfg.GrantReviewRateLimit)
+	assert.Equal(t, 7, cfg.GrantReviewBurst)
+
+	_, err = parseFlags(append(required, "--rbac-debounce=10s"))
+	require.ErrorContains(t, err, "the RBAC debounce must be positive and at most its maximum (10s, 5s)")
 }

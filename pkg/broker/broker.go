@@ -22,8 +22,13 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
@@ -50,13 +55,18 @@ type Broker struct {
 	keyPair   *identity.KeyPairFile
 	informers inventoryinformers.SharedInformerFactory
 	profiles  *clusterprofile.Index
-	tunnel    *tunnel.Server
-	keys      *hubkeys.Keys
-	exchange  *tokenexchange.Service
-	grants    *grants.Registry
-	grantsAPI *grants.Service
-	health    *health.Server
-	registry  *prometheus.Registry
+	// rbacInformers and accountInformers watch what the revocation
+	// triggers check: hub RBAC, and hub ServiceAccounts' metadata.
+	rbacInformers    informers.SharedInformerFactory
+	accountInformers metadatainformer.SharedInformerFactory
+	grants           *grants.Registry
+	grantsAPI        *grants.Service
+	triggers         *grants.Triggers
+	tunnel           *tunnel.Server
+	keys             *hubkeys.Keys
+	exchange         *tokenexchange.Service
+	health           *health.Server
+	registry         *prometheus.Registry
 }
 
 // New validates cfg, loads the certificates, builds every part and binds the
@@ -111,7 +121,16 @@ func New(cfg Config) (b *Broker, err error) {
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
-	b.profiles.OnChange(func(key types.NamespacedName, _ types.UID) { b.tunnel.Revalidate(key) })
+	b.profiles.OnChange(func(key types.NamespacedName, _ types.UID) {
+		// The grants of a deleted or replaced ClusterProfile are revoked
+		// first, since the revoke travels on its agent's streams, which
+		// Revalidate then closes. Off the informer's goroutine: a revoke
+		// waits for the agent, for at most the triggers' RevokeTimeout.
+		go func() {
+			b.triggers.ClusterProfileChanged(context.Background(), key)
+			b.tunnel.Revalidate(key)
+		}()
+	})
 	// A new bundle may have dropped the CA of a connected agent.
 	b.svid.OnChange(b.tunnel.Reverify)
 
@@ -153,6 +172,9 @@ func New(cfg Config) (b *Broker, err error) {
 		Log:           cfg.Log.WithName("grants"),
 		Audit:         cfg.Audit,
 	}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+	if b.triggers, err = newTriggers(cfg, hub, hubClient, b); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 
@@ -214,6 +236,11 @@ func (b *Broker) Run(ctx context.Context) error {
 
 	b.informers.Start(ctx.Done())
 	defer b.informers.Shutdown()
+	b.rbacInformers.Start(ctx.Done())
+	defer b.rbacInformers.Shutdown()
+	b.accountInformers.Start(ctx.Done())
+	defer b.accountInformers.Shutdown()
+	g.Go(func() error { return b.triggers.Run(ctx) })
 	syncCtx, cancelSync := context.WithTimeout(ctx, b.cfg.CacheSyncTimeout)
 	synced := cache.WaitForCacheSync(syncCtx.Done(), b.profiles.HasSynced)
 	cancelSync()
@@ -358,6 +385,48 @@ func newIssuerKeys(cfg Config, hub kubernetes.Interface) (*hubkeys.Keys, error) 
 		return nil, fmt.Errorf("issuer keys in %s: %w", cfg.IssuerJWKSFile, err)
 	}
 	return keys, nil
+}
+
+// newTriggers builds the revocation triggers over b's Registry and
+// ClusterProfile index, with informers of hub RBAC and of hub
+// ServiceAccounts' metadata (not the whole objects, to keep memory small).
+func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, b *Broker) (*grants.Triggers, error) {
+	b.rbacInformers = informers.NewSharedInformerFactory(hubClient, cfg.InformerResync)
+	rbac := b.rbacInformers.Rbac().V1()
+	metaClient, err := metadata.NewForConfig(hub)
+	if err != nil {
+		return nil, fmt.Errorf("hub metadata client: %w", err)
+	}
+	b.accountInformers = metadatainformer.NewSharedInformerFactory(metaClient, cfg.InformerResync)
+	accounts := b.accountInformers.ForResource(corev1.SchemeGroupVersion.WithResource("serviceaccounts")).Informer()
+	// Only the name and UID matter.
+	if err := accounts.SetTransform(func(obj any) (any, error) {
+		if m, err := meta.Accessor(obj); err == nil {
+			m.SetManagedFields(nil)
+			m.SetAnnotations(nil)
+			m.SetLabels(nil)
+		}
+		return obj, nil
+	}); err != nil {
+		return nil, fmt.Errorf("hub ServiceAccount informer: %w", err)
+	}
+	return grants.NewTriggers(grants.TriggersConfig{
+		Grants:          b.grants,
+		AccessReviews:   hubClient.AuthorizationV1().SubjectAccessReviews(),
+		ClusterProfiles: b.profiles,
+		RBAC: []grants.Informer{
+			rbac.Roles().Informer(), rbac.RoleBindings().Informer(),
+			rbac.ClusterRoles().Informer(), rbac.ClusterRoleBindings().Informer(),
+		},
+		ServiceAccounts: accounts,
+		Debounce:        cfg.RBACDebounce,
+		MaxDelay:        cfg.RBACDebounceMax,
+		Interval:        cfg.GrantRecheckInterval,
+		ReviewRate:      rate.Limit(cfg.GrantReviewRateLimit),
+		ReviewBurst:     cfg.GrantReviewBurst,
+		RevokeTimeout:   cfg.MintTimeout,
+		Log:             cfg.Log.WithName("triggers"),
+	})
 }
 
 // agentResolver admits agents through the ClusterProfile index.

@@ -79,6 +79,18 @@ type Config struct {
 	// a token naming an unknown key id also triggers.
 	IssuerKeysRefresh, IssuerKeysMinRefresh time.Duration
 
+	// GrantRecheckInterval is the period of the sweep that checks every
+	// live grant against hub RBAC, its ClusterProfile and its consumer's hub
+	// ServiceAccount. RBACDebounce is the quiet time after a hub RBAC change
+	// before the live grants are checked again, and RBACDebounceMax the
+	// longest wait from the first change of a burst.
+	GrantRecheckInterval, RBACDebounce, RBACDebounceMax time.Duration
+	// GrantReviewRateLimit and GrantReviewBurst limit the
+	// SubjectAccessReviews of those checks (one per consumer and
+	// ClusterProfile with live grants).
+	GrantReviewRateLimit float64
+	GrantReviewBurst     int
+
 	// EnableReflection registers gRPC server reflection on the exchange
 	// port, for debugging with grpcurl and the like. Off by default: the
 	// port faces every consumer.
@@ -118,6 +130,11 @@ func Default() Config {
 		PeerReviewBurst:            20,
 		IssuerKeysRefresh:          5 * time.Minute,
 		IssuerKeysMinRefresh:       15 * time.Second,
+		GrantRecheckInterval:       5 * time.Minute,
+		RBACDebounce:               2 * time.Second,
+		RBACDebounceMax:            5 * time.Second,
+		GrantReviewRateLimit:       20,
+		GrantReviewBurst:           20,
 	}
 }
 
@@ -150,5 +167,9 @@ func (c *Config) Validate() error {
 	need(finite(c.PeerReviewRateLimit) && c.PeerReviewBurst > 0, "the per-peer review rate limit and burst must be positive and finite")
 	need(c.IssuerKeysMinRefresh > 0 && c.IssuerKeysMinRefresh <= c.IssuerKeysRefresh,
 		"the issuer keys' minimum refresh interval must be positive and at most their refresh interval (%s, %s)", c.IssuerKeysMinRefresh, c.IssuerKeysRefresh)
+	need(c.GrantRecheckInterval > 0, "the grant recheck interval must be positive")
+	need(c.RBACDebounce > 0 && c.RBACDebounceMax >= c.RBACDebounce,
+		"the RBAC debounce must be positive and at most its maximum (%s, %s)", c.RBACDebounce, c.RBACDebounceMax)
+	need(finite(c.GrantReviewRateLimit) && c.GrantReviewBurst > 0, "the grant review rate limit and burst must be positive and finite")
 	return errors.Join(errs...)
 }

@@ -42,6 +42,14 @@ func TestValidate(t *testing.T) {
 			want: "the rate limit and burst must be positive and finite"},
 		{name: "issuer keys refreshed faster than allowed", mutate: func(c *Config) { c.IssuerKeysRefresh = time.Second },
 			want: "the issuer keys' minimum refresh interval must be positive and at most their refresh interval (15s, 1s)"},
+		{name: "no grant sweep", mutate: func(c *Config) { c.GrantRecheckInterval = 0 },
+			want: "the grant recheck interval must be positive"},
+		{name: "RBAC debounce past its maximum", mutate: func(c *Config) { c.RBACDebounce = 10 * time.Second },
+			want: "the RBAC debounce must be positive and at most its maximum (10s, 5s)"},
+		{name: "no RBAC debounce", mutate: func(c *Config) { c.RBACDebounce = 0 },
+			want: "the RBAC debounce must be positive and at most its maximum (0s, 5s)"},
+		{name: "grant reviews unlimited", mutate: func(c *Config) { c.GrantReviewRateLimit = math.Inf(1) },
+			want: "the grant review rate limit and burst must be positive and finite"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

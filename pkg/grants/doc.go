@@ -36,4 +36,20 @@
 //		Audit:         auditLog,
 //	})
 //	pb.RegisterGrantsServer(server, svc)
+//
+// Triggers revoke, through a Registry, the grants the hub no longer allows:
+//   - hub RBAC no longer lets the consumer create clusterprofiles/token on
+//     the grant's ClusterProfile: every change of a Role, RoleBinding,
+//     ClusterRole or ClusterRoleBinding, debounced, leads to one
+//     SubjectAccessReview per distinct consumer and ClusterProfile with live
+//     grants, rate limited, the same review the exchange makes;
+//   - the ClusterProfile is deleted, being deleted, or replaced by another
+//     incarnation (ClusterProfileChanged, which the broker calls before it
+//     closes the agent streams of that ClusterProfile);
+//   - the consumer's hub ServiceAccount is deleted, or created again with
+//     another UID (a metadata-only informer).
+//
+// A slow sweep checks every live grant in all three ways, for what no event
+// told of. A review the hub fails revokes nothing; the next change or sweep
+// asks again.
 package grants

@@ -1,0 +1,407 @@
+package grants
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"golang.org/x/time/rate"
+	authorizationv1 "k8s.io/api/authorization/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/utils/clock"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// GrantTable is what the triggers need of a Registry: the live grants, and
+// a way to revoke them.
+type GrantTable interface {
+	Select(Selector) []*pb.Grant
+	Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant)
+}
+
+// SubjectAccessReviewer creates SubjectAccessReviews on the hub, as
+// client-go's AuthorizationV1().SubjectAccessReviews() does.
+type SubjectAccessReviewer interface {
+	Create(ctx context.Context, review *authorizationv1.SubjectAccessReview, opts metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error)
+}
+
+// Informer is the part of a client-go shared informer that the triggers
+// use; cache.SharedIndexInformer satisfies it.
+type Informer interface {
+	AddEventHandler(handler cache.ResourceEventHandler) (cache.ResourceEventHandlerRegistration, error)
+	HasSynced() bool
+	GetStore() cache.Store
+}
+
+// ClusterProfiles finds the live incarnation of a ClusterProfile;
+// *clusterprofile.Index satisfies it. Get fails with errdefs.ErrNotFound
+// when there is none or it is being deleted.
+type ClusterProfiles interface {
+	Get(namespace, name string) (*v1alpha1.ClusterProfile, error)
+}
+
+// TriggersConfig configures Triggers.
+type TriggersConfig struct {
+	// Grants is the broker's Registry; required.
+	Grants GrantTable
+	// AccessReviews asks the hub's authorizer; required.
+	AccessReviews SubjectAccessReviewer
+	// ClusterProfiles is the broker's ClusterProfile index; required.
+	ClusterProfiles ClusterProfiles
+	// RBAC are informers of the hub's Roles, RoleBindings, ClusterRoles and
+	// ClusterRoleBindings (rbac/v1). NewTriggers adds an event handler to
+	// each, so it must be called before they start.
+	RBAC []Informer
+	// ServiceAccounts is an informer of the hub's ServiceAccounts, such as a
+	// metadata-only one (k8s.io/client-go/metadata/metadatainformer);
+	// required. NewTriggers adds an event handler to it.
+	ServiceAccounts Informer
+
+	// Clock times the debounce and the sweep. Default: the real clock.
+	Clock clock.WithTicker
+	// Debounce is the quiet time after an RBAC change before the live
+	// grants are checked again; MaxDelay bounds the wait from the first
+	// change of a burst. Defaults 2s and 5s.
+	Debounce, MaxDelay time.Duration
+	// Interval is the period of the sweep that checks every live grant
+	// whatever changed. Default 5m.
+	Interval time.Duration
+	// ReviewRate and ReviewBurst limit the SubjectAccessReviews of the
+	// checks, so that a large RBAC change does not flood the hub. Defaults
+	// 20 per second, burst 20.
+	ReviewRate  rate.Limit
+	ReviewBurst int
+	// ReviewTimeout bounds one SubjectAccessReview; RevokeTimeout one
+	// revoke. Defaults 5s and 10s.
+	ReviewTimeout, RevokeTimeout time.Duration
+	// Log receives revocations and failed checks. Default: discard.
+	Log logr.Logger
+}
+
+// Triggers revoke the grants that the hub no longer allows: when hub RBAC
+// no longer lets the consumer create clusterprofiles/token on the grant's
+// ClusterProfile, when that ClusterProfile is deleted or replaced, and when
+// the consumer's hub ServiceAccount is deleted. Serve with Run.
+type Triggers struct {
+	cfg     TriggersConfig
+	limiter *rate.Limiter
+	kick    chan struct{}
+
+	mu sync.Mutex
+	// rbacFirst and rbacLast are the times of the first and the last RBAC
+	// change not checked yet; zero when there is none.
+	rbacFirst, rbacLast time.Time
+	// accounts are the keys (namespace/name) of the hub ServiceAccounts
+	// that changed and are not checked yet.
+	accounts map[string]struct{}
+}
+
+// NewTriggers validates cfg, fills in its defaults and adds event handlers
+// to its informers.
+func NewTriggers(cfg TriggersConfig) (*Triggers, error) {
+	if cfg.Grants == nil || cfg.AccessReviews == nil || cfg.ClusterProfiles == nil || cfg.ServiceAccounts == nil {
+		return nil, fmt.Errorf("grants: triggers need Grants, AccessReviews, ClusterProfiles and ServiceAccounts: %w", errdefs.ErrInvalidArgument)
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	def(&cfg.Debounce, 2*time.Second)
+	def(&cfg.MaxDelay, 5*time.Second)
+	def(&cfg.Interval, 5*time.Minute)
+	def(&cfg.ReviewTimeout, 5*time.Second)
+	def(&cfg.RevokeTimeout, 10*time.Second)
+	cfg.MaxDelay = max(cfg.MaxDelay, cfg.Debounce)
+	if cfg.ReviewRate <= 0 {
+		cfg.ReviewRate = 20
+	}
+	if cfg.ReviewBurst <= 0 {
+		cfg.ReviewBurst = 20
+	}
+	t := &Triggers{
+		cfg:      cfg,
+		limiter:  rate.NewLimiter(cfg.ReviewRate, cfg.ReviewBurst),
+		kick:     make(chan struct{}, 1),
+		accounts: map[string]struct{}{},
+	}
+	for _, inf := range cfg.RBAC {
+		if _, err := inf.AddEventHandler(cache.ResourceEventHandlerDetailedFuncs{
+			AddFunc: func(_ any, initial bool) {
+				if !initial {
+					t.rbacChanged()
+				}
+			},
+			UpdateFunc: func(oldObj, newObj any) {
+				if !resync(oldObj, newObj) {
+					t.rbacChanged()
+				}
+			},
+			DeleteFunc: func(any) { t.rbacChanged() },
+		}); err != nil {
+			return nil, fmt.Errorf("grants: RBAC informer: %w", err)
+		}
+	}
+	if _, err := cfg.ServiceAccounts.AddEventHandler(cache.ResourceEventHandlerDetailedFuncs{
+		AddFunc: func(obj any, initial bool) {
+			// A ServiceAccount created again under an old name: the
+			// grants of the old one are not its.
+			if !initial {
+				t.accountChanged(obj)
+			}
+		},
+		UpdateFunc: func(oldObj, newObj any) {
+			if o, err := meta.Accessor(oldObj); err == nil {
+				if n, err := meta.Accessor(newObj); err == nil && o.GetUID() != n.GetUID() {
+					t.accountChanged(newObj)
+				}
+			}
+		},
+		DeleteFunc: t.accountChanged,
+	}); err != nil {
+		return nil, fmt.Errorf("grants: ServiceAccount informer: %w", err)
+	}
+	return t, nil
+}
+
+// resync reports whether an update is an informer's resync, which changes
+// nothing.
+func resync(oldObj, newObj any) bool {
+	o, err1 := meta.Accessor(oldObj)
+	n, err2 := meta.Accessor(newObj)
+	return err1 == nil && err2 == nil && o.GetResourceVersion() == n.GetResourceVersion()
+}
+
+func (t *Triggers) wake() {
+	select {
+	case t.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (t *Triggers) rbacChanged() {
+	now := t.cfg.Clock.Now()
+	t.mu.Lock()
+	if t.rbacFirst.IsZero() {
+		t.rbacFirst = now
+	}
+	t.rbacLast = now
+	t.mu.Unlock()
+	t.wake()
+}
+
+func (t *Triggers) accountChanged(obj any) {
+	key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+	if err != nil {
+		return
+	}
+	t.mu.Lock()
+	t.accounts[key] = struct{}{}
+	t.mu.Unlock()
+	t.wake()
+}
+
+// rbacDue returns when the pending RBAC changes are to be checked, and
+// whether there are any.
+func (t *Triggers) rbacDue() (time.Time, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.rbacFirst.IsZero() {
+		return time.Time{}, false
+	}
+	due := t.rbacLast.Add(t.cfg.Debounce)
+	if limit := t.rbacFirst.Add(t.cfg.MaxDelay); limit.Before(due) {
+		due = limit
+	}
+	return due, true
+}
+
+// Run checks the grants again on every change and every Interval until ctx
+// ends, and returns nil then.
+func (t *Triggers) Run(ctx context.Context) error {
+	ticker := t.cfg.Clock.NewTicker(t.cfg.Interval)
+	defer ticker.Stop()
+	for {
+		t.checkAccounts(ctx, t.takeAccounts())
+		var timer clock.Timer
+		var fire <-chan time.Time
+		if due, ok := t.rbacDue(); ok {
+			wait := due.Sub(t.cfg.Clock.Now())
+			if wait <= 0 {
+				t.mu.Lock()
+				t.rbacFirst, t.rbacLast = time.Time{}, time.Time{}
+				t.mu.Unlock()
+				t.checkRBAC(ctx)
+				continue
+			}
+			timer = t.cfg.Clock.NewTimer(wait)
+			fire = timer.C()
+		}
+		select {
+		case <-ctx.Done():
+		case <-t.kick:
+		case <-fire:
+		case <-ticker.C():
+			t.Sweep(ctx)
+		}
+		if timer != nil {
+			timer.Stop()
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+	}
+}
+
+// Sweep checks every live grant: its ClusterProfile, its consumer's hub
+// ServiceAccount, and hub RBAC. Run calls it every Interval.
+func (t *Triggers) Sweep(ctx context.Context) {
+	seen := map[types.NamespacedName]bool{}
+	accounts := map[string]struct{}{}
+	for _, g := range t.cfg.Grants.Select(Selector{}) {
+		key := ClusterRef(g).NamespacedName
+		if !seen[key] {
+			seen[key] = true
+			t.ClusterProfileChanged(ctx, key)
+		}
+		if ns, name, ok := serviceAccountOf(g.GetSubject().GetUsername()); ok {
+			accounts[ns+"/"+name] = struct{}{}
+		}
+	}
+	t.checkAccounts(ctx, accounts)
+	t.checkRBAC(ctx)
+}
+
+// revoke revokes grants for reason, within RevokeTimeout, and logs each.
+func (t *Triggers) revoke(ctx context.Context, trigger string, grants []*pb.Grant, reason string) {
+	if len(grants) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, t.cfg.RevokeTimeout)
+	defer cancel()
+	revoked, pending := t.cfg.Grants.Revoke(ctx, grants, reason)
+	for _, g := range revoked {
+		t.cfg.Log.Info("revoked grant", "trigger", trigger, "credentialID", g.GetCredentialId(),
+			"subject", g.GetSubject().GetUsername(), "cluster", ClusterRef(g).String(), "reason", reason)
+	}
+	for _, g := range pending {
+		t.cfg.Log.Info("revoke of grant pending until its agent reports it", "trigger", trigger, "credentialID", g.GetCredentialId(),
+			"subject", g.GetSubject().GetUsername(), "cluster", ClusterRef(g).String(), "reason", reason)
+	}
+}
+
+// ClusterProfileChanged revokes the grants of the ClusterProfile key that
+// were not minted through its live incarnation: it was deleted, is being
+// deleted, or was replaced by one with another UID. It returns once the
+// agent answered, or after RevokeTimeout. The broker calls it on every
+// change of a ClusterProfile, before it closes the agent streams of a
+// deleted one, since the revoke travels on those.
+func (t *Triggers) ClusterProfileChanged(ctx context.Context, key types.NamespacedName) {
+	grants := t.cfg.Grants.Select(Selector{Cluster: key})
+	if len(grants) == 0 {
+		return
+	}
+	var live types.UID
+	cp, err := t.cfg.ClusterProfiles.Get(key.Namespace, key.Name)
+	switch {
+	case err == nil:
+		live = cp.UID
+	case errors.Is(err, errdefs.ErrNotFound):
+	default:
+		// Not known yet (the cache has not synced): nothing to decide.
+		t.cfg.Log.Info("ClusterProfile not checked; checked again at the next change or sweep", "cluster", key.String(), "reason", err.Error())
+		return
+	}
+	var stale []*pb.Grant
+	for _, g := range grants {
+		if types.UID(g.GetClusterUid()) != live {
+			stale = append(stale, g)
+		}
+	}
+	reason := fmt.Sprintf("the ClusterProfile %s was deleted", key)
+	if live != "" {
+		reason = ReasonClusterProfileReplaced
+	}
+	t.revoke(ctx, "clusterprofile", stale, reason)
+}
+
+func (t *Triggers) takeAccounts() map[string]struct{} {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.accounts) == 0 {
+		return nil
+	}
+	out := t.accounts
+	t.accounts = map[string]struct{}{}
+	return out
+}
+
+const serviceAccountPrefix = "system:serviceaccount:"
+
+// serviceAccountOf returns the namespace and name of the ServiceAccount
+// that username names, and whether it names one.
+func serviceAccountOf(username string) (namespace, name string, ok bool) {
+	rest, ok := strings.CutPrefix(username, serviceAccountPrefix)
+	if !ok {
+		return "", "", false
+	}
+	namespace, name, ok = strings.Cut(rest, ":")
+	return namespace, name, ok && namespace != "" && name != "" && !strings.Contains(name, ":")
+}
+
+// checkAccounts revokes the grants of the hub ServiceAccounts of keys that
+// are gone or were created again: their UID is not the one the grant
+// recorded. It decides nothing before the informer has synced, since until
+// then a ServiceAccount may merely not be listed yet.
+func (t *Triggers) checkAccounts(ctx context.Context, keys map[string]struct{}) {
+	if len(keys) == 0 {
+		return
+	}
+	if !t.cfg.ServiceAccounts.HasSynced() {
+		// Checked again at the next sweep.
+		return
+	}
+	store := t.cfg.ServiceAccounts.GetStore()
+	for key := range keys {
+		ns, name, err := cache.SplitMetaNamespaceKey(key)
+		if err != nil {
+			continue
+		}
+		grants := t.cfg.Grants.Select(Selector{Username: serviceAccountPrefix + ns + ":" + name})
+		if len(grants) == 0 {
+			continue
+		}
+		var uid types.UID
+		if obj, exists, err := store.GetByKey(key); err == nil && exists {
+			if m, err := meta.Accessor(obj); err == nil {
+				uid = m.GetUID()
+			}
+		}
+		var stale []*pb.Grant
+		for _, g := range grants {
+			// A grant that recorded no UID is of whatever ServiceAccount
+			// holds the name: only its deletion revokes it.
+			if uid == "" || (g.GetSubject().GetUid() != "" && types.UID(g.GetSubject().GetUid()) != uid) {
+				stale = append(stale, g)
+			}
+		}
+		reason := fmt.Sprintf("the hub ServiceAccount %s was deleted", key)
+		if uid != "" {
+			reason = fmt.Sprintf("the hub ServiceAccount %s was deleted and created again", key)
+		}
+		t.revoke(ctx, "serviceaccount", stale, reason)
+	}
+}
