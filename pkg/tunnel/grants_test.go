@@ -29,8 +29,9 @@ type fakeRegistry struct {
 	clusters []ClusterRef  // the cluster of each Replace and Update
 	updates  []*pb.GrantUpdate
 	state    []string // the credential ids the registry holds
-	// block, when set, holds up the first Replace until it is closed.
-	block chan struct{}
+	// block, when set, holds up the first Replace until it is closed;
+	// blocked is closed when that Replace starts waiting.
+	block, blocked chan struct{}
 }
 
 func (r *fakeRegistry) Replace(_ context.Context, cluster ClusterRef, grants []*pb.Grant) {
@@ -42,6 +43,7 @@ func (r *fakeRegistry) Replace(_ context.Context, cluster ClusterRef, grants []*
 	r.state = grantIDs(grants)
 	r.mu.Unlock()
 	if block != nil {
+		close(r.blocked)
 		<-block
 	}
 }
@@ -490,7 +492,7 @@ func TestGrantUpdateWithCorrelationIDIsNotApplied(t *testing.T) {
 // the next stream's hello carries a fresh snapshot, so nothing is lost.
 func TestGrantQueueOverflowClosesTheStream(t *testing.T) {
 	release := make(chan struct{})
-	reg := &fakeRegistry{block: release} // the broker reads nothing until released
+	reg := &fakeRegistry{block: release, blocked: make(chan struct{})} // the broker reads nothing until released
 	h := newHarness(t, time.Second, withRegistry(reg))
 	ag := &fakeAgentGrants{snapshots: [][]*pb.Grant{{grant("JTI=old")}, {grant("JTI=fresh")}}}
 	log := &lineLog{}
@@ -499,6 +501,7 @@ func TestGrantQueueOverflowClosesTheStream(t *testing.T) {
 		cfg.Log = funcr.New(log.add, funcr.Options{})
 	})
 	<-c.Connected()
+	<-reg.blocked
 
 	// Updates of 20 KiB each: the broker's window holds a few, the queue two.
 	big := grant("JTI=big")
@@ -508,7 +511,7 @@ func TestGrantQueueOverflowClosesTheStream(t *testing.T) {
 	for range 100 {
 		subs[0](&pb.GrantUpdate{Added: []*pb.Grant{big}})
 	}
-	require.Eventually(t, func() bool { return log.count("grant updates overflowed the stream's queue") == 1 },
+	require.Eventually(t, func() bool { return log.count("grant updates overflowed the stream's queue; closing the stream") >= 1 },
 		10*time.Second, 5*time.Millisecond)
 	waitConnected(t, h, clusterA, 0)
 	close(release)
