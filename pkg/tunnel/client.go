@@ -257,7 +257,14 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		}
 		wg.Go(func() {
 			defer func() { <-inFlight }()
-			send(handle(ctx))
+			answer := handle(ctx)
+			if ctx.Err() != nil {
+				// The stream is closing: an answer now would race the
+				// close, and tell the broker "canceled" instead of letting
+				// it hand the request to another stream.
+				return
+			}
+			send(answer)
 		})
 	}
 }
