@@ -112,12 +112,20 @@ func New(cfg Config) (b *Broker, err error) {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 
+	// The registry revokes through the tunnel server, which feeds it.
+	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{
+		Revoker: tunnelRevoker{b},
+		Log:     cfg.Log.WithName("grants"),
+	}); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
 	if b.tunnel, err = tunnel.NewServer(tunnel.ServerConfig{
 		Resolver:    agentResolver{b.profiles},
 		Peer:        identity.PeerSVID,
 		Bundles:     b.svid,
 		MintTimeout: cfg.MintTimeout,
 		Log:         cfg.Log.WithName("tunnel"),
+		Grants:      b.grants,
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
@@ -144,6 +152,7 @@ func New(cfg Config) (b *Broker, err error) {
 		Verifier:        b.keys,
 		Clusters:        clusterLookup{profiles: b.profiles, provider: cfg.AccessProviderName},
 		Minter:          b.tunnel,
+		Grants:          b.grants,
 		Audience:        cfg.Audience,
 		MaxExpiration:   cfg.MaxExpiration,
 		AuthnTTL:        cfg.AuthnTTL,
@@ -162,9 +171,6 @@ func New(cfg Config) (b *Broker, err error) {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 
-	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{Revoker: unwiredRevoker{}, Log: cfg.Log.WithName("grants")}); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
 	if b.grantsAPI, err = grants.NewService(grants.ServiceConfig{
 		Authenticator: b.exchange,
 		AccessReviews: hubClient.AuthorizationV1().SubjectAccessReviews(),
@@ -213,6 +219,18 @@ func (b *Broker) Connected(namespace, name string) int {
 		return 0
 	}
 	return b.tunnel.Connected(tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID})
+}
+
+// Grants is the broker's registry of the live grants its agents report, and
+// of the tokens it revoked.
+func (b *Broker) Grants() *grants.Registry { return b.grants }
+
+// tunnelRevoker revokes through the broker's tunnel server, which is built
+// after the registry it feeds.
+type tunnelRevoker struct{ b *Broker }
+
+func (r tunnelRevoker) Revoke(ctx context.Context, cluster tunnel.ClusterRef, ids []string, reason string) ([]string, error) {
+	return r.b.tunnel.Revoke(ctx, cluster, ids, reason)
 }
 
 func (b *Broker) closeListeners() {

@@ -17,8 +17,11 @@
 //     consumer's plugin hands the token to no other);
 //  4. reuse a minted token for the same cluster incarnation, consumer, spoke
 //     ServiceAccount and audiences while at least half its lifetime remains,
-//     with one mint for concurrent misses;
-//  5. mint through the agent tunnel, and check the agent's answer.
+//     with one mint for concurrent misses, unless the Grants registry
+//     reports it revoked: then it is dropped and a new one minted;
+//  5. mint through the agent tunnel, check the agent's answer, and record
+//     the new token's grant in the Grants registry, so that this replica
+//     can revoke it at once.
 //
 // The agent may be compromised, so its answer is checked before it is cached,
 // audited or returned: the token's claims, read without verifying the spoke's

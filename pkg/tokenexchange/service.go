@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -47,6 +48,16 @@ type Minter interface {
 	Mint(ctx context.Context, cluster tunnel.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error)
 }
 
+// Grants is the broker's table of live grants (package grants): the
+// exchange tells it of every token it mints, and asks it before it hands out
+// a cached token. The broker passes its *grants.Registry.
+type Grants interface {
+	// Revoked reports whether the token of credentialID was revoked.
+	Revoked(credentialID string) bool
+	// Update records grants, as an agent of cluster reports them.
+	Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate)
+}
+
 // Verifier checks a bearer token locally, without a hub call: its
 // signature against the hub issuer's keys, its expiry and its audience. It
 // returns the token's verified expiry (its exp claim), which bounds how
@@ -69,6 +80,9 @@ type Config struct {
 	// Clusters and Minter are required.
 	Clusters Clusters
 	Minter   Minter
+	// Grants learns of every minted token, and keeps a revoked token from
+	// being served from the token cache. Default: none.
+	Grants Grants
 
 	// Audience a consumer's hub token must carry. Default "credbroker".
 	Audience string
@@ -232,7 +246,8 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 		Audiences:         r.audiences,
 		ExpirationSeconds: int64(r.expiration / time.Second),
 	}
-	m, hit, err := s.tokens.Do(ctx, tokenKey(cluster.Ref, user, r), func(ctx context.Context) (minted, time.Time, error) {
+	key := tokenKey(cluster.Ref, user, r)
+	mint := func(ctx context.Context) (minted, time.Time, error) {
 		issued := s.cfg.Clock.Now()
 		resp, err := s.cfg.Minter.Mint(ctx, cluster.Ref, mintReq)
 		if err != nil {
@@ -246,8 +261,22 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 			return minted{}, time.Time{}, fmt.Errorf("the agent of cluster %s answered with a token that failed the broker's checks: %w",
 				cluster.Ref, errdefs.ErrUnavailable)
 		}
+		s.record(ctx, cluster.Ref, user, m)
 		return m, store.Halfway(issued, m.expiry), nil
-	})
+	}
+	m, hit, err := s.tokens.Do(ctx, key, mint)
+	// A revoked token is never handed out: its cache entry goes, and a new
+	// token is minted in its place. A token the agent answers with that is
+	// known revoked already is the agent's failure.
+	for attempt := 0; err == nil && s.revoked(m); attempt++ {
+		s.tokens.Remove(key)
+		if attempt == maxRevokedRetries {
+			s.cfg.Log.Info("agent answered with a revoked token", "cluster", cluster.Ref.String(), "credentialID", m.credentialID)
+			err = fmt.Errorf("the agent of cluster %s answered with a token that was revoked: %w", cluster.Ref, errdefs.ErrUnavailable)
+			break
+		}
+		m, hit, err = s.tokens.Do(ctx, key, mint)
+	}
 	rec.cacheHit = hit
 	if err != nil {
 		return nil, err
@@ -261,6 +290,32 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 		ServiceAccount:           &pb.ObjectReference{Namespace: m.serviceAccount.Namespace, Name: m.serviceAccount.Name},
 		CredentialId:             m.credentialID,
 	}, nil
+}
+
+// maxRevokedRetries bounds the mints that replace a revoked token in one
+// exchange.
+const maxRevokedRetries = 2
+
+// revoked reports whether m's token was revoked.
+func (s *Service) revoked(m minted) bool {
+	return s.cfg.Grants != nil && s.cfg.Grants.Revoked(m.credentialID)
+}
+
+// record tells the grant registry of a token just minted, so that this
+// replica can revoke it before the agent reports its grant.
+func (s *Service) record(ctx context.Context, cluster tunnel.ClusterRef, user userInfo, m minted) {
+	if s.cfg.Grants == nil || m.credentialID == "" {
+		return
+	}
+	s.cfg.Grants.Update(ctx, cluster, &pb.GrantUpdate{Added: []*pb.Grant{{
+		CredentialId:   m.credentialID,
+		Cluster:        &pb.ObjectReference{Namespace: cluster.Namespace, Name: cluster.Name},
+		ClusterUid:     string(cluster.UID),
+		Subject:        &pb.Subject{Username: user.Username, Uid: user.UID, Groups: slices.Clone(user.Groups)},
+		ServiceAccount: &pb.ObjectReference{Namespace: m.serviceAccount.Namespace, Name: m.serviceAccount.Name},
+		Audiences:      slices.Clone(m.audiences),
+		ExpirationTime: timestamppb.New(m.expiry),
+	}}})
 }
 
 // allow applies the per-consumer rate limit.

@@ -7,12 +7,14 @@ import (
 	"io"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -63,8 +65,13 @@ type ClientConfig struct {
 	Cluster string
 	// MintTimeout bounds one Minter call. Default 10s.
 	MintTimeout time.Duration
-	// MaxInFlight bounds concurrent Minter calls per stream. Default 64.
+	// MaxInFlight bounds concurrent Minter and Grants.Revoke calls per
+	// stream. Default 64.
 	MaxInFlight int
+	// MaxQueuedGrantUpdates bounds the grant updates waiting to be sent on
+	// a stream. When one more comes, the Client closes the stream: the
+	// hello of the next one reports every grant afresh. Default 1024.
+	MaxQueuedGrantUpdates int
 	// Backoff between reconnects: it starts at InitialBackoff, doubles up to
 	// MaxBackoff, and each wait is jittered by up to half its length.
 	// Defaults 500ms and 30s.
@@ -103,6 +110,9 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	}
 	if cfg.MaxInFlight <= 0 {
 		cfg.MaxInFlight = 64
+	}
+	if cfg.MaxQueuedGrantUpdates <= 0 {
+		cfg.MaxQueuedGrantUpdates = 1024
 	}
 	if cfg.InitialBackoff <= 0 {
 		cfg.InitialBackoff = 500 * time.Millisecond
@@ -163,13 +173,19 @@ func (c *Client) Run(ctx context.Context) error {
 // serve runs one stream until it fails. admitted reports whether the broker
 // accepted the stream before it ended.
 func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log logr.Logger) (admitted bool, err error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	// Subscribe before Snapshot: an update in between is sent twice rather
+	// than lost.
+	updates, unsubscribe := c.subscribe(cancel, log)
+	defer unsubscribe()
+	hello, rest := c.hello(log)
+
 	stream, err := client.Connect(ctx)
 	if err != nil {
 		return false, err
 	}
-	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: c.cfg.Hello}}); err != nil {
+	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: hello}}); err != nil {
 		if errors.Is(err, io.EOF) {
 			// The broker ended the stream already; Recv has its status.
 			_, err = stream.Recv()
@@ -180,7 +196,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	// with a status instead.
 	md, err := stream.Header()
 	if err != nil {
-		return false, err
+		return false, causeOf(ctx, err)
 	}
 	if len(md.Get(admittedHeader)) == 0 {
 		// Trailers only: the status says why.
@@ -195,7 +211,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 			"admittedFor", cluster, "expected", c.cfg.Cluster)
 		return false, err
 	}
-	log.Info("connected to broker", "cluster", cluster)
+	log.Info("connected to broker", "cluster", cluster, "grants", len(hello.GetGrants())+grantCount(rest))
 	ctx = context.WithValue(ctx, admittedKey{}, admission{cluster: cluster, uid: first(md.Get(admittedUIDHeader))})
 	c.once.Do(func() { close(c.connected) })
 
@@ -205,36 +221,189 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		wg       sync.WaitGroup
 	)
 	defer func() {
-		cancel() // in-flight mints stop with the stream
+		cancel(nil) // in-flight requests stop with the stream
 		wg.Wait()
 	}()
 	send := func(f *pb.AgentFrame) {
 		sendMu.Lock()
 		defer sendMu.Unlock()
 		if err := stream.Send(f); err != nil {
-			log.Info("answer not sent", "correlationID", f.GetCorrelationId(), "err", err.Error())
+			log.Info("frame not sent", "correlationID", f.GetCorrelationId(), "err", err.Error())
 		}
+	}
+	if updates != nil {
+		wg.Go(func() { sendGrantUpdates(ctx, rest, updates, send) })
 	}
 	for {
 		f, err := stream.Recv()
 		if err != nil {
-			return true, err
+			return true, causeOf(ctx, err)
 		}
-		req := f.GetMintRequest()
-		if req == nil {
+		var handle func(ctx context.Context) *pb.AgentFrame
+		switch body := f.GetBody().(type) {
+		case *pb.BrokerFrame_MintRequest:
+			handle = func(ctx context.Context) *pb.AgentFrame { return c.answer(ctx, f.GetCorrelationId(), body.MintRequest) }
+		case *pb.BrokerFrame_RevokeRequest:
+			handle = func(ctx context.Context) *pb.AgentFrame {
+				return c.revoke(ctx, f.GetCorrelationId(), body.RevokeRequest)
+			}
+		default:
 			continue // a frame this agent does not know; newer brokers may send them
 		}
 		select {
 		case inFlight <- struct{}{}:
 		case <-ctx.Done():
-			return true, ctx.Err()
+			return true, causeOf(ctx, ctx.Err())
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			defer func() { <-inFlight }()
-			send(c.answer(ctx, f.GetCorrelationId(), req))
-		}()
+			answer := handle(ctx)
+			if ctx.Err() != nil {
+				// The stream is closing: an answer now would race the
+				// close, and tell the broker "canceled" instead of letting
+				// it hand the request to another stream.
+				return
+			}
+			send(answer)
+		})
+	}
+}
+
+// errGrantQueueFull ends a stream whose grant updates came faster than it
+// could send them.
+var errGrantQueueFull = errors.New("grant updates overflowed the stream's queue; the next stream's hello reports every grant")
+
+// causeOf returns why ctx ended, if the Client ended it, or else err.
+func causeOf(ctx context.Context, err error) error {
+	if cause := context.Cause(ctx); errors.Is(cause, errGrantQueueFull) {
+		return cause
+	}
+	return err
+}
+
+// subscribe subscribes to the agent's grant updates for one stream, in a
+// queue of MaxQueuedGrantUpdates; when it overflows, it ends the stream with
+// end. It returns a nil queue when the agent keeps no grants.
+func (c *Client) subscribe(end context.CancelCauseFunc, log logr.Logger) (<-chan *pb.GrantUpdate, func()) {
+	if c.cfg.Grants == nil {
+		return nil, func() {}
+	}
+	queue := make(chan *pb.GrantUpdate, c.cfg.MaxQueuedGrantUpdates)
+	var full atomic.Bool
+	unsubscribe := c.cfg.Grants.Subscribe(func(u *pb.GrantUpdate) {
+		select {
+		case queue <- u:
+		default:
+			if full.CompareAndSwap(false, true) {
+				log.Info("grant updates overflowed the stream's queue; closing the stream so that the next hello reports every grant",
+					"queued", cap(queue))
+				end(errGrantQueueFull)
+			}
+		}
+	})
+	return queue, unsubscribe
+}
+
+// hello returns the hello to send, with as many of the agent's grants as
+// fit in one frame, and the other grants as updates to send after it.
+func (c *Client) hello(log logr.Logger) (*pb.Hello, []*pb.GrantUpdate) {
+	if c.cfg.Grants == nil {
+		return c.cfg.Hello, nil
+	}
+	hello := proto.Clone(c.cfg.Hello).(*pb.Hello)
+	hello.Grants = nil
+	budget := max(0, grantChunkBytes-proto.Size(hello))
+	grants := c.cfg.Grants.Snapshot()
+	size := 0
+	for len(grants) > 0 && len(hello.Grants) < grantChunk {
+		n := grantSize(grants[0])
+		if size+n > budget {
+			break
+		}
+		hello.Grants, grants, size = append(hello.Grants, grants[0]), grants[1:], size+n
+	}
+	rest, dropped := splitUpdate(&pb.GrantUpdate{Added: grants})
+	if dropped > 0 {
+		log.Info("grants too large to report to the broker were left out", "grants", dropped)
+	}
+	return hello, rest
+}
+
+// Grant reports go in frames of at most grantChunk grants or credential ids
+// and about grantChunkBytes, well within the broker's MaxGrantsPerFrame and
+// its 64 KiB message limit. A grant larger than grantChunkBytes alone is
+// not reported.
+const (
+	grantChunk      = 256
+	grantChunkBytes = 32 << 10
+)
+
+// grantSize is the size of g within a frame: itself, its tag and length.
+func grantSize(g *pb.Grant) int { return proto.Size(g) + 4 }
+
+// splitUpdate splits u into updates of at most grantChunk entries and
+// grantChunkBytes, removals first, in the order the broker applies them. It
+// leaves out the grants and ids larger than grantChunkBytes, and returns how
+// many.
+func splitUpdate(u *pb.GrantUpdate) (out []*pb.GrantUpdate, dropped int) {
+	cur, n, size := &pb.GrantUpdate{}, 0, 0
+	fit := func(sz int) bool {
+		if sz > grantChunkBytes {
+			dropped++
+			return false
+		}
+		if n == grantChunk || size+sz > grantChunkBytes {
+			out, cur, n, size = append(out, cur), &pb.GrantUpdate{}, 0, 0
+		}
+		n, size = n+1, size+sz
+		return true
+	}
+	for _, id := range u.GetRemoved() {
+		if fit(len(id) + 4) {
+			cur.Removed = append(cur.Removed, id)
+		}
+	}
+	for _, g := range u.GetAdded() {
+		if fit(grantSize(g)) {
+			cur.Added = append(cur.Added, g)
+		}
+	}
+	if n > 0 {
+		out = append(out, cur)
+	}
+	return out, dropped
+}
+
+func grantCount(us []*pb.GrantUpdate) int {
+	n := 0
+	for _, u := range us {
+		n += len(u.GetAdded())
+	}
+	return n
+}
+
+// sendGrantUpdates sends the grants that did not fit in the hello, then
+// every update from queue, until ctx ends.
+func sendGrantUpdates(ctx context.Context, rest []*pb.GrantUpdate, queue <-chan *pb.GrantUpdate, send func(*pb.AgentFrame)) {
+	frame := func(u *pb.GrantUpdate) *pb.AgentFrame {
+		return &pb.AgentFrame{Body: &pb.AgentFrame_GrantUpdate{GrantUpdate: u}}
+	}
+	for _, u := range rest {
+		if ctx.Err() != nil {
+			return
+		}
+		send(frame(u))
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case u := <-queue:
+			parts, _ := splitUpdate(u)
+			for _, part := range parts {
+				send(frame(part))
+			}
+		}
 	}
 }
 
@@ -248,6 +417,29 @@ func (c *Client) answer(ctx context.Context, id string, req *pb.MintRequest) *pb
 	if err == nil {
 		err = errors.New("minter returned no token")
 	}
+	return errorFrame(id, err)
+}
+
+// errNoGrants answers revoke requests to an agent without Grants.
+var errNoGrants = fmt.Errorf("this agent keeps no grants: %w", errdefs.ErrFailedPrecondition)
+
+func (c *Client) revoke(ctx context.Context, id string, req *pb.RevokeRequest) *pb.AgentFrame {
+	if c.cfg.Grants == nil {
+		return errorFrame(id, errNoGrants)
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.MintTimeout)
+	defer cancel()
+	resp, err := c.cfg.Grants.Revoke(ctx, req)
+	if err == nil && resp != nil {
+		return &pb.AgentFrame{CorrelationId: id, Body: &pb.AgentFrame_RevokeResponse{RevokeResponse: resp}}
+	}
+	if err == nil {
+		err = errors.New("grants returned no answer to a revoke")
+	}
+	return errorFrame(id, err)
+}
+
+func errorFrame(id string, err error) *pb.AgentFrame {
 	st := errdefs.ToStatus(err)
 	return &pb.AgentFrame{CorrelationId: id, Body: &pb.AgentFrame_Error{Error: &pb.Error{
 		Code: int32(st.Code()), Message: st.Message(),

@@ -1,5 +1,6 @@
-// Package tunnel carries mint requests from the broker to spoke agents over
-// the AgentTunnel.Connect stream, which agents open outbound.
+// Package tunnel carries mint and revoke requests from the broker to spoke
+// agents over the AgentTunnel.Connect stream, which agents open outbound, and
+// the agents' reports of the grants their tokens are bound to back.
 //
 // On the broker, a Server accepts streams, maps each agent's SPIFFE ID to one
 // ClusterProfile through a Resolver, and keeps a registry of live sessions per
@@ -13,15 +14,28 @@
 // control characters or links, clipped to 1 KiB; the agent logs the full
 // text.
 //
-//	srv, err := tunnel.NewServer(tunnel.ServerConfig{Resolver: r, Peer: identity.PeerSVID, Bundles: src})
+// The grants an agent reports in its hello replace what ServerConfig.Grants
+// (the broker's grant registry) knew of its cluster, and its grant updates
+// follow; a hello or update of more than MaxGrantsPerFrame grants closes the
+// stream. Server.Revoke sends a RevokeRequest the same way as Mint, in
+// batches small enough for the answer, and keeps of the answer only the
+// credential ids it asked about.
+//
+//	srv, err := tunnel.NewServer(tunnel.ServerConfig{Resolver: r, Peer: identity.PeerSVID, Bundles: src, Grants: registry})
 //	credbrokerv1alpha1.RegisterAgentTunnelServer(grpcServer, srv)
 //	resp, err := srv.Mint(ctx, cluster, req)
+//	gone, err := srv.Revoke(ctx, cluster, []string{"JTI=..."}, "reason")
 //
 // On the spoke, a Client holds one stream to one broker address, reconnects
 // over a new connection with jittered exponential backoff, and hands every
 // mint request to a Minter, which the agent wires to package spoke. With
 // ClientConfig.Cluster set, it leaves a broker that admits it for another
-// ClusterProfile:
+// ClusterProfile. With ClientConfig.Grants set, every stream subscribes to
+// the agent's grant updates, sends a snapshot in its hello (the grants that do
+// not fit follow as updates), then forwards each update; a stream whose queue
+// of updates overflows is closed, and the next hello carries a fresh
+// snapshot. Revoke requests go to Grants.Revoke, under the same in-flight
+// limit as mints:
 //
 //	c, err := tunnel.NewClient(tunnel.ClientConfig{Address: addr, Credentials: creds, Minter: m, Cluster: "fleet/east-1"})
 //	err = c.Run(ctx)

@@ -74,7 +74,30 @@ type ServerConfig struct {
 	Log logr.Logger
 	// Clock times the end of each stream's identity. Default: the real clock.
 	Clock clock.WithDelayedExecution
+	// Grants receives the grants the agents report: those of each hello,
+	// and every update after it. The broker passes its *grants.Registry.
+	// Default: the reports are dropped.
+	Grants GrantRegistry
 }
+
+// GrantRegistry keeps the grants the agents report (package grants).
+type GrantRegistry interface {
+	// Replace sets the grants of cluster to those of a hello.
+	Replace(ctx context.Context, cluster ClusterRef, grants []*pb.Grant)
+	// Update applies an agent's report of grants added and removed.
+	Update(ctx context.Context, cluster ClusterRef, u *pb.GrantUpdate)
+}
+
+type noGrants struct{}
+
+func (noGrants) Replace(context.Context, ClusterRef, []*pb.Grant)    {}
+func (noGrants) Update(context.Context, ClusterRef, *pb.GrantUpdate) {}
+
+// MaxGrantsPerFrame bounds the grants and credential ids of one hello or
+// grant update: the broker closes a stream whose agent sends more. Agents
+// split their reports into frames of fewer (the Client sends at most
+// grantChunk per frame).
+const MaxGrantsPerFrame = 1024
 
 // Server is the broker side of AgentTunnel.
 type Server struct {
@@ -105,6 +128,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	if cfg.MaxStreamsPerCluster <= 0 {
 		cfg.MaxStreamsPerCluster = 64
+	}
+	if cfg.Grants == nil {
+		cfg.Grants = noGrants{}
 	}
 	return &Server{cfg: cfg, sessions: map[types.NamespacedName][]*session{}}, nil
 }
@@ -151,6 +177,12 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		log.Info("agent stream closed before hello", "reason", err.Error())
 		return errdefs.ToStatus(err).Err()
 	}
+	if n := len(hello.GetGrants()); n > MaxGrantsPerFrame {
+		err := fmt.Errorf("agent stream: the hello carries %d grants, more than %d; send the rest as grant updates: %w",
+			n, MaxGrantsPerFrame, errdefs.ErrInvalidArgument)
+		log.Info("agent refused", "reason", err.Error())
+		return errdefs.ToStatus(err).Err()
+	}
 	// Headers tell the agent it was admitted.
 	if err := stream.SendHeader(metadata.Pairs(admittedHeader, cluster.String(), admittedUIDHeader, string(cluster.UID))); err != nil {
 		return err
@@ -175,6 +207,9 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	if _, err := s.verify(id, chain); err != nil {
 		sess.cancel(err)
 	}
+	if sctx.Err() == nil {
+		s.cfg.Grants.Replace(sctx, cluster, hello.GetGrants())
+	}
 	// The stream ends with the agent's identity; the agent reconnects with
 	// whatever SVID it holds by then.
 	timer := s.cfg.Clock.AfterFunc(expires.Sub(s.cfg.Clock.Now()), func() {
@@ -186,7 +221,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	defer streamsGauge.Dec()
 
 	recvErr := make(chan error, 1)
-	go func() { recvErr <- sess.receive(stream, log) }()
+	go func() { recvErr <- sess.receive(stream, s.cfg.Grants, log) }()
 	for {
 		select {
 		case f := <-sess.out:
@@ -195,6 +230,10 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 				return err
 			}
 		case err := <-recvErr:
+			if errors.Is(err, errAgentFrame) {
+				log.Info("agent stream closed by broker", "reason", err.Error())
+				return errdefs.ToStatus(err).Err()
+			}
 			log.Info("agent disconnected", "reason", errString(err))
 			return nil
 		case <-sctx.Done():
@@ -255,12 +294,27 @@ func recvHello(ctx context.Context, stream grpc.BidiStreamingServer[pb.AgentFram
 	}
 }
 
-// receive delivers answers to their waiting Mint calls until the stream ends.
-func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame], log logr.Logger) error {
+// receive delivers answers to their waiting requests, and grant updates to
+// grants, until the stream ends or the agent sends a frame the broker does
+// not take (an error wrapping errAgentFrame).
+func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame], grants GrantRegistry, log logr.Logger) error {
 	for {
 		f, err := stream.Recv()
 		if err != nil {
 			return err
+		}
+		if u := f.GetGrantUpdate(); u != nil && f.GetCorrelationId() == "" {
+			if err := sess.ctx.Err(); err != nil {
+				// A closed stream's late updates would undo a newer
+				// stream's hello.
+				return context.Cause(sess.ctx)
+			}
+			if n := len(u.GetAdded()) + len(u.GetRemoved()); n > MaxGrantsPerFrame {
+				return fmt.Errorf("%w: a grant update of %d grants, more than %d: %w",
+					errAgentFrame, n, MaxGrantsPerFrame, errdefs.ErrInvalidArgument)
+			}
+			grants.Update(sess.ctx, sess.cluster, u)
+			continue
 		}
 		sess.mu.Lock()
 		ch, ok := sess.pending[f.GetCorrelationId()]
@@ -274,6 +328,9 @@ func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.B
 		ch <- f // buffered; never blocks
 	}
 }
+
+// errAgentFrame marks a frame that makes the broker close the stream.
+var errAgentFrame = errors.New("agent stream: the agent sent")
 
 func (s *Server) add(sess *session) error {
 	s.mu.Lock()
@@ -369,32 +426,106 @@ func (s *Server) Reverify() {
 // the stream breaks, ErrDeadlineExceeded when the agent does not answer within
 // MintTimeout, and the agent's own code when it refuses.
 func (s *Server) Mint(ctx context.Context, cluster ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
+	return call(s, ctx, cluster, &pb.BrokerFrame{Body: &pb.BrokerFrame_MintRequest{MintRequest: req}}, answerOf, observeMint)
+}
+
+// Revoke asks one live agent session of cluster to delete the grants of ids,
+// and returns the ids whose grants are gone, as the agent says: only ids
+// that were asked about. Long lists go in several requests, each bounded by
+// MintTimeout; on an error it returns the ids gone before it. Errors wrap
+// errdefs sentinels as Mint's do. It implements grants.Revoker.
+func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, reason string) ([]string, error) {
+	var gone []string
+	for _, batch := range batches(ids, maxRevokeIDs, maxRevokeBytes) {
+		req := &pb.BrokerFrame{Body: &pb.BrokerFrame_RevokeRequest{RevokeRequest: &pb.RevokeRequest{CredentialIds: batch, Reason: reason}}}
+		got, err := call(s, ctx, cluster, req, func(f *pb.AgentFrame) ([]string, error) {
+			got, foreign, err := revokeAnswerOf(f, batch)
+			if foreign > 0 {
+				s.cfg.Log.Info("agent answered a revoke with credential ids it was not asked about; ignored them",
+					"cluster", cluster.String(), "ignored", foreign)
+			}
+			return got, err
+		}, observeRevoke)
+		gone = append(gone, got...)
+		if err != nil {
+			return gone, err
+		}
+	}
+	return gone, nil
+}
+
+// A revoke request carries at most maxRevokeIDs credential ids, of at most
+// maxRevokeBytes together, so that the agent's answer, which repeats them,
+// stays well under the broker's 64 KiB message limit.
+const (
+	maxRevokeIDs   = 256
+	maxRevokeBytes = 16 << 10
+)
+
+// batches returns the distinct non-empty ids in order, in batches of at most
+// n ids and, unless one id alone is longer, of at most size bytes.
+func batches(ids []string, n, size int) [][]string {
+	var (
+		out   [][]string
+		cur   []string
+		bytes int
+		seen  = map[string]bool{}
+	)
+	for _, id := range ids {
+		if id == "" || seen[id] {
+			continue
+		}
+		seen[id] = true
+		if len(cur) > 0 && (len(cur) == n || bytes+len(id) > size) {
+			out, cur, bytes = append(out, cur), nil, 0
+		}
+		cur, bytes = append(cur, id), bytes+len(id)
+	}
+	if len(cur) > 0 {
+		out = append(out, cur)
+	}
+	return out
+}
+
+// call sends req down one live session of cluster, round robin, and reads
+// the answer with answer. A stream that closes under the request hands it
+// to the next one. The whole call is bounded by MintTimeout. observe sees
+// every call that found a session.
+func call[T any](s *Server, ctx context.Context, cluster ClusterRef, req *pb.BrokerFrame,
+	answer func(*pb.AgentFrame) (T, error), observe func(time.Time, error)) (T, error) {
+	var zero T
 	sessions := s.live(cluster)
 	if len(sessions) == 0 {
-		return nil, fmt.Errorf("no agent is connected for cluster %s: %w", cluster, errdefs.ErrUnavailable)
+		return zero, fmt.Errorf("no agent is connected for cluster %s: %w", cluster, errdefs.ErrUnavailable)
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
 	defer cancel()
 	start := time.Now()
-	// Round robin; a stream that closes under the request hands it to the
-	// next one.
-	var resp *pb.MintResponse
-	var err error
+	var (
+		f   *pb.AgentFrame
+		err error
+	)
 	first := s.next.Add(1)
 	for i := range uint64(len(sessions)) {
-		resp, err = sessions[(first+i)%uint64(len(sessions))].mint(ctx, req)
+		f, err = sessions[(first+i)%uint64(len(sessions))].request(ctx, req)
 		if !errors.Is(err, errStreamClosed) {
 			break
 		}
 	}
-	observeMint(start, err)
-	if err != nil {
-		return nil, fmt.Errorf("cluster %s: %w", cluster, err)
+	var v T
+	if err == nil {
+		v, err = answer(f)
 	}
-	return resp, nil
+	observe(start, err)
+	if err != nil {
+		return v, fmt.Errorf("cluster %s: %w", cluster, err)
+	}
+	return v, nil
 }
 
-func (sess *session) mint(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
+// request sends the body of req down the stream under a new correlation id,
+// and returns the agent's answer.
+func (sess *session) request(ctx context.Context, req *pb.BrokerFrame) (*pb.AgentFrame, error) {
 	id := newCorrelationID()
 	answer := make(chan *pb.AgentFrame, 1)
 	sess.mu.Lock()
@@ -406,7 +537,7 @@ func (sess *session) mint(ctx context.Context, req *pb.MintRequest) (*pb.MintRes
 		sess.mu.Unlock()
 	}()
 
-	frame := &pb.BrokerFrame{CorrelationId: id, Body: &pb.BrokerFrame_MintRequest{MintRequest: req}}
+	frame := &pb.BrokerFrame{CorrelationId: id, Body: req.GetBody()}
 	select {
 	case sess.out <- frame:
 	case <-sess.ctx.Done():
@@ -417,7 +548,7 @@ func (sess *session) mint(ctx context.Context, req *pb.MintRequest) (*pb.MintRes
 
 	select {
 	case f := <-answer:
-		return answerOf(f)
+		return f, nil
 	case <-sess.ctx.Done():
 		return nil, fmt.Errorf("%w before it answered: %w", errStreamClosed, errdefs.ErrUnavailable)
 	case <-ctx.Done():
@@ -451,16 +582,49 @@ func answerOf(f *pb.AgentFrame) (*pb.MintResponse, error) {
 		}
 		return r, nil
 	case *pb.AgentFrame_Error:
-		code := codes.Code(body.Error.GetCode())
-		if !slices.Contains(agentCodes, code) {
-			// Other codes describe the consumer's own call (its hub token,
-			// its rate) and are not the agent's to give.
-			code = codes.Unavailable
-		}
-		return nil, errdefs.FromCode(code, "agent: "+agentMessage(body.Error.GetMessage()))
+		return nil, agentError(body.Error)
 	default:
 		return nil, fmt.Errorf("the agent answered with an unexpected frame %T: %w", body, errdefs.ErrUnavailable)
 	}
+}
+
+// revokeAnswerOf reads an agent's answer to a revoke of asked: the ids it
+// says are gone, of those asked, once each, and how many others it named.
+// The agent may be compromised; ids it was not asked about are not its to
+// report gone.
+func revokeAnswerOf(f *pb.AgentFrame, asked []string) (gone []string, foreign int, err error) {
+	switch body := f.GetBody().(type) {
+	case *pb.AgentFrame_RevokeResponse:
+		want := make(map[string]bool, len(asked))
+		for _, id := range asked {
+			want[id] = true
+		}
+		for _, id := range body.RevokeResponse.GetCredentialIds() {
+			if !want[id] {
+				foreign++
+				continue
+			}
+			want[id] = false // once
+			gone = append(gone, id)
+		}
+		return gone, foreign, nil
+	case *pb.AgentFrame_Error:
+		return nil, 0, agentError(body.Error)
+	default:
+		return nil, 0, fmt.Errorf("the agent answered a revoke with an unexpected frame %T: %w", body, errdefs.ErrUnavailable)
+	}
+}
+
+// agentError reads an agent's refusal. Its code is kept only if it is one
+// an agent may give, and its message is made fit to show a consumer.
+func agentError(e *pb.Error) error {
+	code := codes.Code(e.GetCode())
+	if !slices.Contains(agentCodes, code) {
+		// Other codes describe the consumer's own call (its hub token,
+		// its rate) and are not the agent's to give.
+		code = codes.Unavailable
+	}
+	return errdefs.FromCode(code, "agent: "+agentMessage(e.GetMessage()))
 }
 
 // agentCodes are the codes an agent may answer with.

@@ -152,7 +152,9 @@ func newHarness(t *testing.T, mintTimeout time.Duration, tune ...func(*ServerCon
 	h.srv, err = NewServer(cfg)
 	require.NoError(t, err)
 	lis := bufconn.Listen(1 << 20)
-	g := grpc.NewServer()
+	// The broker's message limit; fixed windows, so that a broker that does
+	// not read holds up its agent's sends after 64 KiB.
+	g := grpc.NewServer(grpc.MaxRecvMsgSize(64<<10), grpc.InitialWindowSize(64<<10), grpc.InitialConnWindowSize(64<<10))
 	pb.RegisterAgentTunnelServer(g, h.srv)
 	go func() { _ = g.Serve(lis) }()
 	t.Cleanup(g.Stop)
