@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/go-logr/logr"
 	"google.golang.org/protobuf/proto"
@@ -69,9 +70,18 @@ type RegistryConfig struct {
 	// Clock drops grants, and what is known of revoked ones, once their
 	// tokens expire. Default: the real clock.
 	Clock clock.PassiveClock
+	// MaxGrantsPerCluster bounds the live grants held for one
+	// ClusterProfile, so that a compromised agent cannot grow the broker's
+	// memory without bound; reports beyond it are dropped and logged.
+	// Default DefaultMaxGrantsPerCluster.
+	MaxGrantsPerCluster int
 	// Log receives revocations that failed. Default: discard.
 	Log logr.Logger
 }
+
+// DefaultMaxGrantsPerCluster is the default RegistryConfig.MaxGrantsPerCluster:
+// far more tokens than one cluster's consumers hold at once.
+const DefaultMaxGrantsPerCluster = 100000
 
 // pendingRevoke is a revoke that has not reached an agent yet.
 type pendingRevoke struct {
@@ -85,8 +95,12 @@ type Registry struct {
 	cfg RegistryConfig
 
 	mu sync.Mutex
-	// live holds the live grants by credential id.
-	live map[string]*pb.Grant
+	// live holds the live grants by credential id; perCluster counts them
+	// by ClusterProfile.
+	live       map[string]*pb.Grant
+	perCluster map[types.NamespacedName]int
+	// lastExpire is when expire last ran.
+	lastExpire time.Time
 	// revoked holds the grants revoked through this replica or reported
 	// deleted by an agent, by credential id, until their tokens expire.
 	revoked map[string]*pb.Grant
@@ -103,9 +117,13 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
+	if cfg.MaxGrantsPerCluster <= 0 {
+		cfg.MaxGrantsPerCluster = DefaultMaxGrantsPerCluster
+	}
 	return &Registry{
-		cfg:     cfg,
-		live:    map[string]*pb.Grant{},
+		cfg:        cfg,
+		live:       map[string]*pb.Grant{},
+		perCluster: map[types.NamespacedName]int{},
 		revoked: map[string]*pb.Grant{},
 		pending: map[string]pendingRevoke{},
 	}, nil
@@ -136,7 +154,7 @@ func (r *Registry) Replace(ctx context.Context, cluster tunnel.ClusterRef, grant
 	r.mu.Lock()
 	for id, g := range r.live {
 		if ClusterRef(g).NamespacedName == cluster.NamespacedName {
-			delete(r.live, id)
+			r.drop(id)
 		}
 	}
 	r.mu.Unlock()
@@ -151,14 +169,15 @@ func (r *Registry) Replace(ctx context.Context, cluster tunnel.ClusterRef, grant
 func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) {
 	now := r.cfg.Clock.Now()
 	var (
-		retry []pendingRevoke
-		stale []string
+		retry   []pendingRevoke
+		stale   []string
+		dropped int
 	)
 	r.mu.Lock()
 	r.expire()
 	for _, id := range u.GetRemoved() {
 		if g, ok := r.live[id]; ok && ClusterRef(g).NamespacedName == cluster.NamespacedName {
-			delete(r.live, id)
+			r.drop(id)
 			r.revoked[id] = g
 		}
 		if p, ok := r.pending[id]; ok && ClusterRef(p.grant).NamespacedName == cluster.NamespacedName {
@@ -185,9 +204,18 @@ func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.
 		if p, ok := r.pending[id]; ok {
 			retry = append(retry, p)
 		}
-		r.live[id] = g
+		if _, ok := r.live[id]; !ok && r.perCluster[cluster.NamespacedName] >= r.cfg.MaxGrantsPerCluster {
+			dropped++
+			continue
+		}
+		r.drop(id)
+		r.put(id, g)
 	}
 	r.mu.Unlock()
+	if dropped > 0 {
+		r.cfg.Log.Info("agent reported more live grants than the registry keeps for one ClusterProfile; dropped the rest",
+			"cluster", cluster.String(), "max", r.cfg.MaxGrantsPerCluster, "dropped", dropped)
+	}
 	if len(retry) > 0 {
 		go r.retry(context.WithoutCancel(ctx), retry)
 	}
@@ -220,14 +248,44 @@ func (r *Registry) retry(ctx context.Context, list []pendingRevoke) {
 	}
 }
 
-// expire drops what is known of tokens that have expired. r.mu is held.
+// put adds g, of credential id id, to the live grants. r.mu is held.
+func (r *Registry) put(id string, g *pb.Grant) {
+	r.live[id] = g
+	r.perCluster[ClusterRef(g).NamespacedName]++
+}
+
+// drop removes the live grant of id, if any. r.mu is held.
+func (r *Registry) drop(id string) {
+	g, ok := r.live[id]
+	if !ok {
+		return
+	}
+	delete(r.live, id)
+	key := ClusterRef(g).NamespacedName
+	if r.perCluster[key]--; r.perCluster[key] <= 0 {
+		delete(r.perCluster, key)
+	}
+}
+
+// expireEvery bounds how often expire scans every grant.
+const expireEvery = time.Second
+
+// expire drops what is known of tokens that have expired, at most once per
+// expireEvery; readers skip expired grants themselves. r.mu is held.
 func (r *Registry) expire() {
 	now := r.cfg.Clock.Now()
-	for _, m := range []map[string]*pb.Grant{r.live, r.revoked} {
-		for id, g := range m {
-			if !g.GetExpirationTime().AsTime().After(now) {
-				delete(m, id)
-			}
+	if now.Sub(r.lastExpire) < expireEvery && !now.Before(r.lastExpire) {
+		return
+	}
+	r.lastExpire = now
+	for id, g := range r.live {
+		if !g.GetExpirationTime().AsTime().After(now) {
+			r.drop(id)
+		}
+	}
+	for id, g := range r.revoked {
+		if !g.GetExpirationTime().AsTime().After(now) {
+			delete(r.revoked, id)
 		}
 	}
 	for id, p := range r.pending {
@@ -242,9 +300,10 @@ func (r *Registry) expire() {
 func (r *Registry) Select(s Selector) []*pb.Grant {
 	r.mu.Lock()
 	r.expire()
+	now := r.cfg.Clock.Now()
 	var out []*pb.Grant
 	for _, g := range r.live {
-		if s.matches(g) {
+		if s.matches(g) && g.GetExpirationTime().AsTime().After(now) {
 			out = append(out, proto.Clone(g).(*pb.Grant))
 		}
 	}
@@ -307,7 +366,7 @@ func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string
 				continue
 			}
 			delete(r.pending, id)
-			delete(r.live, id)
+			r.drop(id)
 			r.revoked[id] = g
 			revoked = append(revoked, g)
 		}

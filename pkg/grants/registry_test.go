@@ -184,3 +184,20 @@ func TestRegistryRevokesGrantsOfAReplacedClusterProfile(t *testing.T) {
 	rev.mu.Unlock()
 	assert.Equal(t, []string{"JTI=new"}, ids(r.Select(Selector{})))
 }
+
+func TestRegistryBoundsTheGrantsOfOneCluster(t *testing.T) {
+	rev := &fakeRevoker{offline: map[types.NamespacedName]bool{}}
+	r, err := NewRegistry(RegistryConfig{Revoker: rev, Clock: clocktesting.NewFakePassiveClock(start), MaxGrantsPerCluster: 2})
+	require.NoError(t, err)
+	ctx := context.Background()
+	// A flood from one agent fills only its own cluster's share.
+	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=a", "x", time.Hour), grant("JTI=b", "x", time.Hour), grant("JTI=c", "x", time.Hour)))
+	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=d", "x", time.Hour))})
+	assert.Len(t, r.Select(Selector{Cluster: spoke1.NamespacedName}), 2)
+	// A grant already held can be reported again, and room frees as grants go.
+	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=a", "x", time.Hour))})
+	r.Update(ctx, spoke1, &pb.GrantUpdate{Removed: []string{"JTI=a"}, Added: on(spoke1, grant("JTI=d", "x", time.Hour))})
+	assert.Equal(t, []string{"JTI=b", "JTI=d"}, ids(r.Select(Selector{Cluster: spoke1.NamespacedName})))
+	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=e", "y", time.Hour), grant("JTI=f", "y", time.Hour)))
+	assert.Len(t, r.Select(Selector{Cluster: spoke2.NamespacedName}), 2)
+}

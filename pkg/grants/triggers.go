@@ -10,9 +10,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"golang.org/x/time/rate"
-	authorizationv1 "k8s.io/api/authorization/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/clock"
@@ -21,19 +19,6 @@ import (
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
-
-// GrantTable is what the triggers need of a Registry: the live grants, and
-// a way to revoke them.
-type GrantTable interface {
-	Select(Selector) []*pb.Grant
-	Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant)
-}
-
-// SubjectAccessReviewer creates SubjectAccessReviews on the hub, as
-// client-go's AuthorizationV1().SubjectAccessReviews() does.
-type SubjectAccessReviewer interface {
-	Create(ctx context.Context, review *authorizationv1.SubjectAccessReview, opts metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error)
-}
 
 // Informer is the part of a client-go shared informer that the triggers
 // use; cache.SharedIndexInformer satisfies it.
@@ -53,9 +38,9 @@ type ClusterProfiles interface {
 // TriggersConfig configures Triggers.
 type TriggersConfig struct {
 	// Grants is the broker's Registry; required.
-	Grants GrantTable
+	Grants Table
 	// AccessReviews asks the hub's authorizer; required.
-	AccessReviews SubjectAccessReviewer
+	AccessReviews AccessReviewer
 	// ClusterProfiles is the broker's ClusterProfile index; required.
 	ClusterProfiles ClusterProfiles
 	// RBAC are informers of the hub's Roles, RoleBindings, ClusterRoles and

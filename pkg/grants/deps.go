@@ -9,13 +9,13 @@ import (
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// AccessReviewer creates hub SubjectAccessReviews; the broker passes the
-// hub client's SubjectAccessReviews().
+// AccessReviewer creates hub SubjectAccessReviews, for the Service and the
+// Triggers; the broker passes the hub client's SubjectAccessReviews().
 type AccessReviewer interface {
 	Create(ctx context.Context, review *authorizationv1.SubjectAccessReview, opts metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error)
 }
 
-// Table is what the service needs of a Registry.
+// Table is what the Service and the Triggers need of a Registry.
 type Table interface {
 	Select(s Selector) []*pb.Grant
 	Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant)
