@@ -148,21 +148,20 @@ func own(cluster tunnel.ClusterRef, g *pb.Grant) (_ *pb.Grant, stale bool) {
 	return g, false
 }
 
-// Replace sets the live grants of cluster to those an agent reported in its
-// hello, and sends again the pending revokes of those that are among them.
-func (r *Registry) Replace(ctx context.Context, cluster tunnel.ClusterRef, grants []*pb.Grant) {
-	r.mu.Lock()
-	for id, g := range r.live {
-		if ClusterRef(g).NamespacedName == cluster.NamespacedName {
-			r.drop(id)
-		}
-	}
-	r.mu.Unlock()
+// Hello applies the grants an agent of cluster reported in its hello, as
+// Update applies those of a GrantUpdate.
+func (r *Registry) Hello(ctx context.Context, cluster tunnel.ClusterRef, grants []*pb.Grant) {
 	r.Update(ctx, cluster, &pb.GrantUpdate{Added: grants})
 }
 
-// Update applies a GrantUpdate from an agent of cluster, and sends again
-// the pending revokes of the grants it adds. It revokes, at once, the grants
+// Update applies a report from an agent of cluster: the grants of its hello,
+// or a GrantUpdate. It sends again the pending revokes of the grants
+// it adds. A hello adds and never removes: the agents of one ClusterProfile
+// may see different grants (one scoped to a namespace, or an agent on
+// another cluster that holds the profile's SVID), and none may hide
+// another's grants from List and Revoke. A grant leaves when an agent
+// reports its deletion, when a revoke finds it gone, or when its token
+// expires. It revokes, at once, the grants
 // it adds that were minted through another incarnation of cluster: the
 // ClusterProfile was deleted and created again since, and they are not the
 // new one's.
@@ -338,17 +337,24 @@ func (r *Registry) Revoked(credentialID string) bool {
 // Revoke asks the agents to delete grants, one request per ClusterProfile
 // incarnation. It returns the grants now gone, and those whose agent could
 // not be reached or failed: those stay pending, and are revoked when their
-// agent reports them again. From the call on, Revoked reports every one of
-// grants as revoked.
+// agent reports them again. Both keep the order of grants within each
+// ClusterProfile, and the ClusterProfiles in the order they first appear.
+// From the call on, Revoked reports every one of grants as revoked.
 func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant) {
 	byCluster := map[tunnel.ClusterRef][]*pb.Grant{}
+	var clusters []tunnel.ClusterRef
 	r.mu.Lock()
 	for _, g := range grants {
 		r.pending[g.GetCredentialId()] = pendingRevoke{grant: g, reason: reason}
-		byCluster[ClusterRef(g)] = append(byCluster[ClusterRef(g)], g)
+		c := ClusterRef(g)
+		if _, ok := byCluster[c]; !ok {
+			clusters = append(clusters, c)
+		}
+		byCluster[c] = append(byCluster[c], g)
 	}
 	r.mu.Unlock()
-	for cluster, gs := range byCluster {
+	for _, cluster := range clusters {
+		gs := byCluster[cluster]
 		ids := make([]string, len(gs))
 		for i, g := range gs {
 			ids[i] = g.GetCredentialId()
@@ -358,10 +364,14 @@ func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string
 			r.cfg.Log.Info("revoke not delivered; it is sent again when the agent reports the grants",
 				"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
 		}
+		isGone := make(map[string]bool, len(gone))
+		for _, id := range gone {
+			isGone[id] = true
+		}
 		r.mu.Lock()
 		for _, g := range gs {
 			id := g.GetCredentialId()
-			if !slices.Contains(gone, id) {
+			if !isGone[id] {
 				pending = append(pending, g)
 				continue
 			}

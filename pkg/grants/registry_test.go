@@ -80,10 +80,10 @@ func newRegistry(t *testing.T) (*Registry, *fakeRevoker, *clocktesting.FakePassi
 func TestRegistrySelect(t *testing.T) {
 	r, _, _ := newRegistry(t)
 	ctx := context.Background()
-	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=b", "alice", time.Hour), grant("JTI=a", "bob", 30*time.Minute)))
-	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour), &pb.Grant{CredentialId: "JTI=no-expiry"}))
+	r.Hello(ctx, spoke1, on(spoke1, grant("JTI=b", "alice", time.Hour), grant("JTI=a", "bob", 30*time.Minute)))
+	r.Hello(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour), &pb.Grant{CredentialId: "JTI=no-expiry"}))
 	// An agent cannot report another cluster's grants.
-	r.Replace(ctx, spoke2, append(on(spoke2, grant("JTI=c", "alice", time.Hour)), on(spoke1, grant("JTI=x", "alice", time.Hour))...))
+	r.Hello(ctx, spoke2, append(on(spoke2, grant("JTI=c", "alice", time.Hour)), on(spoke1, grant("JTI=x", "alice", time.Hour))...))
 
 	tests := []struct {
 		name string
@@ -111,13 +111,16 @@ func TestRegistrySelect(t *testing.T) {
 func TestRegistryReplaceAndUpdate(t *testing.T) {
 	r, _, clk := newRegistry(t)
 	ctx := context.Background()
-	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=a", "alice", time.Hour), grant("JTI=b", "alice", 20*time.Minute)))
-	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
-	// A hello replaces only its own cluster's grants.
-	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=b", "alice", 20*time.Minute)))
-	assert.Equal(t, []string{"JTI=b", "JTI=c"}, ids(r.Select(Selector{})))
+	r.Hello(ctx, spoke1, on(spoke1, grant("JTI=a", "alice", time.Hour), grant("JTI=b", "alice", 20*time.Minute)))
+	r.Hello(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
+	// A hello that lacks a grant does not remove it: another agent of the
+	// ClusterProfile (scoped to a namespace, or on another cluster with the
+	// profile's SVID) may not see it.
+	r.Hello(ctx, spoke1, on(spoke1, grant("JTI=b", "alice", 20*time.Minute)))
+	r.Hello(ctx, spoke1, nil)
+	assert.Equal(t, []string{"JTI=b", "JTI=a", "JTI=c"}, ids(r.Select(Selector{})))
 
-	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=d", "bob", time.Hour)), Removed: []string{"JTI=b"}})
+	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=d", "bob", time.Hour)), Removed: []string{"JTI=b", "JTI=a"}})
 	assert.Equal(t, []string{"JTI=d", "JTI=c"}, ids(r.Select(Selector{})))
 	assert.True(t, r.Revoked("JTI=b"), "a grant an agent deleted is revoked")
 	assert.False(t, r.Revoked("JTI=d"))
@@ -137,8 +140,8 @@ func TestRegistryReplaceAndUpdate(t *testing.T) {
 func TestRegistryRevoke(t *testing.T) {
 	r, rev, _ := newRegistry(t)
 	ctx := context.Background()
-	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=a", "alice", time.Hour), grant("JTI=b", "bob", time.Hour)))
-	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
+	r.Hello(ctx, spoke1, on(spoke1, grant("JTI=a", "alice", time.Hour), grant("JTI=b", "bob", time.Hour)))
+	r.Hello(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
 	rev.offline[spoke2.NamespacedName] = true
 
 	revoked, pending := r.Revoke(ctx, r.Select(Selector{Username: "alice"}), "test")
@@ -153,7 +156,7 @@ func TestRegistryRevoke(t *testing.T) {
 	rev.offline[spoke2.NamespacedName] = false
 	rev.called = make(chan struct{}, 1)
 	rev.mu.Unlock()
-	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
+	r.Hello(ctx, spoke2, on(spoke2, grant("JTI=c", "alice", time.Hour)))
 	select {
 	case <-rev.called:
 	case <-time.After(10 * time.Second):
@@ -173,7 +176,7 @@ func TestRegistryRevokesGrantsOfAReplacedClusterProfile(t *testing.T) {
 	rev.called = make(chan struct{}, 1)
 	old := grant("JTI=old", "alice", time.Hour)
 	old.ClusterUid = "uid-before"
-	r.Replace(context.Background(), spoke1, on(spoke1, old, grant("JTI=new", "alice", time.Hour)))
+	r.Hello(context.Background(), spoke1, on(spoke1, old, grant("JTI=new", "alice", time.Hour)))
 	select {
 	case <-rev.called:
 	case <-time.After(10 * time.Second):
@@ -191,13 +194,13 @@ func TestRegistryBoundsTheGrantsOfOneCluster(t *testing.T) {
 	require.NoError(t, err)
 	ctx := context.Background()
 	// A flood from one agent fills only its own cluster's share.
-	r.Replace(ctx, spoke1, on(spoke1, grant("JTI=a", "x", time.Hour), grant("JTI=b", "x", time.Hour), grant("JTI=c", "x", time.Hour)))
+	r.Hello(ctx, spoke1, on(spoke1, grant("JTI=a", "x", time.Hour), grant("JTI=b", "x", time.Hour), grant("JTI=c", "x", time.Hour)))
 	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=d", "x", time.Hour))})
 	assert.Len(t, r.Select(Selector{Cluster: spoke1.NamespacedName}), 2)
 	// A grant already held can be reported again, and room frees as grants go.
 	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=a", "x", time.Hour))})
 	r.Update(ctx, spoke1, &pb.GrantUpdate{Removed: []string{"JTI=a"}, Added: on(spoke1, grant("JTI=d", "x", time.Hour))})
 	assert.Equal(t, []string{"JTI=b", "JTI=d"}, ids(r.Select(Selector{Cluster: spoke1.NamespacedName})))
-	r.Replace(ctx, spoke2, on(spoke2, grant("JTI=e", "y", time.Hour), grant("JTI=f", "y", time.Hour)))
+	r.Hello(ctx, spoke2, on(spoke2, grant("JTI=e", "y", time.Hour), grant("JTI=f", "y", time.Hour)))
 	assert.Len(t, r.Select(Selector{Cluster: spoke2.NamespacedName}), 2)
 }

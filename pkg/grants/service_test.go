@@ -84,8 +84,8 @@ func newService(t *testing.T, caller fakeAuthn, rules ...string) *serviceFixture
 	t.Helper()
 	reg, rev, clk := newRegistry(t)
 	ctx := context.Background()
-	reg.Replace(ctx, spoke1, []*pb.Grant{grantOf("JTI=a1", userA, spoke1), grantOf("JTI=b1", userB, spoke1)})
-	reg.Replace(ctx, spoke2, []*pb.Grant{grantOf("JTI=a2", userA, spoke2)})
+	reg.Hello(ctx, spoke1, []*pb.Grant{grantOf("JTI=a1", userA, spoke1), grantOf("JTI=b1", userB, spoke1)})
+	reg.Hello(ctx, spoke2, []*pb.Grant{grantOf("JTI=a2", userA, spoke2)})
 	sar := &fakeSAR{rules: map[string]bool{}}
 	for _, r := range rules {
 		sar.rules[r] = true

@@ -132,7 +132,7 @@ func TestTriggersAgainstHub(t *testing.T) {
 	rev := &revoker{}
 	registry, err := grants.NewRegistry(grants.RegistryConfig{Revoker: rev})
 	require.NoError(t, err)
-	registry.Replace(ctx, cluster, []*pb.Grant{alice, bob, carol})
+	registry.Hello(ctx, cluster, []*pb.Grant{alice, bob, carol})
 
 	client := kubernetes.NewForConfigOrDie(asBroker)
 	rbacInformers := informers.NewSharedInformerFactory(client, 0)

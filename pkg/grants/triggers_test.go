@@ -242,14 +242,14 @@ func newFixture(t *testing.T) *fixture {
 	f.accounts.add(serviceAccount("team-a", "alice", "alice-uid"), true)
 	f.accounts.add(serviceAccount("team-b", "bob", "bob-uid"), true)
 	ctx := t.Context()
-	f.registry.Replace(ctx, spoke1, []*pb.Grant{
+	f.registry.Hello(ctx, spoke1, []*pb.Grant{
 		subjectGrant("JTI=a1", spoke1, alice, "alice-uid", "system:serviceaccounts", "system:serviceaccounts:team-a"),
 		// The same subject, its groups in another order: one review.
 		subjectGrant("JTI=a2", spoke1, alice, "alice-uid", "system:serviceaccounts:team-a", "system:serviceaccounts"),
 		subjectGrant("JTI=b1", spoke1, bob, "bob-uid", "system:serviceaccounts"),
 		subjectGrant("JTI=c1", spoke1, carol, "carol-uid", "people"),
 	})
-	f.registry.Replace(ctx, spoke2, []*pb.Grant{
+	f.registry.Hello(ctx, spoke2, []*pb.Grant{
 		subjectGrant("JTI=a3", spoke2, alice, "alice-uid", "system:serviceaccounts", "system:serviceaccounts:team-a"),
 		subjectGrant("JTI=b2", spoke2, bob, "bob-uid", "system:serviceaccounts"),
 	})

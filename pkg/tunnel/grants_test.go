@@ -25,16 +25,16 @@ import (
 // fakeRegistry records what the Server reports to the broker's registry.
 type fakeRegistry struct {
 	mu       sync.Mutex
-	replaced [][]*pb.Grant // the grants of each Replace
-	clusters []ClusterRef  // the cluster of each Replace and Update
+	replaced [][]*pb.Grant // the grants of each Hello
+	clusters []ClusterRef  // the cluster of each Hello and Update
 	updates  []*pb.GrantUpdate
 	state    []string // the credential ids the registry holds
-	// block, when set, holds up the first Replace until it is closed;
-	// blocked is closed when that Replace starts waiting.
+	// block, when set, holds up the first Hello until it is closed;
+	// blocked is closed when that Hello starts waiting.
 	block, blocked chan struct{}
 }
 
-func (r *fakeRegistry) Replace(_ context.Context, cluster ClusterRef, grants []*pb.Grant) {
+func (r *fakeRegistry) Hello(_ context.Context, cluster ClusterRef, grants []*pb.Grant) {
 	r.mu.Lock()
 	block := r.block
 	r.block = nil
@@ -57,7 +57,7 @@ func (r *fakeRegistry) Update(_ context.Context, cluster ClusterRef, u *pb.Grant
 	r.state = append(r.state, grantIDs(u.GetAdded())...)
 }
 
-// known returns the credential ids the registry holds: the last Replace,
+// known returns the credential ids the registry holds: the last Hello,
 // with the updates after it applied.
 func (r *fakeRegistry) known() []string {
 	r.mu.Lock()

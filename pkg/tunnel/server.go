@@ -82,15 +82,15 @@ type ServerConfig struct {
 
 // GrantRegistry keeps the grants the agents report (package grants).
 type GrantRegistry interface {
-	// Replace sets the grants of cluster to those of a hello.
-	Replace(ctx context.Context, cluster ClusterRef, grants []*pb.Grant)
+	// Hello reports the grants of an agent's hello.
+	Hello(ctx context.Context, cluster ClusterRef, grants []*pb.Grant)
 	// Update applies an agent's report of grants added and removed.
 	Update(ctx context.Context, cluster ClusterRef, u *pb.GrantUpdate)
 }
 
 type noGrants struct{}
 
-func (noGrants) Replace(context.Context, ClusterRef, []*pb.Grant)    {}
+func (noGrants) Hello(context.Context, ClusterRef, []*pb.Grant)    {}
 func (noGrants) Update(context.Context, ClusterRef, *pb.GrantUpdate) {}
 
 // MaxGrantsPerFrame bounds the grants and credential ids of one hello or
@@ -208,7 +208,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		sess.cancel(err)
 	}
 	if sctx.Err() == nil {
-		s.cfg.Grants.Replace(sctx, cluster, hello.GetGrants())
+		s.cfg.Grants.Hello(sctx, cluster, hello.GetGrants())
 	}
 	// The stream ends with the agent's identity; the agent reconnects with
 	// whatever SVID it holds by then.

@@ -49,7 +49,7 @@ func TestRestartedAgentCollectsGrantsOfExpiredTokens(t *testing.T) {
 	c := newConsumer(t, "credbroker", name)
 	ns := optIn(t, cluster, "restarted-sa", c.username())
 
-	stopFirst, err := deployment.StartAgentWith(ctx, cluster, framework.AgentOptions{ID: framework.AgentID(name), Namespace: ns})
+	stopFirst, err := deployment.StartAgentWith(ctx, cluster, framework.AgentOptions{ID: framework.AgentID(name), Namespace: ns, KeepGrants: true})
 	require.NoError(t, err)
 	defer stopFirst()
 	resp, err := exchange(t, c, &pb.ExchangeRequest{

@@ -19,8 +19,11 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/credbroker/credbroker/pkg/broker"
+	"github.com/credbroker/credbroker/pkg/grants"
+	spokepkg "github.com/credbroker/credbroker/pkg/spoke"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
@@ -78,6 +81,10 @@ func run(m *testing.M) int {
 	}
 
 	code := m.Run()
+	if err := revokeEveryGrant(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		code = 1
+	}
 	if err := deployment.Stop(); err != nil {
 		fmt.Fprintln(os.Stderr, "e2e: deployment stopped with:", err)
 		code = 1
@@ -86,6 +93,47 @@ func run(m *testing.M) int {
 		fmt.Fprint(os.Stderr, logs.String())
 	}
 	return code
+}
+
+// revokeEveryGrant revokes, through the first replica's registry, every grant
+// the agents reported, and then counts the grant Secrets left on the spokes.
+// Every grant of the suite is gone already (revoked, expired, or its mint
+// failed) or known to the broker, so none may be left. Only the grants of a
+// ClusterProfile whose agent is gone (a test's fake agent, which binds
+// nothing) may stay pending.
+func revokeEveryGrant(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	b := deployment.Broker
+	live := b.Grants().Select(grants.Selector{})
+	_, pending := b.Grants().Revoke(ctx, live, "e2e: the suite ended")
+	stuck := 0
+	for _, g := range pending {
+		cluster := g.GetCluster()
+		if b.Connected(cluster.GetNamespace(), cluster.GetName()) == 0 {
+			continue
+		}
+		stuck++
+		fmt.Fprintf(os.Stderr, "e2e: grant %s of %s on %s/%s could not be revoked\n", g.GetCredentialId(),
+			g.GetSubject().GetUsername(), cluster.GetNamespace(), cluster.GetName())
+	}
+	left := 0
+	for _, spoke := range env.Spokes {
+		list, err := spoke.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
+		if err != nil {
+			return fmt.Errorf("count the grants left on %s: %w", spoke.Name, err)
+		}
+		for _, g := range list.Items {
+			fmt.Fprintf(os.Stderr, "e2e: grant %s/%s left on %s: %v\n", g.Namespace, g.Name, spoke.Name, g.Annotations)
+		}
+		left += len(list.Items)
+	}
+	fmt.Fprintf(os.Stderr, "e2e: revoked the %d grants live at the end of the suite (%d of agents no longer connected); "+
+		"grant objects left on the spokes: %d\n", len(live)-len(pending), len(pending)-stuck, left)
+	if left > 0 || stuck > 0 {
+		return fmt.Errorf("%d grants of connected agents could not be revoked, and %d grant objects were left on the spokes", stuck, left)
+	}
+	return nil
 }
 
 func fail(err error) int {

@@ -25,6 +25,7 @@ import (
 
 	"github.com/credbroker/credbroker/internal/testpki"
 	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/broker"
 	"github.com/credbroker/credbroker/pkg/plugin"
 )
@@ -194,6 +195,11 @@ type AgentOptions struct {
 	CollectInterval time.Duration
 	// Clock times the agent's grant expiry. Nil: the real clock.
 	Clock clock.WithTickerAndDelayedExecution
+	// KeepGrants leaves the grants of the agent's ClusterProfile in place
+	// when it stops. By default they are revoked first, through the first
+	// broker replica, so that no test leaves tokens on a spoke that no agent
+	// can revoke any more.
+	KeepGrants bool
 }
 
 // StartAgentWith is StartAgent with options.
@@ -259,6 +265,9 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	d.agents[spoke.Name] = append(d.agents[spoke.Name], a)
 	d.mu.Unlock()
 	stopAgent := func() {
+		if !opts.KeepGrants {
+			d.revokeGrants(id)
+		}
 		d.mu.Lock()
 		d.agents[spoke.Name] = slices.DeleteFunc(d.agents[spoke.Name], func(x *agent.Agent) bool { return x == a })
 		d.mu.Unlock()
@@ -280,6 +289,25 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 		stopAgent()
 		return nil, fmt.Errorf("framework: agent %s on %s was not admitted: %w", id, spoke.Name, ctx.Err())
 	}
+}
+
+// revokeGrants revokes the grants of the ClusterProfile whose default agent
+// ID is id, if any; failures leave them to the end of the suite, which
+// counts them.
+func (d *Deployment) revokeGrants(id string) {
+	rest, ok := strings.CutPrefix(id, "spiffe://"+TrustDomain+"/clusterprofile/")
+	ns, name, ok2 := strings.Cut(rest, "/")
+	if !ok || !ok2 {
+		return
+	}
+	reg := d.Broker.Grants()
+	live := reg.Select(grants.Selector{Cluster: types.NamespacedName{Namespace: ns, Name: name}})
+	if len(live) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(d.ctx, 30*time.Second)
+	defer cancel()
+	reg.Revoke(ctx, live, "the test agent stopped")
 }
 
 // WaitForServiceAccount waits until every running agent of spoke sees sa as
