@@ -124,8 +124,8 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 		cfg:        cfg,
 		live:       map[string]*pb.Grant{},
 		perCluster: map[types.NamespacedName]int{},
-		revoked: map[string]*pb.Grant{},
-		pending: map[string]pendingRevoke{},
+		revoked:    map[string]*pb.Grant{},
+		pending:    map[string]pendingRevoke{},
 	}, nil
 }
 

@@ -108,7 +108,7 @@ func TestRegistrySelect(t *testing.T) {
 	assert.Equal(t, "uid-2", got.GetClusterUid())
 }
 
-func TestRegistryReplaceAndUpdate(t *testing.T) {
+func TestRegistryHelloAndUpdate(t *testing.T) {
 	r, _, clk := newRegistry(t)
 	ctx := context.Background()
 	r.Hello(ctx, spoke1, on(spoke1, grant("JTI=a", "alice", time.Hour), grant("JTI=b", "alice", 20*time.Minute)))

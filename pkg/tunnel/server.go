@@ -90,7 +90,7 @@ type GrantRegistry interface {
 
 type noGrants struct{}
 
-func (noGrants) Hello(context.Context, ClusterRef, []*pb.Grant)    {}
+func (noGrants) Hello(context.Context, ClusterRef, []*pb.Grant)      {}
 func (noGrants) Update(context.Context, ClusterRef, *pb.GrantUpdate) {}
 
 // MaxGrantsPerFrame bounds the grants and credential ids of one hello or

@@ -61,7 +61,12 @@ func TestAgentIdentity(t *testing.T) {
 
 	t.Run("an agent with the SVID of cluster A does not serve cluster B", func(t *testing.T) {
 		before := deployment.Broker.Connected(framework.FleetNamespace, env.Spokes[0].Name)
-		stop, err := deployment.StartAgent(ctx, env.Spokes[1], framework.AgentID(env.Spokes[0].Name))
+		// It holds no grant of its own; revoking its ClusterProfile's grants
+		// when it stops would reach spoke-2, where spoke-1's grants are not,
+		// and an agent answers a grant it cannot find as gone.
+		stop, err := deployment.StartAgentWith(ctx, env.Spokes[1], framework.AgentOptions{
+			ID: framework.AgentID(env.Spokes[0].Name), KeepGrants: true,
+		})
 		require.NoError(t, err)
 		defer stop()
 		assert.Equal(t, before+1, deployment.Broker.Connected(framework.FleetNamespace, env.Spokes[0].Name))

@@ -128,7 +128,7 @@ func revokeEveryGrant(ctx context.Context) error {
 		}
 		left += len(list.Items)
 	}
-	fmt.Fprintf(os.Stderr, "e2e: revoked the %d grants live at the end of the suite (%d of agents no longer connected); "+
+	fmt.Fprintf(os.Stderr, "e2e: at the end of the suite, revoked %d live grants (%d more belong to agents no longer connected); "+
 		"grant objects left on the spokes: %d\n", len(live)-len(pending), len(pending)-stuck, left)
 	if left > 0 || stuck > 0 {
 		return fmt.Errorf("%d grants of connected agents could not be revoked, and %d grant objects were left on the spokes", stuck, left)

@@ -25,8 +25,8 @@ import (
 
 	"github.com/credbroker/credbroker/internal/testpki"
 	"github.com/credbroker/credbroker/pkg/agent"
-	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/broker"
+	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/plugin"
 )
 
