@@ -59,4 +59,4 @@ bench: testbin ## Benchmark the exchange against a direct TokenRequest on the sa
 
 .PHONY: demo
 demo: testbin build ## Start a hub, a spoke, the broker and an agent; get a spoke token as a consumer and use it.
-	$(ASSETS) $(GO) run ./test/demo --plugin $(BIN)/credbroker-plugin
+	$(ASSETS) $(GO) run ./test/demo --plugin $(BIN)/credbroker-plugin --cli $(BIN)/credbroker

@@ -11,10 +11,12 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -30,6 +32,7 @@ import (
 	"google.golang.org/grpc/status"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
@@ -68,8 +71,9 @@ var spokeName = framework.SpokeName(1)
 var errUsage = errors.New("usage")
 
 type config struct {
-	// plugin is the absolute path of the credbroker-plugin binary.
-	plugin string
+	// plugin and cli are the absolute paths of the credbroker-plugin and
+	// credbroker binaries.
+	plugin, cli string
 	// keep waits for Ctrl-C after the story instead of exiting.
 	keep bool
 	// out receives the story.
@@ -113,6 +117,7 @@ func parseFlags(args []string) (config, error) {
 	cfg := config{out: os.Stdout}
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	fs.StringVar(&cfg.plugin, "plugin", "", "`path` of the credbroker-plugin binary (required; \"make build\" writes bin/credbroker-plugin)")
+	fs.StringVar(&cfg.cli, "cli", "", "`path` of the credbroker binary (required; \"make build\" writes bin/credbroker)")
 	fs.BoolVar(&cfg.keep, "keep", false, "after the story, keep the hub, the spoke, the broker and the agent running until Ctrl-C, and print kubeconfigs to look around")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -123,22 +128,34 @@ func parseFlags(args []string) (config, error) {
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	if cfg.plugin == "" {
-		return cfg, errors.New(`--plugin is required: the path of credbroker-plugin ("make build" writes bin/credbroker-plugin)`)
+	var err error
+	if cfg.plugin, err = executable("--plugin", cfg.plugin, "bin/credbroker-plugin"); err != nil {
+		return cfg, err
 	}
-	abs, err := filepath.Abs(cfg.plugin)
+	if cfg.cli, err = executable("--cli", cfg.cli, "bin/credbroker"); err != nil {
+		return cfg, err
+	}
+	return cfg, nil
+}
+
+// executable returns the absolute path of the binary that flag names, or
+// says how to build it ("make build" writes built).
+func executable(flag, path, built string) (string, error) {
+	if path == "" {
+		return "", fmt.Errorf(`%s is required: the path of %s ("make build" writes %s)`, flag, filepath.Base(built), built)
+	}
+	abs, err := filepath.Abs(path)
 	if err != nil {
-		return cfg, fmt.Errorf("--plugin: %w", err)
+		return "", fmt.Errorf("%s: %w", flag, err)
 	}
 	fi, err := os.Stat(abs)
 	if err != nil {
-		return cfg, fmt.Errorf(`--plugin: %w (run "make build" first)`, err)
+		return "", fmt.Errorf(`%s: %w (run "make build" first)`, flag, err)
 	}
 	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
-		return cfg, fmt.Errorf("--plugin: %s is not an executable file", cfg.plugin)
+		return "", fmt.Errorf("%s: %s is not an executable file", flag, path)
 	}
-	cfg.plugin = abs
-	return cfg, nil
+	return abs, nil
 }
 
 // demo holds what the story has built so far.
@@ -190,6 +207,7 @@ func run(ctx context.Context, cfg config) (err error) {
 		{fmt.Sprintf("minting the consumer's hub token for audience %q, as a projected volume would", hubAudience), d.mintHubToken},
 		{fmt.Sprintf("the consumer uses %s through credbroker-plugin", spokeName), d.useSpoke},
 		{"a hub ServiceAccount without RBAC asks too", d.showRefusal},
+		{fmt.Sprintf("the admin of %s traces a request to the consumer, and the consumer's token is revoked", spokeName), d.traceAndRevoke},
 		{"what the hub keeps", d.showHubState},
 	}
 	began := time.Now()
@@ -489,7 +507,101 @@ func (d *demo) showRefusal(ctx context.Context) error {
 	return nil
 }
 
-// 9. The hub stores no spoke token, and the broker logs none.
+// 9. Any request the spoke audited names its hub consumer, and a revoke
+// reaches a token already in the consumer's hands.
+func (d *demo) traceAndRevoke(ctx context.Context) error {
+	resp, err := d.exchange.Exchange(withBearer(ctx, d.hubToken), &pb.ExchangeRequest{Cluster: d.clusterRef()})
+	if err != nil {
+		return fmt.Errorf("exchange: %w", err)
+	}
+	tok := resp.GetToken()
+	selfReview := func() error {
+		client, err := kubernetes.NewForConfig(d.spoke.TokenConfig(tok))
+		if err != nil {
+			return err
+		}
+		_, err = client.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+		return err
+	}
+	if err := selfReview(); err != nil {
+		return err
+	}
+
+	// The spoke's audit log records the request with the token's
+	// credential id; the grant with that id names the consumer.
+	var audited string
+	for deadline := time.Now().Add(10 * time.Second); audited == "" && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		events, err := d.spoke.AuditEvents(func(ev framework.AuditEvent) bool {
+			return slices.Contains(ev.User.Extra[framework.CredentialIDExtra], resp.GetCredentialId())
+		})
+		if err != nil {
+			return err
+		}
+		if len(events) > 0 {
+			audited = events[len(events)-1].User.Extra[framework.CredentialIDExtra][0]
+			d.say("the spoke's audit log: %s %s by %s, credential id %s",
+				events[len(events)-1].Verb, events[len(events)-1].RequestURI, events[len(events)-1].User.Username, audited)
+		}
+	}
+	if audited == "" {
+		return fmt.Errorf("the spoke's audit log has no event with credential id %s", resp.GetCredentialId())
+	}
+	jti, _ := strings.CutPrefix(audited, "JTI=")
+	selector := spoke.GrantJTILabel + "=" + jti
+	grants, err := d.spoke.Client.CoreV1().Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: selector})
+	if err != nil {
+		return err
+	}
+	if len(grants.Items) != 1 {
+		return fmt.Errorf("kubectl get secrets -A -l %s: %d grants, want 1", selector, len(grants.Items))
+	}
+	g := grants.Items[0]
+	d.say("kubectl get secrets -A -l %s: grant %s/%s, for hub consumer %s through ClusterProfile %s",
+		selector, g.Namespace, g.Name, g.Annotations[spoke.GrantHubUserAnnotation], g.Annotations[spoke.GrantClusterProfileAnnotation])
+
+	// The consumer revokes its own token with the people's CLI.
+	args := []string{"grants", "revoke", "--broker", d.deployment.Broker.ExchangeAddr(), "--ca-file", d.deployment.CAFile,
+		"--token-file", d.hubTokenFile, "--credential-id", audited, "--reason", "demo: the token leaked"}
+	d.say("$ credbroker %s", strings.Join(quoted(args), " "))
+	revoked := time.Now()
+	out, err := exec.CommandContext(ctx, d.cli, args...).CombinedOutput()
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		d.say("  %s", line)
+	}
+	if err != nil {
+		return fmt.Errorf("credbroker grants revoke: %w", err)
+	}
+	for {
+		err := selfReview()
+		if apierrors.IsUnauthorized(err) {
+			break
+		}
+		if time.Since(revoked) > 30*time.Second {
+			return fmt.Errorf("the spoke still accepts the revoked token after 30s (last answer: %v)", err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	d.say("the spoke refuses the token %s after the revoke (its API server caches a token's authentication for 10 s)", round(time.Since(revoked)))
+	return nil
+}
+
+// quoted quotes the arguments that a shell would split.
+func quoted(args []string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = a
+		if strings.ContainsAny(a, " '\"") {
+			out[i] = strconv.Quote(a)
+		}
+	}
+	return out
+}
+
+// 10. The hub stores no spoke token, and the broker logs none.
 func (d *demo) showHubState(ctx context.Context) error {
 	secrets, err := d.hub.Client.CoreV1().Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -510,7 +622,7 @@ func (d *demo) showHubState(ctx context.Context) error {
 	}
 
 	audit := d.audit.all()
-	d.say("the broker's audit log, one line per exchange:")
+	d.say("the broker's audit log, one line per call:")
 	for _, line := range audit {
 		d.say("  %s", describeAudit(line))
 	}
@@ -648,14 +760,23 @@ func describeRule(r rbacv1.PolicyRule) string {
 // describeAudit shortens one of the broker's JSON audit lines.
 func describeAudit(line string) string {
 	var rec struct {
-		Code, User, Cluster, ServiceAccount, CredentialID, Latency string
-		CacheHit                                                   bool
+		Msg, Code, User, Cluster, ServiceAccount, CredentialID, Latency string
+		Method                                                          string
+		Revoked                                                         []string
+		CacheHit                                                        bool
 	}
 	if err := json.Unmarshal([]byte(line), &rec); err != nil {
 		return line
 	}
 	outcome := "refused"
 	switch {
+	case rec.Msg == "grants":
+		// The Grants API's line: the call and what it revoked.
+		outcome = "grants " + rec.Method
+		if len(rec.Revoked) > 0 {
+			outcome += ", revoked " + strings.Join(rec.Revoked, ", ")
+		}
+		rec.Cluster = "broker"
 	case rec.Code != codes.OK.String():
 	case rec.CacheHit:
 		outcome = "cached " + rec.CredentialID
