@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"time"
 
@@ -51,8 +52,18 @@ type Config struct {
 	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the agent's
 	// X.509-SVID and the bundle of TrustDomain, reloaded when they change.
 	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
-	TrustDomain                                spiffeid.TrustDomain
-	FileCheckInterval                          time.Duration
+	// SPIFFEEndpointSocket, instead of the three files, is the SPIFFE
+	// Workload API (a SPIRE agent's socket) that serves the agent's SVID and
+	// bundle, such as unix:///run/spire/agent-sockets/spire-agent.sock.
+	SPIFFEEndpointSocket string
+	// SPIFFEID is the agent's own ID: of the SVIDs the Workload API serves,
+	// the agent takes the one with this ID and refuses others. Zero means
+	// the default ID of Cluster, spiffe://<TrustDomain>/clusterprofile/<ns>/<name>,
+	// when Cluster is set, and else the first SVID in TrustDomain. The SVID
+	// files are used as they are.
+	SPIFFEID          spiffeid.ID
+	TrustDomain       spiffeid.TrustDomain
+	FileCheckInterval time.Duration
 
 	// Spoke is the spoke API server's client config; the agent needs
 	// create on serviceaccounts/token, list/watch on serviceaccounts, and
@@ -114,7 +125,10 @@ func (c *Config) Validate() error {
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
-	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
+	if err := identity.CheckSourceChoice(c.SPIFFEEndpointSocket, c.SVIDCertFile, c.SVIDKeyFile, c.TrustBundleFile); err != nil {
+		errs = append(errs, err)
+	}
+	need(c.SPIFFEID.IsZero() || c.SPIFFEID.MemberOf(c.TrustDomain), "the agent's SPIFFE ID %s is not in trust domain %q", c.SPIFFEID, c.TrustDomain)
 	need(c.Spoke != nil, "a spoke client config is required")
 	if c.Cluster != (types.NamespacedName{}) {
 		need(len(validation.IsDNS1123Label(c.Cluster.Namespace)) == 0 && len(validation.IsDNS1123Subdomain(c.Cluster.Name)) == 0,
@@ -127,7 +141,7 @@ func (c *Config) Validate() error {
 // Agent is the assembled spoke side.
 type Agent struct {
 	cfg       Config
-	svid      *identity.FileSource
+	svid      identity.Source
 	informers informers.SharedInformerFactory
 	grants    cache.SharedIndexInformer
 	synced    []cache.InformerSynced
@@ -137,18 +151,29 @@ type Agent struct {
 }
 
 // New validates cfg and builds every part; nothing connects until Run.
-func New(cfg Config) (*Agent, error) {
+func New(cfg Config) (_ *Agent, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("agent: invalid config: %w", err)
 	}
 	a := &Agent{cfg: cfg}
-	var err error
-	if a.svid, err = identity.NewFileSource(identity.FileSourceConfig{
+	id := cfg.SPIFFEID
+	if id.IsZero() && cfg.Cluster != (types.NamespacedName{}) {
+		id = spiffeid.RequireFromPath(cfg.TrustDomain, "/clusterprofile/"+cfg.Cluster.Namespace+"/"+cfg.Cluster.Name)
+	}
+	if a.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
 		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
+		EndpointSocket: cfg.SPIFFEEndpointSocket, ID: id,
 		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
 	}); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	defer func() {
+		if err != nil {
+			if c, ok := a.svid.(io.Closer); ok {
+				_ = c.Close()
+			}
+		}
+	}()
 
 	spokeConfig := rest.CopyConfig(cfg.Spoke)
 	spokeConfig.UserAgent = "credbroker-spoke-agent/" + Version

@@ -12,6 +12,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+	"github.com/spiffe/go-spiffe/v2/workloadapi"
 )
 
 // Source is a process's SPIFFE identity: its X.509-SVID and the trust bundle
@@ -132,4 +133,25 @@ func describeIDs(svids []*x509svid.SVID) string {
 		ids = append(ids, s.ID.String())
 	}
 	return fmt.Sprint(ids)
+}
+
+// CheckSourceChoice reports whether exactly one SVID source is chosen: the
+// Workload API at socket, or all three of the PEM files. Its messages name
+// the flags of the broker and the agent, which share them.
+func CheckSourceChoice(socket, certFile, keyFile, bundleFile string) error {
+	files := certFile != "" || keyFile != "" || bundleFile != ""
+	switch {
+	case socket != "" && files:
+		return errors.New("set either the Workload API socket (--spiffe-endpoint-socket) or the SVID files " +
+			"(--svid-cert-file, --svid-key-file, --trust-bundle-file), not both")
+	case socket != "":
+		if err := workloadapi.ValidateAddress(socket); err != nil {
+			return fmt.Errorf("the Workload API socket (--spiffe-endpoint-socket) %q: %w", socket, err)
+		}
+		return nil
+	case certFile == "" || keyFile == "" || bundleFile == "":
+		return errors.New("an SVID source is required: the Workload API socket (--spiffe-endpoint-socket), " +
+			"or an SVID certificate, key and trust bundle (--svid-cert-file, --svid-key-file, --trust-bundle-file)")
+	}
+	return nil
 }
