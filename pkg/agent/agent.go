@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -148,6 +150,9 @@ type Agent struct {
 	sas       corev1listers.ServiceAccountLister
 	targets   []*fanout
 	minter    *spoke.Minter
+
+	mu      sync.Mutex
+	clients map[*tunnel.Client]struct{} // the running broker streams' clients
 }
 
 // New validates cfg and builds every part; nothing connects until Run.
@@ -237,11 +242,30 @@ func New(cfg Config) (_ *Agent, err error) {
 			Log:            cfg.Log.WithName("tunnel"),
 		}
 	}
+	a.clients = map[*tunnel.Client]struct{}{}
+	// A rotated SVID gets a stream of its own to every broker before the
+	// streams of the old one drain: the old streams end at its NotAfter.
+	identity.SVIDChanges(a.svid, func(svid *x509svid.SVID) {
+		cfg.Log.Info("SVID rotated; renewing the broker streams", "id", svid.ID.String(), "expires", svid.Certificates[0].NotAfter)
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		for c := range a.clients {
+			c.Rotate()
+		}
+	})
 	serve := func(ctx context.Context, addr string, connected func()) error {
 		c, err := tunnel.NewClient(clientConfig(addr))
 		if err != nil {
 			return err
 		}
+		a.mu.Lock()
+		a.clients[c] = struct{}{}
+		a.mu.Unlock()
+		defer func() {
+			a.mu.Lock()
+			delete(a.clients, c)
+			a.mu.Unlock()
+		}()
 		go func() {
 			select {
 			case <-c.Connected():
