@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/credbroker/credbroker/internal/fakeworkload"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
@@ -185,5 +186,53 @@ func TestRotationWithoutAGap(t *testing.T) {
 	assert.GreaterOrEqual(t, len(servingCerts), 3, "the exchange port's certificate did not rotate in place")
 	for i, gap := range gaps {
 		assert.Zero(t, gap, "replica %d was without a stream of the agent for %v", i, gap)
+	}
+}
+
+// An agent on the SPIFFE Workload API: the API serves this test process
+// the SVIDs of several agents, and the agent takes its own. When the API
+// pushes a rotated SVID, the agent renews its streams to both brokers
+// without a gap, as with files. (The real SPIRE runs in the SPIRE test; this
+// one uses a fake Workload API to push rotations at will.)
+func TestWorkloadAPIAgentRotates(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[1]
+	const name = "workload-api"
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
+	require.NoError(t, err)
+	api, err := fakeworkload.Start()
+	require.NoError(t, err)
+	defer api.Stop()
+	issue := func(id string) fakeworkload.SVID {
+		cert, key, err := deployment.CA.IssueSVID(id, time.Hour)
+		require.NoError(t, err)
+		return fakeworkload.SVID{CertPEM: cert, KeyPEM: key}
+	}
+	id := framework.AgentID(name)
+	// Another agent's SVID comes first: the default pick would take it.
+	require.NoError(t, api.Set(deployment.CA.BundlePEM(), issue(framework.AgentID("someone-else")), issue(id)))
+
+	lines := &syncBuffer{}
+	log := funcr.New(func(prefix, args string) { lines.WriteString(prefix + " " + args + "\n") }, funcr.Options{})
+	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{ID: id, SPIFFEEndpointSocket: api.Addr(), Log: &log})
+	require.NoError(t, err)
+	defer stop()
+	c := newConsumer(t, "credbroker", name)
+	optInAudiences(t, spoke, "wl-sa", []string{"wl-0", "wl-1", "wl-2", "wl-3"}, c.username())
+	ref := &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: name}
+	for i, b := range deployment.Brokers {
+		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 10*time.Second, 20*time.Millisecond)
+		_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: ref, Audiences: []string{fmt.Sprintf("wl-%d", i)}})
+		require.NoError(t, err, "replica %d", i)
+	}
+
+	require.NoError(t, api.Set(deployment.CA.BundlePEM(), issue(framework.AgentID("someone-else")), issue(id)))
+	require.Eventually(t, func() bool {
+		return strings.Count(lines.String(), "draining the stream of the old SVID") >= len(deployment.Brokers)
+	}, 20*time.Second, 20*time.Millisecond, "the agent never renewed its streams after the Workload API rotated its SVID")
+	for i, b := range deployment.Brokers {
+		assert.Equal(t, 1, b.Connected(framework.FleetNamespace, name), "replica %d", i)
+		_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: ref, Audiences: []string{fmt.Sprintf("wl-%d", i+2)}})
+		require.NoError(t, err, "replica %d after the rotation", i)
 	}
 }
