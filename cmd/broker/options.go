@@ -16,7 +16,7 @@ import (
 // parseFlags turns the command line into a validated broker.Config.
 func parseFlags(args []string) (broker.Config, error) {
 	cfg := broker.Default()
-	var kubeconfig, trustDomain string
+	var kubeconfig, trustDomain, spiffeID string
 	var verbosity int
 	fs := flag.NewFlagSet("broker", flag.ContinueOnError)
 	fs.StringVar(&cfg.ExchangeAddress, "exchange-address", cfg.ExchangeAddress, "address of the TokenExchange gRPC server (TLS) for consumers")
@@ -24,9 +24,11 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
 	fs.StringVar(&cfg.TLSCertFile, "tls-cert-file", "", "PEM serving certificate of the exchange port; reloaded on change (required)")
 	fs.StringVar(&cfg.TLSKeyFile, "tls-key-file", "", "PEM key of --tls-cert-file (required)")
-	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the broker, leaf first; reloaded on change (required)")
-	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file (required)")
-	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain that agents' SVIDs chain to (required)")
+	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the broker, leaf first; reloaded on change (this or --spiffe-endpoint-socket)")
+	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file")
+	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain that agents' SVIDs chain to; with --svid-cert-file")
+	fs.StringVar(&cfg.SPIFFEEndpointSocket, "spiffe-endpoint-socket", "", "SPIFFE Workload API address serving the broker's SVID and bundle, e.g. unix:///run/spire/agent-sockets/spire-agent.sock (instead of the --svid-* and --trust-bundle-file files)")
+	fs.StringVar(&spiffeID, "spiffe-id", "", "the broker's own SPIFFE ID, which the Workload API's SVID must have (default spiffe://<trust-domain>/broker)")
 	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of the broker and the agents, e.g. fleet.example (required)")
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the hub; empty means the in-cluster config")
 	fs.Func("hub-qps", "QPS of the hub client (default 200)", floatFlag(&cfg.HubQPS))
@@ -71,6 +73,11 @@ func parseFlags(args []string) (broker.Config, error) {
 	if trustDomain != "" {
 		if cfg.TrustDomain, err = spiffeid.TrustDomainFromString(trustDomain); err != nil {
 			return cfg, fmt.Errorf("--trust-domain: %w", err)
+		}
+	}
+	if spiffeID != "" {
+		if cfg.SPIFFEID, err = spiffeid.FromString(spiffeID); err != nil {
+			return cfg, fmt.Errorf("--spiffe-id: %w", err)
 		}
 	}
 	if cfg.Hub, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -103,4 +104,39 @@ func TestParseFlagsGrantTriggers(t *testing.T) {
 
 	_, err = parseFlags(append(required, "--rbac-debounce=10s"))
 	require.ErrorContains(t, err, "the RBAC debounce must be positive and at most its maximum (10s, 5s)")
+}
+
+func TestParseFlagsSVIDSource(t *testing.T) {
+	base := []string{"--tls-cert-file", "/tls/tls.crt", "--tls-key-file", "/tls/tls.key", "--trust-domain", "fleet.example", "--kubeconfig", kubeconfig(t)}
+	files := []string{"--svid-cert-file", "/svid/cert.pem", "--svid-key-file", "/svid/key.pem", "--trust-bundle-file", "/svid/bundle.pem"}
+	socket := []string{"--spiffe-endpoint-socket", "unix:///run/spire/agent-sockets/spire-agent.sock"}
+	tests := []struct {
+		name    string
+		args    []string
+		wantErr string
+	}{
+		{name: "files", args: files},
+		{name: "socket", args: socket},
+		{name: "socket and own ID", args: append(socket, "--spiffe-id", "spiffe://fleet.example/hub/broker")},
+		{name: "neither", wantErr: "an SVID source is required: the Workload API socket (--spiffe-endpoint-socket), " +
+			"or an SVID certificate, key and trust bundle (--svid-cert-file, --svid-key-file, --trust-bundle-file)"},
+		{name: "some files", args: files[:4], wantErr: "an SVID source is required"},
+		{name: "both", args: append(append([]string(nil), files...), socket...), wantErr: "set either the Workload API socket (--spiffe-endpoint-socket) " +
+			"or the SVID files (--svid-cert-file, --svid-key-file, --trust-bundle-file), not both"},
+		{name: "socket and one file", args: append([]string{"--trust-bundle-file", "/b.pem"}, socket...), wantErr: "not both"},
+		{name: "socket not a URL", args: []string{"--spiffe-endpoint-socket", "/run/spire.sock"}, wantErr: `the Workload API socket (--spiffe-endpoint-socket) "/run/spire.sock"`},
+		{name: "ID of another trust domain", args: append(socket, "--spiffe-id", "spiffe://other.example/broker"), wantErr: "the broker's SPIFFE ID spiffe://other.example/broker is not in trust domain"},
+		{name: "not an ID", args: append(socket, "--spiffe-id", "broker"), wantErr: "--spiffe-id:"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(append([]string(nil), base...), tt.args...))
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, slices.Contains(tt.args, "--spiffe-endpoint-socket"), cfg.SPIFFEEndpointSocket != "")
+		})
+	}
 }

@@ -16,14 +16,16 @@ import (
 // parseFlags turns the command line into a validated agent.Config.
 func parseFlags(args []string) (agent.Config, error) {
 	cfg := agent.Default()
-	var kubeconfig, trustDomain, brokerID, brokers, cluster string
+	var kubeconfig, trustDomain, brokerID, brokers, cluster, spiffeID string
 	var verbosity int
 	fs := flag.NewFlagSet("spoke-agent", flag.ContinueOnError)
 	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
 	fs.StringVar(&brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
-	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the agent, spiffe://<td>/clusterprofile/<ns>/<name>; reloaded on change (required)")
-	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file (required)")
-	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain (required)")
+	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the agent, spiffe://<td>/clusterprofile/<ns>/<name>; reloaded on change (this or --spiffe-endpoint-socket)")
+	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file")
+	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain; with --svid-cert-file")
+	fs.StringVar(&cfg.SPIFFEEndpointSocket, "spiffe-endpoint-socket", "", "SPIFFE Workload API address serving the agent's SVID and bundle, e.g. unix:///run/spire/agent-sockets/spire-agent.sock (instead of the --svid-* and --trust-bundle-file files)")
+	fs.StringVar(&spiffeID, "spiffe-id", "", "the agent's own SPIFFE ID, which the Workload API's SVID must have (default: that of --cluster, spiffe://<trust-domain>/clusterprofile/<namespace>/<name>; without --cluster, the first SVID of the trust domain)")
 	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain (required)")
 	fs.StringVar(&cluster, "cluster", "", "namespace/name of the hub ClusterProfile this agent serves; a broker that admits it for another is refused (recommended)")
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the spoke; empty means the in-cluster config")
@@ -62,6 +64,11 @@ func parseFlags(args []string) (agent.Config, error) {
 	if brokerID != "" {
 		if cfg.BrokerID, err = spiffeid.FromString(brokerID); err != nil {
 			return cfg, fmt.Errorf("--broker-spiffe-id: %w", err)
+		}
+	}
+	if spiffeID != "" {
+		if cfg.SPIFFEID, err = spiffeid.FromString(spiffeID); err != nil {
+			return cfg, fmt.Errorf("--spiffe-id: %w", err)
 		}
 	}
 	if cfg.Spoke, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {

@@ -49,3 +49,48 @@ users: [{name: agent, user: {token: x}}]
 		})
 	}
 }
+
+func TestParseFlagsSVIDSource(t *testing.T) {
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	require.NoError(t, os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: spoke, cluster: {server: "https://127.0.0.1:6443"}}]
+contexts: [{name: spoke, context: {cluster: spoke, user: agent}}]
+current-context: spoke
+users: [{name: agent, user: {token: x}}]
+`), 0o600))
+	base := []string{"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example", "--kubeconfig", kubeconfig}
+	files := []string{"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b"}
+	socket := []string{"--spiffe-endpoint-socket", "unix:///run/spire/agent-sockets/spire-agent.sock"}
+	tests := []struct {
+		name    string
+		args    []string
+		wantID  string
+		wantErr string
+	}{
+		{name: "files", args: files},
+		{name: "socket", args: socket},
+		{name: "socket and own ID", args: append(socket, "--spiffe-id", "spiffe://fleet.example/clusterprofile/fleet/east-1"),
+			wantID: "spiffe://fleet.example/clusterprofile/fleet/east-1"},
+		{name: "neither", wantErr: "an SVID source is required: the Workload API socket (--spiffe-endpoint-socket), " +
+			"or an SVID certificate, key and trust bundle (--svid-cert-file, --svid-key-file, --trust-bundle-file)"},
+		{name: "both", args: append(append([]string(nil), files...), socket...), wantErr: "set either the Workload API socket (--spiffe-endpoint-socket) " +
+			"or the SVID files (--svid-cert-file, --svid-key-file, --trust-bundle-file), not both"},
+		{name: "ID of another trust domain", args: append(socket, "--spiffe-id", "spiffe://other.example/x"),
+			wantErr: "the agent's SPIFFE ID spiffe://other.example/x is not in trust domain"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(append([]string(nil), base...), tt.args...))
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			if tt.wantID != "" {
+				assert.Equal(t, tt.wantID, cfg.SPIFFEID.String())
+			}
+		})
+	}
+}

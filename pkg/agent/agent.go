@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -51,8 +54,18 @@ type Config struct {
 	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the agent's
 	// X.509-SVID and the bundle of TrustDomain, reloaded when they change.
 	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
-	TrustDomain                                spiffeid.TrustDomain
-	FileCheckInterval                          time.Duration
+	// SPIFFEEndpointSocket, instead of the three files, is the SPIFFE
+	// Workload API (a SPIRE agent's socket) that serves the agent's SVID and
+	// bundle, such as unix:///run/spire/agent-sockets/spire-agent.sock.
+	SPIFFEEndpointSocket string
+	// SPIFFEID is the agent's own ID: of the SVIDs the Workload API serves,
+	// the agent takes the one with this ID and refuses others. Zero means
+	// the default ID of Cluster, spiffe://<TrustDomain>/clusterprofile/<ns>/<name>,
+	// when Cluster is set, and else the first SVID in TrustDomain. The SVID
+	// files are used as they are.
+	SPIFFEID          spiffeid.ID
+	TrustDomain       spiffeid.TrustDomain
+	FileCheckInterval time.Duration
 
 	// Spoke is the spoke API server's client config; the agent needs
 	// create on serviceaccounts/token, list/watch on serviceaccounts, and
@@ -114,7 +127,10 @@ func (c *Config) Validate() error {
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
-	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
+	if err := identity.CheckSourceChoice(c.SPIFFEEndpointSocket, c.SVIDCertFile, c.SVIDKeyFile, c.TrustBundleFile); err != nil {
+		errs = append(errs, err)
+	}
+	need(c.SPIFFEID.IsZero() || c.SPIFFEID.MemberOf(c.TrustDomain), "the agent's SPIFFE ID %s is not in trust domain %q", c.SPIFFEID, c.TrustDomain)
 	need(c.Spoke != nil, "a spoke client config is required")
 	if c.Cluster != (types.NamespacedName{}) {
 		need(len(validation.IsDNS1123Label(c.Cluster.Namespace)) == 0 && len(validation.IsDNS1123Subdomain(c.Cluster.Name)) == 0,
@@ -127,28 +143,42 @@ func (c *Config) Validate() error {
 // Agent is the assembled spoke side.
 type Agent struct {
 	cfg       Config
-	svid      *identity.FileSource
+	svid      identity.Source
 	informers informers.SharedInformerFactory
 	grants    cache.SharedIndexInformer
 	synced    []cache.InformerSynced
 	sas       corev1listers.ServiceAccountLister
 	targets   []*fanout
 	minter    *spoke.Minter
+
+	mu      sync.Mutex
+	clients map[*tunnel.Client]struct{} // the running broker streams' clients
 }
 
 // New validates cfg and builds every part; nothing connects until Run.
-func New(cfg Config) (*Agent, error) {
+func New(cfg Config) (_ *Agent, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("agent: invalid config: %w", err)
 	}
 	a := &Agent{cfg: cfg}
-	var err error
-	if a.svid, err = identity.NewFileSource(identity.FileSourceConfig{
+	id := cfg.SPIFFEID
+	if id.IsZero() && cfg.Cluster != (types.NamespacedName{}) {
+		id = spiffeid.RequireFromPath(cfg.TrustDomain, "/clusterprofile/"+cfg.Cluster.Namespace+"/"+cfg.Cluster.Name)
+	}
+	if a.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
 		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
+		EndpointSocket: cfg.SPIFFEEndpointSocket, ID: id,
 		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
 	}); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	defer func() {
+		if err != nil {
+			if c, ok := a.svid.(io.Closer); ok {
+				_ = c.Close()
+			}
+		}
+	}()
 
 	spokeConfig := rest.CopyConfig(cfg.Spoke)
 	spokeConfig.UserAgent = "credbroker-spoke-agent/" + Version
@@ -212,11 +242,30 @@ func New(cfg Config) (*Agent, error) {
 			Log:            cfg.Log.WithName("tunnel"),
 		}
 	}
+	a.clients = map[*tunnel.Client]struct{}{}
+	// A rotated SVID gets a stream of its own to every broker before the
+	// streams of the old one drain: the old streams end at its NotAfter.
+	identity.SVIDChanges(a.svid, func(svid *x509svid.SVID) {
+		cfg.Log.Info("SVID rotated; renewing the broker streams", "id", svid.ID.String(), "expires", svid.Certificates[0].NotAfter)
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		for c := range a.clients {
+			c.Rotate()
+		}
+	})
 	serve := func(ctx context.Context, addr string, connected func()) error {
 		c, err := tunnel.NewClient(clientConfig(addr))
 		if err != nil {
 			return err
 		}
+		a.mu.Lock()
+		a.clients[c] = struct{}{}
+		a.mu.Unlock()
+		defer func() {
+			a.mu.Lock()
+			delete(a.clients, c)
+			a.mu.Unlock()
+		}()
 		go func() {
 			select {
 			case <-c.Connected():

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"time"
@@ -51,7 +52,7 @@ type Broker struct {
 
 	exchangeLis, agentLis, metricsLis net.Listener
 
-	svid      *identity.FileSource
+	svid      identity.Source
 	keyPair   *identity.KeyPairFile
 	informers inventoryinformers.SharedInformerFactory
 	profiles  *clusterprofile.Index
@@ -79,11 +80,19 @@ func New(cfg Config) (b *Broker, err error) {
 	defer func() {
 		if err != nil {
 			b.closeListeners()
+			if c, ok := b.svid.(io.Closer); ok {
+				_ = c.Close()
+			}
 		}
 	}()
 
-	if b.svid, err = identity.NewFileSource(identity.FileSourceConfig{
+	id := cfg.SPIFFEID
+	if id.IsZero() {
+		id = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
+	}
+	if b.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
 		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
+		EndpointSocket: cfg.SPIFFEEndpointSocket, ID: id,
 		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)

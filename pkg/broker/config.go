@@ -10,6 +10,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/client-go/rest"
 
+	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/token"
 )
 
@@ -29,7 +30,15 @@ type Config struct {
 	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the broker's X.509-SVID
 	// and the bundle of TrustDomain, reloaded when they change.
 	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
-	TrustDomain                                spiffeid.TrustDomain
+	// SPIFFEEndpointSocket, instead of the three files, is the SPIFFE
+	// Workload API (a SPIRE agent's socket) that serves the broker's SVID and
+	// bundle, such as unix:///run/spire/agent-sockets/spire-agent.sock.
+	SPIFFEEndpointSocket string
+	// SPIFFEID is the broker's own ID: of the SVIDs the Workload API serves,
+	// the broker takes the one with this ID and refuses others. Zero means
+	// spiffe://<TrustDomain>/broker. The SVID files are used as they are.
+	SPIFFEID    spiffeid.ID
+	TrustDomain spiffeid.TrustDomain
 
 	// Hub is the hub API server's client config. Its QPS and Burst are
 	// raised to HubQPS and HubBurst: every exchange that misses the
@@ -149,8 +158,11 @@ func (c *Config) Validate() error {
 	need(c.ExchangeAddress != "", "the exchange address is required")
 	need(c.AgentAddress != "", "the agent address is required")
 	need(c.TLSCertFile != "" && c.TLSKeyFile != "", "a TLS certificate and key for the exchange port are required")
-	need(c.SVIDCertFile != "" && c.SVIDKeyFile != "" && c.TrustBundleFile != "", "an SVID certificate, key and trust bundle are required")
+	if err := identity.CheckSourceChoice(c.SPIFFEEndpointSocket, c.SVIDCertFile, c.SVIDKeyFile, c.TrustBundleFile); err != nil {
+		errs = append(errs, err)
+	}
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
+	need(c.SPIFFEID.IsZero() || c.SPIFFEID.MemberOf(c.TrustDomain), "the broker's SPIFFE ID %s is not in trust domain %q", c.SPIFFEID, c.TrustDomain)
 	need(c.Hub != nil, "a hub client config is required")
 	// A rate of +Inf would switch its limiter off; NaN fails > 0.
 	finite := func(f float64) bool { return f > 0 && !math.IsInf(f, 1) }

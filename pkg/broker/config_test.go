@@ -26,7 +26,8 @@ func TestValidate(t *testing.T) {
 	}{
 		{name: "defaults and files", mutate: func(*Config) {}},
 		{name: "nothing chosen", mutate: func(c *Config) { *c = Default() }, want: "a TLS certificate and key for the exchange port are required\n" +
-			"an SVID certificate, key and trust bundle are required\nthe trust domain is required\na hub client config is required"},
+			"an SVID source is required: the Workload API socket (--spiffe-endpoint-socket), " +
+			"or an SVID certificate, key and trust bundle (--svid-cert-file, --svid-key-file, --trust-bundle-file)\nthe trust domain is required\na hub client config is required"},
 		{name: "short max expiration", mutate: func(c *Config) { c.MaxExpiration = 5 * time.Minute },
 			want: "the maximum expiration must be at least 10m (TokenRequest's floor), got 5m0s"},
 		{name: "denials cached longer", mutate: func(c *Config) { c.DenyTTL = time.Minute },

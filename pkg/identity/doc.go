@@ -3,19 +3,35 @@
 //
 // The broker and the spoke agents authenticate each other with mutual TLS
 // over X.509-SVIDs. An agent's ID is spiffe://<td>/clusterprofile/<ns>/<name>;
-// the broker's is spiffe://<td>/broker by default. The SVID, its key and the
-// trust bundle arrive as PEM files, typically from a SPIFFE CSI driver or
-// cert-manager volume; FileSource serves them and follows their rotation by
-// reading the files every Interval (DefaultInterval when zero), which also
-// copes with Kubernetes' atomic swap of a projected volume's ..data symlink.
-// A reload that fails is logged and the last good SVID stays in use. Nothing
-// here writes a certificate or key to disk.
+// the broker's is spiffe://<td>/broker by default. A process's identity is a
+// Source: go-spiffe's x509svid.Source and x509bundle.Source, which the TLS
+// handshakes read each time, so that a rotated SVID or bundle serves the
+// next handshake without a restart, plus OnChange, which tells the broker to
+// verify its agents' streams against a new bundle and the agent (through
+// SVIDChanges) to open streams with a new SVID. NewSource builds one of two:
+//
+//   - WorkloadSource takes the SVID and bundle from the SPIFFE Workload API
+//     (a SPIRE agent's socket), over go-spiffe's workloadapi.X509Source,
+//     which follows the API's pushes. The API serves a workload every SVID
+//     whose registration matches it; the source takes the one with the
+//     expected ID and refuses the others (with no expected ID, the first of
+//     the trust domain). An update without an acceptable SVID is logged and
+//     the SVID in use stays.
+//   - FileSource takes them from PEM files, typically from a SPIFFE CSI
+//     driver or cert-manager volume, and follows their rotation by reading
+//     the files every Interval (DefaultInterval when zero), which also copes
+//     with Kubernetes' atomic swap of a projected volume's ..data symlink.
+//     A reload that fails is logged and the last good SVID stays in use.
+//
+// Both serve the bundle of one trust domain only. CheckSourceChoice is the
+// rule that exactly one of the two is configured. Nothing here writes a
+// certificate or key to disk.
 //
 // On the broker:
 //
-//	src, err := identity.NewFileSource(identity.FileSourceConfig{
-//		CertFile: "/run/spiffe/tls.crt", KeyFile: "/run/spiffe/tls.key",
-//		BundleFile: "/run/spiffe/ca.crt", TrustDomain: td, Log: log,
+//	src, err := identity.NewSource(ctx, identity.SourceConfig{
+//		EndpointSocket: "unix:///run/spire/agent-sockets/spire-agent.sock",
+//		TrustDomain: td, ID: spiffeid.RequireFromPath(td, "/broker"), Log: log,
 //	})
 //	if err != nil { ... }
 //	go src.Run(ctx)

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -39,12 +37,10 @@ type FileSourceConfig struct {
 // keeps up to date, and reloads them when they change. It implements
 // x509svid.Source and x509bundle.Source and is safe for concurrent use.
 type FileSource struct {
+	notifier
 	td     spiffeid.TrustDomain
 	poller *filePoller
 	cur    atomic.Pointer[fileSourceState]
-
-	mu       sync.Mutex
-	onChange []func()
 }
 
 type fileSourceState struct {
@@ -52,10 +48,7 @@ type fileSourceState struct {
 	bundle *x509bundle.Bundle
 }
 
-var (
-	_ x509svid.Source   = (*FileSource)(nil)
-	_ x509bundle.Source = (*FileSource)(nil)
-)
+var _ Source = (*FileSource)(nil)
 
 // NewFileSource loads the files once. It fails when a file cannot be read,
 // the SVID or the bundle is invalid, the key does not match the SVID, or the
@@ -111,25 +104,6 @@ func parseFileSource(cfg FileSourceConfig, certPEM, keyPEM, bundlePEM []byte) (*
 // and bundle stay in use. Run returns nil when ctx is done.
 func (s *FileSource) Run(ctx context.Context) error {
 	return s.poller.run(ctx)
-}
-
-// OnChange registers fn to be called after every reload that swapped in a
-// new SVID or bundle, on the goroutine of Run; fn must not block. The broker
-// uses it to verify its agents' streams against a bundle that may have
-// dropped a CA.
-func (s *FileSource) OnChange(fn func()) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.onChange = append(s.onChange, fn)
-}
-
-func (s *FileSource) changed() {
-	s.mu.Lock()
-	fns := slices.Clone(s.onChange)
-	s.mu.Unlock()
-	for _, fn := range fns {
-		fn()
-	}
 }
 
 // GetX509SVID returns the current X.509-SVID. Callers must not modify it.

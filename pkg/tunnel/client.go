@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
@@ -79,6 +80,11 @@ type ClientConfig struct {
 	// Keepalive is the interval of HTTP/2 pings on an idle connection.
 	// Default 30s.
 	Keepalive time.Duration
+	// DrainQuiet is how long a stream being drained after a rotation (see
+	// Rotate) must go without a request in flight or a new one before the
+	// Client closes it; a drained stream closes at the latest MintTimeout
+	// after that. Default 1s.
+	DrainQuiet time.Duration
 	// DialOptions are appended to the client's own; tests use them to dial
 	// in memory.
 	DialOptions []grpc.DialOption
@@ -93,6 +99,8 @@ const agentIDAnnotation = "credbroker.io/agent-spiffe-id"
 // Client is the agent side of AgentTunnel for one broker address.
 type Client struct {
 	cfg       ClientConfig
+	instance  string        // sent in instanceHeader on every stream
+	rotate    chan struct{} // Rotate's signal to Run
 	connected chan struct{} // closed the first time a stream is admitted
 	once      sync.Once
 }
@@ -123,7 +131,23 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.Keepalive <= 0 {
 		cfg.Keepalive = 30 * time.Second
 	}
-	return &Client{cfg: cfg, connected: make(chan struct{})}, nil
+	if cfg.DrainQuiet <= 0 {
+		cfg.DrainQuiet = time.Second
+	}
+	return &Client{cfg: cfg, instance: newCorrelationID(), rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
+}
+
+// Rotate tells the Client that the SVID that Credentials presents has
+// changed. Run opens a stream over a new connection, whose handshake
+// presents the new SVID, and once the broker admits it, drains the old
+// stream: the broker sends new requests down the newest stream of an agent
+// (instanceHeader), and the old one closes once it has answered those it
+// holds. It does not block.
+func (c *Client) Rotate() {
+	select {
+	case c.rotate <- struct{}{}:
+	default:
+	}
 }
 
 // Connected is closed once the broker has admitted a stream.
@@ -132,8 +156,10 @@ func (c *Client) Connected() <-chan struct{} { return c.connected }
 // Run keeps a stream to the broker open until ctx ends, and then returns nil.
 // It reconnects after every failure, each time over a new connection, so
 // that the TLS handshake presents the SVID that Credentials holds then: a
-// broker ends a stream when the SVID it was opened with expires. Run returns
-// an error only when the connection cannot be set up at all.
+// broker ends a stream when the SVID it was opened with expires. After
+// Rotate, it opens the next stream before it drains the current one, so
+// the agent is never without a stream. Run returns an error only when the
+// connection cannot be set up at all.
 func (c *Client) Run(ctx context.Context) error {
 	opts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(c.cfg.Credentials),
@@ -145,36 +171,127 @@ func (c *Client) Run(ctx context.Context) error {
 	}, c.cfg.DialOptions...)
 	log := c.cfg.Log.WithValues("broker", c.cfg.Address)
 
-	backoff := c.cfg.InitialBackoff
-	for {
+	var all sync.WaitGroup
+	defer all.Wait()
+	start := func() (*generation, error) {
 		conn, err := grpc.NewClient(c.cfg.Address, opts...)
 		if err != nil {
-			return fmt.Errorf("tunnel: broker %s: %w", c.cfg.Address, err)
+			return nil, fmt.Errorf("tunnel: broker %s: %w", c.cfg.Address, err)
 		}
-		admitted, err := c.serve(ctx, pb.NewAgentTunnelClient(conn), log)
-		_ = conn.Close()
-		if ctx.Err() != nil {
-			return nil
+		g := &generation{admitted: make(chan struct{}), drain: make(chan struct{}), done: make(chan struct{})}
+		all.Go(func() {
+			defer close(g.done)
+			g.wasAdmitted, g.err = c.serve(ctx, pb.NewAgentTunnelClient(conn), log, func() { close(g.admitted) }, g.drain)
+			_ = conn.Close()
+		})
+		return g, nil
+	}
+	jitter := func(d time.Duration) time.Duration { return d/2 + rand.N(d/2+1) }
+
+	backoff := c.cfg.InitialBackoff
+	cur, err := start()
+	if err != nil {
+		return err
+	}
+	var (
+		next          *generation      // the stream opened after a rotation, until admitted
+		reconnect     <-chan time.Time // when cur is nil: the end of the backoff
+		retryRotation <-chan time.Time // after a rotated stream failed
+		rotating      bool             // a rotation waits for cur's admission
+	)
+	for {
+		if rotating && next == nil && retryRotation == nil && cur != nil && cur.isAdmitted() {
+			rotating = false
+			if next, err = start(); err != nil {
+				return err
+			}
+			log.Info("SVID rotated; opening a stream with it before draining the old one")
 		}
-		if admitted {
-			backoff = c.cfg.InitialBackoff
+		var curAdmitted, curDone, nextAdmitted, nextDone <-chan struct{}
+		if cur != nil {
+			curDone = cur.done
+			if !cur.seen {
+				curAdmitted = cur.admitted
+			}
 		}
-		wait := backoff/2 + rand.N(backoff/2+1)
-		log.Info("broker stream ended; reconnecting", "reason", errString(err), "after", wait.String())
+		if next != nil {
+			nextAdmitted, nextDone = next.admitted, next.done
+		}
 		select {
-		case <-time.After(wait):
 		case <-ctx.Done():
 			return nil
+		case <-c.rotate:
+			rotating = true
+		case <-curAdmitted:
+			cur.seen, backoff = true, c.cfg.InitialBackoff
+		case <-nextAdmitted:
+			if cur != nil {
+				log.Info("draining the stream of the old SVID")
+				close(cur.drain)
+			}
+			cur, next = next, nil
+			cur.seen, backoff = true, c.cfg.InitialBackoff
+		case <-nextDone:
+			wait := jitter(backoff)
+			log.Info("stream with the rotated SVID failed; keeping the old one and trying again", "reason", errString(next.err), "after", wait.String())
+			next, retryRotation = nil, time.After(wait)
+			backoff = min(2*backoff, c.cfg.MaxBackoff)
+		case <-retryRotation:
+			retryRotation, rotating = nil, true
+		case <-curDone:
+			if cur.wasAdmitted {
+				backoff = c.cfg.InitialBackoff
+			}
+			if next != nil {
+				cur, next = next, nil
+				continue
+			}
+			wait := jitter(backoff)
+			log.Info("broker stream ended; reconnecting", "reason", errString(cur.err), "after", wait.String())
+			cur, reconnect = nil, time.After(wait)
+			backoff = min(2*backoff, c.cfg.MaxBackoff)
+		case <-reconnect:
+			reconnect, rotating = nil, false // a new connection presents the SVID of now
+			if cur, err = start(); err != nil {
+				return err
+			}
 		}
-		backoff = min(2*backoff, c.cfg.MaxBackoff)
 	}
 }
 
+// generation is one connection and its stream.
+type generation struct {
+	admitted chan struct{} // closed when the broker admits the stream
+	drain    chan struct{} // closed to drain the stream
+	done     chan struct{} // closed when the stream has ended
+	seen     bool          // Run has seen admitted closed
+
+	// Set before done is closed.
+	wasAdmitted bool
+	err         error
+}
+
+func (g *generation) isAdmitted() bool {
+	select {
+	case <-g.admitted:
+		return true
+	default:
+		return false
+	}
+}
+
+// errDrained ends a stream drained after a rotation.
+var errDrained = errors.New("drained after the SVID rotated")
+
 // serve runs one stream until it fails. admitted reports whether the broker
 // accepted the stream before it ended.
-func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log logr.Logger) (admitted bool, err error) {
+// It calls onAdmitted once the broker admits the stream. Once drain is
+// closed, it ends the stream when no request has been in flight or arrived
+// for DrainQuiet, or at the latest MintTimeout after that, with errDrained.
+func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log logr.Logger, onAdmitted func(), drain <-chan struct{}) (admitted bool, err error) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
+	ctx = metadata.AppendToOutgoingContext(ctx, instanceHeader, c.instance)
 	// Subscribe before Snapshot: an update in between is sent twice rather
 	// than lost.
 	updates, unsubscribe := c.subscribe(cancel, log)
@@ -214,12 +331,15 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	log.Info("connected to broker", "cluster", cluster, "grants", len(hello.GetGrants())+grantCount(rest))
 	ctx = context.WithValue(ctx, admittedKey{}, admission{cluster: cluster, uid: first(md.Get(admittedUIDHeader))})
 	c.once.Do(func() { close(c.connected) })
+	onAdmitted()
 
 	var (
 		sendMu   sync.Mutex
 		inFlight = make(chan struct{}, c.cfg.MaxInFlight)
 		wg       sync.WaitGroup
+		lastReq  atomic.Int64 // unix nanoseconds of the last request received
 	)
+	wg.Go(func() { c.drainWhenTold(ctx, cancel, drain, inFlight, &lastReq) })
 	defer func() {
 		cancel(nil) // in-flight requests stop with the stream
 		wg.Wait()
@@ -250,6 +370,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		default:
 			continue // a frame this agent does not know; newer brokers may send them
 		}
+		lastReq.Store(time.Now().UnixNano())
 		select {
 		case inFlight <- struct{}{}:
 		case <-ctx.Done():
@@ -275,10 +396,38 @@ var errGrantQueueFull = errors.New("grant updates overflowed the stream's queue;
 
 // causeOf returns why ctx ended, if the Client ended it, or else err.
 func causeOf(ctx context.Context, err error) error {
-	if cause := context.Cause(ctx); errors.Is(cause, errGrantQueueFull) {
+	if cause := context.Cause(ctx); errors.Is(cause, errGrantQueueFull) || errors.Is(cause, errDrained) {
 		return cause
 	}
 	return err
+}
+
+// drainWhenTold waits for drain to close, then ends the stream with
+// errDrained once no request is in flight and none arrived for DrainQuiet,
+// or MintTimeout after DrainQuiet at the latest. The broker sends no new
+// request down a stream it knows to be replaced, but one it sent just
+// before is still answered.
+func (c *Client) drainWhenTold(ctx context.Context, end context.CancelCauseFunc, drain <-chan struct{}, inFlight chan struct{}, lastReq *atomic.Int64) {
+	select {
+	case <-drain:
+	case <-ctx.Done():
+		return
+	}
+	began := time.Now()
+	tick := time.NewTicker(c.cfg.DrainQuiet / 10)
+	defer tick.Stop()
+	for {
+		quiet := time.Since(time.Unix(0, max(lastReq.Load(), began.UnixNano())))
+		if (len(inFlight) == 0 && quiet >= c.cfg.DrainQuiet) || time.Since(began) >= c.cfg.DrainQuiet+c.cfg.MintTimeout {
+			end(errDrained)
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
 }
 
 // subscribe subscribes to the agent's grant updates for one stream, in a

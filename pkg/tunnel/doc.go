@@ -40,5 +40,13 @@
 //	c, err := tunnel.NewClient(tunnel.ClientConfig{Address: addr, Credentials: creds, Minter: m, Cluster: "fleet/east-1"})
 //	err = c.Run(ctx)
 //
+// When the agent's SVID rotates, it calls Client.Rotate: the Client opens a
+// stream over a new connection (a handshake with the new SVID) and, once
+// the broker admits it, drains the old one, which closes when it has held
+// no request for DrainQuiet. Every stream of a Client names the Client in a
+// request header; of the live streams of one agent SPIFFE ID and Client,
+// the Server sends new requests down the newest only, and a request whose
+// stream closes under it goes to another stream live then.
+//
 // The package knows nothing of consumers, Kubernetes clients or minting.
 package tunnel

@@ -46,6 +46,14 @@ const (
 	admittedUIDHeader = "credbroker-cluster-uid"
 )
 
+// instanceHeader is the request header in which an agent's Client names
+// itself: a random value that it keeps for all its streams to one broker.
+// Of the live streams of one agent SPIFFE ID and instance, the broker sends
+// new requests down the newest only, so that an agent whose SVID rotated
+// can open a stream with the new SVID and drain the old one. An agent can
+// so divert work only from streams of its own SPIFFE ID.
+const instanceHeader = "credbroker-agent-instance"
+
 // Resolver maps an agent's SPIFFE ID to the one ClusterProfile it may serve.
 type Resolver interface {
 	ResolveAgent(id spiffeid.ID) (ClusterRef, error)
@@ -137,12 +145,13 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 
 // session is one live Connect stream.
 type session struct {
-	agent   spiffeid.ID
-	chain   []*x509.Certificate // the agent's SVID, leaf first
-	cluster ClusterRef
-	out     chan *pb.BrokerFrame
-	ctx     context.Context
-	cancel  context.CancelCauseFunc
+	agent    spiffeid.ID
+	instance string              // the agent's instanceHeader; empty when it sent none
+	chain    []*x509.Certificate // the agent's SVID, leaf first
+	cluster  ClusterRef
+	out      chan *pb.BrokerFrame
+	ctx      context.Context
+	cancel   context.CancelCauseFunc
 
 	mu      sync.Mutex
 	pending map[string]chan *pb.AgentFrame
@@ -183,23 +192,25 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		log.Info("agent refused", "reason", err.Error())
 		return errdefs.ToStatus(err).Err()
 	}
-	// Headers tell the agent it was admitted.
-	if err := stream.SendHeader(metadata.Pairs(admittedHeader, cluster.String(), admittedUIDHeader, string(cluster.UID))); err != nil {
-		return err
-	}
-
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	sess := &session{
-		agent: id, chain: chain, cluster: cluster,
+		agent: id, instance: instanceOf(ctx), chain: chain, cluster: cluster,
 		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
 		pending: map[string]chan *pb.AgentFrame{},
 	}
+	// The session takes requests before the agent learns it was admitted:
+	// an agent that drains its older stream once this one is admitted finds
+	// the broker already sending new requests here.
 	if err := s.add(sess); err != nil {
 		log.Info("agent refused", "reason", err.Error())
 		return errdefs.ToStatus(err).Err()
 	}
 	defer s.remove(sess)
+	// Headers tell the agent it was admitted.
+	if err := stream.SendHeader(metadata.Pairs(admittedHeader, cluster.String(), admittedUIDHeader, string(cluster.UID))); err != nil {
+		return err
+	}
 	// The ClusterProfile or the trust bundle may have changed while the
 	// hello was awaited, before Revalidate or Reverify could see this
 	// session.
@@ -361,17 +372,47 @@ func (s *Server) remove(sess *session) {
 	}
 }
 
-// live returns the sessions that serve cluster.
+// live returns the sessions that serve cluster and take new requests: of
+// the live sessions of one agent instance, the newest.
 func (s *Server) live(cluster ClusterRef) []*session {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
+	list := s.sessions[cluster.NamespacedName]
 	var out []*session
-	for _, sess := range s.sessions[cluster.NamespacedName] {
-		if sess.cluster.UID == cluster.UID && sess.ctx.Err() == nil {
-			out = append(out, sess)
+	newest := map[agentInstance]bool{}
+	for i := len(list) - 1; i >= 0; i-- { // newest first
+		sess := list[i]
+		if sess.cluster.UID != cluster.UID || sess.ctx.Err() != nil {
+			continue
 		}
+		if sess.instance != "" {
+			key := agentInstance{sess.agent, sess.instance}
+			if newest[key] {
+				continue // draining: a newer stream of the agent takes its requests
+			}
+			newest[key] = true
+		}
+		out = append(out, sess)
 	}
+	slices.Reverse(out)
 	return out
+}
+
+// agentInstance names one agent's Client: its SPIFFE ID and instanceHeader.
+type agentInstance struct {
+	id       spiffeid.ID
+	instance string
+}
+
+// instanceOf returns the instanceHeader of an agent's stream, if it sent a
+// usable one.
+func instanceOf(ctx context.Context) string {
+	md, _ := metadata.FromIncomingContext(ctx)
+	v := md.Get(instanceHeader)
+	if len(v) != 1 || len(v[0]) == 0 || len(v[0]) > 64 {
+		return ""
+	}
+	return v[0]
 }
 
 // Connected reports how many live sessions serve cluster.
@@ -489,7 +530,7 @@ func batches(ids []string, n, size int) [][]string {
 
 // call sends req down one live session of cluster, round robin, and reads
 // the answer with answer. A stream that closes under the request hands it
-// to the next one. The whole call is bounded by MintTimeout. observe sees
+// to another live one, of those live then. The whole call is bounded by MintTimeout. observe sees
 // every call that found a session.
 func call[T any](s *Server, ctx context.Context, cluster ClusterRef, req *pb.BrokerFrame,
 	answer func(*pb.AgentFrame) (T, error), observe func(time.Time, error)) (T, error) {
@@ -506,11 +547,26 @@ func call[T any](s *Server, ctx context.Context, cluster ClusterRef, req *pb.Bro
 		err error
 	)
 	first := s.next.Add(1)
-	for i := range uint64(len(sessions)) {
-		f, err = sessions[(first+i)%uint64(len(sessions))].request(ctx, req)
+	tried := map[*session]bool{}
+	for {
+		var sess *session
+		for i := range uint64(len(sessions)) {
+			if c := sessions[(first+i)%uint64(len(sessions))]; !tried[c] {
+				sess = c
+				break
+			}
+		}
+		if sess == nil {
+			break // err is the last stream's errStreamClosed
+		}
+		tried[sess] = true
+		f, err = sess.request(ctx, req)
 		if !errors.Is(err, errStreamClosed) {
 			break
 		}
+		// The sessions of the cluster now, which may include a stream
+		// opened since, such as the one that replaced a drained stream.
+		sessions = s.live(cluster)
 	}
 	var v T
 	if err == nil {

@@ -54,6 +54,10 @@ type DeploymentOptions struct {
 	Replicas int
 	// Tune, when set, changes the brokers' config before they start.
 	Tune func(*broker.Config)
+	// SPIFFEEndpointSocket, when set, is the brokers' SPIFFE Workload API
+	// (--spiffe-endpoint-socket), which must serve spiffe://<TrustDomain>/broker,
+	// instead of SVID files from the deployment's CA.
+	SPIFFEEndpointSocket string
 }
 
 // Deployment is credbroker running in-process over an Env: a broker
@@ -79,6 +83,9 @@ type Deployment struct {
 	wg     sync.WaitGroup
 	mu     sync.Mutex
 	errs   []error
+
+	// tlsCert and tlsKey are the brokers' exchange port certificate files.
+	tlsCert, tlsKey string
 }
 
 // StartDeployment starts a broker against env's hub and creates, on the hub,
@@ -109,7 +116,12 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	cfg := broker.Default()
 	cfg.ExchangeAddress, cfg.AgentAddress, cfg.MetricsAddress = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	cfg.TLSCertFile, cfg.TLSKeyFile = tlsCert, tlsKey
-	cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = svidCert, svidKey, d.CAFile
+	d.tlsCert, d.tlsKey = tlsCert, tlsKey
+	if opts.SPIFFEEndpointSocket != "" {
+		cfg.SPIFFEEndpointSocket = opts.SPIFFEEndpointSocket
+	} else {
+		cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = svidCert, svidKey, d.CAFile
+	}
 	cfg.TrustDomain = ca.TrustDomain()
 	cfg.Hub = env.Hub.Config
 	cfg.Log, cfg.Audit = opts.Log.WithName("broker"), opts.Audit
@@ -171,6 +183,34 @@ func (d *Deployment) WriteAgentSVID(spoke *Cluster, id string, ca *testpki.CA, t
 	return ca.WriteSVIDFor(dir, id, ttl)
 }
 
+// BrokerID is the SPIFFE ID of the brokers.
+func BrokerID() string { return "spiffe://" + TrustDomain + "/broker" }
+
+// WriteBrokerSVID issues the brokers an SVID from the deployment's CA, valid
+// for ttl, and writes it over the files they read theirs from: they load it
+// at their next file check (broker.Config.FileCheckInterval).
+func (d *Deployment) WriteBrokerSVID(ttl time.Duration) error {
+	_, _, err := d.CA.WriteSVIDFor(d.dir, BrokerID(), ttl)
+	return err
+}
+
+// WriteBrokerServing issues the brokers' exchange port a serving certificate
+// for 127.0.0.1 and localhost from the deployment's CA, valid for ttl, and
+// writes it over the files they read theirs from, like WriteBrokerSVID.
+func (d *Deployment) WriteBrokerServing(ttl time.Duration) error {
+	certPEM, keyPEM, err := d.CA.IssueServing([]string{"127.0.0.1", "localhost"}, ttl)
+	if err != nil {
+		return err
+	}
+	// The key first: a poll between the two writes sees a mismatched pair,
+	// logs it and keeps the old one, rather than a new key for an old
+	// certificate that would still verify.
+	if err := testpki.WriteFileAtomic(d.tlsKey, keyPEM, 0o600); err != nil {
+		return err
+	}
+	return testpki.WriteFileAtomic(d.tlsCert, certPEM, 0o644)
+}
+
 // AgentOptions configure StartAgentWith.
 type AgentOptions struct {
 	// ID is the SPIFFE ID of the agent's SVID; required.
@@ -195,6 +235,13 @@ type AgentOptions struct {
 	CollectInterval time.Duration
 	// Clock times the agent's grant expiry. Nil: the real clock.
 	Clock clock.WithTickerAndDelayedExecution
+	// SPIFFEEndpointSocket, when set, is the agent's SPIFFE Workload API
+	// (--spiffe-endpoint-socket), which must serve an SVID for ID; SVIDTTL
+	// and CA are then unused.
+	SPIFFEEndpointSocket string
+	// FileCheckInterval is how often the agent reads its SVID files. Zero:
+	// the default.
+	FileCheckInterval time.Duration
 	// KeepGrants leaves the grants of the agent's ClusterProfile in place
 	// when it stops. By default they are revoked first, through the first
 	// broker replica, so that no test leaves tokens on a spoke that no agent
@@ -226,17 +273,28 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	if ca == nil {
 		ca = d.CA
 	}
-	cert, key, err := d.WriteAgentSVID(spoke, id, ca, ttl)
-	if err != nil {
-		return nil, err
-	}
 	cfg := agent.Default()
+	if opts.SPIFFEEndpointSocket != "" {
+		cfg.SPIFFEEndpointSocket = opts.SPIFFEEndpointSocket
+		// One test process may be served the SVIDs of every agent.
+		if cfg.SPIFFEID, err = spiffeid.FromString(id); err != nil {
+			return nil, err
+		}
+	} else {
+		cert, key, err := d.WriteAgentSVID(spoke, id, ca, ttl)
+		if err != nil {
+			return nil, err
+		}
+		cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = cert, key, d.CAFile
+	}
+	if opts.FileCheckInterval != 0 {
+		cfg.FileCheckInterval = opts.FileCheckInterval
+	}
 	for _, b := range d.Brokers {
 		cfg.BrokerAddresses = append(cfg.BrokerAddresses, b.AgentAddr())
 	}
 	cfg.TrustDomain = d.CA.TrustDomain()
 	cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
-	cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = cert, key, d.CAFile
 	cfg.Spoke = spoke.TokenConfig(tok)
 	cfg.InitialBackoff, cfg.MaxBackoff = 50*time.Millisecond, time.Second
 	cfg.Log = d.opts.Log.WithName("agent").WithValues("spoke", spoke.Name)

@@ -1,0 +1,167 @@
+package identity_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/credbroker/credbroker/internal/fakeworkload"
+	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/pkg/identity"
+)
+
+func startWorkloadAPI(t *testing.T) *fakeworkload.Server {
+	t.Helper()
+	api, err := fakeworkload.Start()
+	require.NoError(t, err)
+	t.Cleanup(api.Stop)
+	return api
+}
+
+func issue(t *testing.T, ca *testpki.CA, id string) fakeworkload.SVID {
+	t.Helper()
+	cert, key, err := ca.IssueSVID(id, time.Hour)
+	require.NoError(t, err)
+	return fakeworkload.SVID{CertPEM: cert, KeyPEM: key}
+}
+
+func newWorkloadSource(t *testing.T, api *fakeworkload.Server, id spiffeid.ID, log *logRecorder) (*identity.WorkloadSource, error) {
+	t.Helper()
+	cfg := identity.WorkloadSourceConfig{Address: api.Addr(), TrustDomain: td, ID: id, Wait: 5 * time.Second}
+	if log != nil {
+		cfg.Log = log.logger()
+	}
+	src, err := identity.NewWorkloadSource(context.Background(), cfg)
+	if err == nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			_ = src.Run(ctx)
+		}()
+		t.Cleanup(func() { cancel(); <-done })
+	}
+	return src, err
+}
+
+// Attack: the Workload API serves this process an SVID for another ID
+// than the one it must have (SPIRE serves every entry whose selectors match,
+// so a broker's pod can be handed an agent's identity, or the reverse). The
+// source must not present it.
+func TestWorkloadSourceRefusesAnotherID(t *testing.T) {
+	ca := newCA(t, td.Name())
+	other := "spiffe://" + td.Name() + "/clusterprofile/fleet/other"
+	tests := []struct {
+		name    string
+		served  []string
+		want    string
+		wantErr string
+	}{
+		{name: "only another ID", served: []string{other}, wantErr: "serves no X.509-SVID for " + brokerID + "; it serves [" + other + "]"},
+		{name: "another ID first", served: []string{other, brokerID}, want: brokerID},
+		{name: "another trust domain", served: []string{"spiffe://elsewhere.test/broker"}, wantErr: "serves no X.509-SVID for " + brokerID},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			api := startWorkloadAPI(t)
+			var svids []fakeworkload.SVID
+			for _, id := range tt.served {
+				svids = append(svids, issue(t, ca, id))
+			}
+			require.NoError(t, api.Set(ca.BundlePEM(), svids...))
+			src, err := newWorkloadSource(t, api, spiffeid.RequireFromString(brokerID), nil)
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			svid, err := src.GetX509SVID()
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, svid.ID.String())
+		})
+	}
+}
+
+// Attack: after the process has its SVID, the Workload API rotates it to
+// one for another ID. The source keeps the SVID it has, and says why.
+func TestWorkloadSourceKeepsItsIDOnRotation(t *testing.T) {
+	ca := newCA(t, td.Name())
+	api := startWorkloadAPI(t)
+	require.NoError(t, api.Set(ca.BundlePEM(), issue(t, ca, brokerID)))
+	log := &logRecorder{}
+	src, err := newWorkloadSource(t, api, spiffeid.RequireFromString(brokerID), log)
+	require.NoError(t, err)
+	first, err := src.GetX509SVID()
+	require.NoError(t, err)
+
+	require.NoError(t, api.Set(ca.BundlePEM(), issue(t, ca, "spiffe://"+td.Name()+"/clusterprofile/fleet/other")))
+	waitForError(t, log, "serves no X.509-SVID for "+brokerID)
+	svid, err := src.GetX509SVID()
+	require.NoError(t, err)
+	assert.Same(t, first, svid, "the source keeps the SVID of its own ID")
+}
+
+// Without an expected ID the source takes the first SVID of its trust
+// domain.
+func TestWorkloadSourceWithoutID(t *testing.T) {
+	ca := newCA(t, td.Name())
+	api := startWorkloadAPI(t)
+	agent := "spiffe://" + td.Name() + "/clusterprofile/fleet/east"
+	require.NoError(t, api.Set(ca.BundlePEM(), issue(t, ca, "spiffe://elsewhere.test/x"), issue(t, ca, agent)))
+	src, err := newWorkloadSource(t, api, spiffeid.ID{}, nil)
+	require.NoError(t, err)
+	svid, err := src.GetX509SVID()
+	require.NoError(t, err)
+	assert.Equal(t, agent, svid.ID.String())
+}
+
+// A rotation pushed by the Workload API reaches GetX509SVID, OnChange and
+// SVIDChanges; the bundle of another trust domain is never served.
+func TestWorkloadSourceRotation(t *testing.T) {
+	ca := newCA(t, td.Name())
+	api := startWorkloadAPI(t)
+	require.NoError(t, api.Set(ca.BundlePEM(), issue(t, ca, brokerID)))
+	src, err := newWorkloadSource(t, api, spiffeid.RequireFromString(brokerID), nil)
+	require.NoError(t, err)
+	var changes, rotations atomic.Int32
+	src.OnChange(func() { changes.Add(1) })
+	identity.SVIDChanges(src, func(*x509svid.SVID) { rotations.Add(1) })
+	first, err := src.GetX509SVID()
+	require.NoError(t, err)
+
+	require.NoError(t, api.Set(ca.BundlePEM(), issue(t, ca, brokerID)))
+	require.Eventually(t, func() bool { return rotations.Load() == 1 }, 5*time.Second, pollInterval)
+	assert.GreaterOrEqual(t, changes.Load(), int32(1))
+	svid, err := src.GetX509SVID()
+	require.NoError(t, err)
+	assert.NotEqual(t, first.Certificates[0].SerialNumber, svid.Certificates[0].SerialNumber)
+
+	bundle, err := src.GetX509BundleForTrustDomain(td)
+	require.NoError(t, err)
+	assert.True(t, bundle.HasX509Authority(ca.Certificate()))
+	_, err = src.GetX509BundleForTrustDomain(spiffeid.RequireTrustDomainFromString("elsewhere.test"))
+	require.Error(t, err)
+}
+
+// No answer from the Workload API: NewWorkloadSource gives up after Wait
+// with an error that says where it looked.
+func TestWorkloadSourceNoAnswer(t *testing.T) {
+	api := startWorkloadAPI(t)
+	_, err := identity.NewWorkloadSource(context.Background(), identity.WorkloadSourceConfig{
+		Address: api.Addr(), TrustDomain: td, Wait: 200 * time.Millisecond,
+	})
+	require.ErrorContains(t, err, "no X.509-SVID from the Workload API at "+api.Addr()+" within 200ms")
+}
+
+func TestNewSourceNeedsOneKind(t *testing.T) {
+	_, err := identity.NewSource(context.Background(), identity.SourceConfig{
+		CertFile: "c", EndpointSocket: "unix:///x.sock", TrustDomain: td,
+	})
+	require.ErrorContains(t, err, "either the Workload API socket or the SVID and bundle files, not both")
+}
