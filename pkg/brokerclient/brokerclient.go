@@ -37,15 +37,37 @@ func ValidateAddress(addr string) error {
 	return nil
 }
 
+// serviceConfig spreads calls over every address the broker's name resolves
+// to (a headless Service names every replica) and retries a call once when
+// it fails with Unavailable, as it does while a replica drains or restarts:
+// gRPC sends the retry to another replica when there is one. Every call of
+// the broker's services may be repeated: an exchange mints or serves a
+// token, a list reads, and a revoke of what is gone already succeeds.
+const serviceConfig = `{
+  "loadBalancingConfig": [{"round_robin": {}}],
+  "methodConfig": [{
+    "name": [{"service": "credbroker.v1alpha1.TokenExchange"}, {"service": "credbroker.v1alpha1.Grants"}],
+    "retryPolicy": {
+      "maxAttempts": 2,
+      "initialBackoff": "0.1s",
+      "maxBackoff": "1s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+}`
+
 // Dial returns a client connection to the broker at address (host:port)
 // over creds; it connects lazily, on the first call. The dns scheme is
 // explicit so that a host name is never taken for a URL scheme
-// ("broker:443").
+// ("broker:443"). Calls go round robin over the addresses the name
+// resolves to, and a call that fails with Unavailable is tried once more.
 func Dial(address string, creds credentials.TransportCredentials, userAgent string) (*grpc.ClientConn, error) {
 	if err := ValidateAddress(address); err != nil {
 		return nil, err
 	}
-	conn, err := grpc.NewClient("dns:///"+address, grpc.WithTransportCredentials(creds), grpc.WithUserAgent(userAgent))
+	conn, err := grpc.NewClient("dns:///"+address, grpc.WithTransportCredentials(creds), grpc.WithUserAgent(userAgent),
+		grpc.WithDefaultServiceConfig(serviceConfig))
 	if err != nil {
 		return nil, fmt.Errorf("broker %s: %w", address, err)
 	}
