@@ -79,6 +79,13 @@ type ClientConfig struct {
 	// Keepalive is the interval of HTTP/2 pings on an idle connection.
 	// Default 30s.
 	Keepalive time.Duration
+	// DrainTimeout bounds how long a stream that is leaving waits for its
+	// requests in flight. Default 15s.
+	DrainTimeout time.Duration
+	// Serving, when set, is called with true when the broker admits a
+	// stream, and with false once that stream stops serving: the broker
+	// said it drains, or the stream ended.
+	Serving func(bool)
 	// DialOptions are appended to the client's own; tests use them to dial
 	// in memory.
 	DialOptions []grpc.DialOption
@@ -123,13 +130,18 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.Keepalive <= 0 {
 		cfg.Keepalive = 30 * time.Second
 	}
+	if cfg.DrainTimeout <= 0 {
+		cfg.DrainTimeout = 15 * time.Second
+	}
 	return &Client{cfg: cfg, connected: make(chan struct{})}, nil
 }
 
 // Connected is closed once the broker has admitted a stream.
 func (c *Client) Connected() <-chan struct{} { return c.connected }
 
-// Run keeps a stream to the broker open until ctx ends, and then returns nil.
+// Run keeps a stream to the broker open until ctx ends, and then returns nil
+// once the stream has said goodbye and answered its requests in flight
+// (within DrainTimeout).
 // It reconnects after every failure, each time over a new connection, so
 // that the TLS handshake presents the SVID that Credentials holds then: a
 // broker ends a stream when the SVID it was opened with expires. Run returns
@@ -170,11 +182,17 @@ func (c *Client) Run(ctx context.Context) error {
 	}
 }
 
-// serve runs one stream until it fails. admitted reports whether the broker
-// accepted the stream before it ended.
+// serve runs one stream until it fails, or until ctx ends and the stream
+// has said goodbye (see leave). admitted reports whether the broker accepted
+// the stream before it ended.
 func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log logr.Logger) (admitted bool, err error) {
-	ctx, cancel := context.WithCancelCause(ctx)
+	leave := ctx
+	// The stream outlives ctx by its goodbye; until the broker admits it,
+	// there is nothing to finish.
+	ctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	defer cancel(nil)
+	stopBeforeAdmission := context.AfterFunc(leave, func() { cancel(context.Canceled) })
+	defer stopBeforeAdmission()
 	// Subscribe before Snapshot: an update in between is sent twice rather
 	// than lost.
 	updates, unsubscribe := c.subscribe(cancel, log)
@@ -214,6 +232,11 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	log.Info("connected to broker", "cluster", cluster, "grants", len(hello.GetGrants())+grantCount(rest))
 	ctx = context.WithValue(ctx, admittedKey{}, admission{cluster: cluster, uid: first(md.Get(admittedUIDHeader))})
 	c.once.Do(func() { close(c.connected) })
+	if !stopBeforeAdmission() {
+		return true, context.Canceled // leave ended before the admission
+	}
+	notServing := c.serving()
+	defer notServing()
 
 	var (
 		sendMu   sync.Mutex
@@ -231,9 +254,22 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 			log.Info("frame not sent", "correlationID", f.GetCorrelationId(), "err", err.Error())
 		}
 	}
+	closeSend := func() {
+		sendMu.Lock()
+		defer sendMu.Unlock()
+		_ = stream.CloseSend()
+	}
 	if updates != nil {
 		wg.Go(func() { sendGrantUpdates(ctx, rest, updates, send) })
 	}
+	wg.Go(func() {
+		select {
+		case <-leave.Done():
+			notServing()
+			c.leave(ctx, cancel, send, closeSend, inFlight, log)
+		case <-ctx.Done():
+		}
+	})
 	for {
 		f, err := stream.Recv()
 		if err != nil {
@@ -247,6 +283,12 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 			handle = func(ctx context.Context) *pb.AgentFrame {
 				return c.revoke(ctx, f.GetCorrelationId(), body.RevokeRequest)
 			}
+		case *pb.BrokerFrame_Drain:
+			// The broker still sends the requests of its exchanges in
+			// flight, and closes the stream when they are done.
+			log.Info("broker is draining; serving its last requests until it closes the stream")
+			notServing()
+			continue
 		default:
 			continue // a frame this agent does not know; newer brokers may send them
 		}

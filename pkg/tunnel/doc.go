@@ -40,5 +40,16 @@
 //	c, err := tunnel.NewClient(tunnel.ClientConfig{Address: addr, Credentials: creds, Minter: m, Cluster: "fleet/east-1"})
 //	err = c.Run(ctx)
 //
+// Draining: Server.Drain tells every stream, with a Drain frame, that the
+// broker replica is shutting down, and refuses new streams (Unavailable);
+// the streams still carry the requests of the exchanges in flight until
+// Server.Close ends them. A Client whose Run context ends says goodbye (a
+// Goodbye frame), answers its requests in flight within
+// ClientConfig.DrainTimeout, and half-closes the stream; from the goodbye on,
+// the Server sends nothing new down that stream and counts it no more
+// (Connected), so mints go to the cluster's other streams, or are
+// Unavailable at once when there is none. ClientConfig.Serving learns when a
+// stream starts and stops serving, which the agent's readiness counts.
+//
 // The package knows nothing of consumers, Kubernetes clients or minting.
 package tunnel

@@ -68,7 +68,8 @@ type ServerConfig struct {
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
 	// MaxStreamsPerCluster bounds the streams one cluster's agents may hold
-	// to this broker; more are refused with ResourceExhausted. Default 64.
+	// to this broker; more are refused with ResourceExhausted. Default 256:
+	// a DaemonSet of agents holds one stream per node to every replica.
 	MaxStreamsPerCluster int
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
@@ -108,6 +109,7 @@ type Server struct {
 
 	mu       sync.RWMutex
 	sessions map[types.NamespacedName][]*session
+	draining bool // set by Drain and Close; no stream is admitted after
 }
 
 var _ pb.AgentTunnelServer = (*Server)(nil)
@@ -127,7 +129,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.HelloTimeout = 10 * time.Second
 	}
 	if cfg.MaxStreamsPerCluster <= 0 {
-		cfg.MaxStreamsPerCluster = 64
+		cfg.MaxStreamsPerCluster = 256
 	}
 	if cfg.Grants == nil {
 		cfg.Grants = noGrants{}
@@ -146,6 +148,11 @@ type session struct {
 
 	mu      sync.Mutex
 	pending map[string]chan *pb.AgentFrame
+
+	// leaving is set when the agent says goodbye: no new request goes down
+	// the stream, and the agent closes it once it has answered those in
+	// flight.
+	leaving atomic.Bool
 }
 
 // Connect serves one agent stream until the agent leaves, the stream breaks,
@@ -316,6 +323,11 @@ func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.B
 			grants.Update(sess.ctx, sess.cluster, u)
 			continue
 		}
+		if f.GetGoodbye() != nil && f.GetCorrelationId() == "" {
+			sess.leaving.Store(true)
+			log.Info("agent is leaving; no new request goes down its stream")
+			continue
+		}
 		sess.mu.Lock()
 		ch, ok := sess.pending[f.GetCorrelationId()]
 		delete(sess.pending, f.GetCorrelationId())
@@ -336,6 +348,9 @@ func (s *Server) add(sess *session) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	key := sess.cluster.NamespacedName
+	if s.draining {
+		return errDraining
+	}
 	if n := len(s.sessions[key]); n >= s.cfg.MaxStreamsPerCluster {
 		return fmt.Errorf("cluster %s already has %d agent streams to this broker: %w", sess.cluster, n, errdefs.ErrResourceExhausted)
 	}
@@ -361,13 +376,14 @@ func (s *Server) remove(sess *session) {
 	}
 }
 
-// live returns the sessions that serve cluster.
+// live returns the sessions that serve cluster: open, and whose agent has
+// not said goodbye.
 func (s *Server) live(cluster ClusterRef) []*session {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	var out []*session
 	for _, sess := range s.sessions[cluster.NamespacedName] {
-		if sess.cluster.UID == cluster.UID && sess.ctx.Err() == nil {
+		if sess.cluster.UID == cluster.UID && sess.ctx.Err() == nil && !sess.isLeaving() {
 			out = append(out, sess)
 		}
 	}
