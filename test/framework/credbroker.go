@@ -239,6 +239,7 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	cfg.SVIDCertFile, cfg.SVIDKeyFile, cfg.TrustBundleFile = cert, key, d.CAFile
 	cfg.Spoke = spoke.TokenConfig(tok)
 	cfg.InitialBackoff, cfg.MaxBackoff = 50*time.Millisecond, time.Second
+	cfg.MetricsAddress, cfg.ShutdownGrace = "127.0.0.1:0", 5*time.Second
 	cfg.Log = d.opts.Log.WithName("agent").WithValues("spoke", spoke.Name)
 	if opts.Log != nil {
 		cfg.Log = *opts.Log
