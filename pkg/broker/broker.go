@@ -219,6 +219,15 @@ func (b *Broker) ExchangeAddr() string { return b.exchangeLis.Addr().String() }
 // AgentAddr is the bound address of the AgentTunnel listener.
 func (b *Broker) AgentAddr() string { return b.agentLis.Addr().String() }
 
+// MetricsAddr is the bound address of the /metrics, /healthz and /readyz
+// listener; empty when it is disabled.
+func (b *Broker) MetricsAddr() string {
+	if b.metricsLis == nil {
+		return ""
+	}
+	return b.metricsLis.Addr().String()
+}
+
 // Connected reports how many agent streams serve the ClusterProfile.
 func (b *Broker) Connected(namespace, name string) int {
 	cp, err := b.profiles.Get(namespace, name)
