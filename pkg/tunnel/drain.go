@@ -20,12 +20,20 @@ var errDraining = fmt.Errorf("this broker replica is draining; connect to anothe
 // and refuses new streams with Unavailable from now on. The streams stay
 // open and keep serving the requests the broker still sends (those of the
 // exchanges in flight) until Close. Drain returns once every live stream
-// has the Drain frame queued.
+// has the Drain frame queued, or in a goroutine for a stream whose queue is
+// full (a stuck agent must not hold up the broker's shutdown).
 func (s *Server) Drain() {
 	for _, sess := range s.stopAdmitting() {
+		f := &pb.BrokerFrame{Body: &pb.BrokerFrame_Drain{Drain: &pb.Drain{}}}
 		select {
-		case sess.out <- &pb.BrokerFrame{Body: &pb.BrokerFrame_Drain{Drain: &pb.Drain{}}}:
-		case <-sess.ctx.Done():
+		case sess.out <- f:
+		default:
+			go func() {
+				select {
+				case sess.out <- f:
+				case <-sess.ctx.Done():
+				}
+			}()
 		}
 	}
 }
