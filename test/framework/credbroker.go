@@ -77,6 +77,11 @@ type Deployment struct {
 	dir  string
 	opts DeploymentOptions
 	ctx  context.Context
+	// brokerCfg is the replicas' config; brokerStops and brokerDone stop
+	// each replica and tell when it has.
+	brokerCfg   broker.Config
+	brokerStops []context.CancelFunc
+	brokerDone  []chan struct{}
 	// agents lists the running agents by spoke name; guarded by mu.
 	agents map[string][]*agent.Agent
 	stop   context.CancelFunc
@@ -133,13 +138,15 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 		opts.Tune(&cfg)
 	}
 	d.ctx, d.stop = context.WithCancel(context.Background())
+	d.brokerCfg = cfg
 	for i := range max(opts.Replicas, 1) {
 		b, err := broker.New(cfg)
 		if err != nil {
 			return nil, errors.Join(err, d.Stop())
 		}
 		d.Brokers = append(d.Brokers, b)
-		d.run(fmt.Sprintf("broker-%d", i), b.Run)
+		d.brokerStops, d.brokerDone = append(d.brokerStops, nil), append(d.brokerDone, nil)
+		d.runBroker(i, b)
 	}
 	d.Broker = d.Brokers[0]
 
@@ -149,6 +156,42 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 		}
 	}
 	return d, nil
+}
+
+// runBroker runs b as replica i until RestartBroker or Stop.
+func (d *Deployment) runBroker(i int, b *broker.Broker) {
+	ctx, cancel := context.WithCancel(d.ctx)
+	done := make(chan struct{})
+	d.brokerStops[i], d.brokerDone[i] = cancel, done
+	d.run(fmt.Sprintf("broker-%d", i), func(context.Context) error {
+		defer close(done)
+		return b.Run(ctx)
+	})
+}
+
+// RestartBroker stops broker replica i as SIGTERM would (it drains within
+// its shutdown grace), then starts a new replica on the same addresses, as
+// a restarted pod behind the same Service, and returns once it runs. The
+// agents reconnect on their own. It returns how long the old replica took
+// to drain.
+func (d *Deployment) RestartBroker(i int) (drained time.Duration, err error) {
+	old := d.Brokers[i]
+	start := time.Now()
+	d.brokerStops[i]()
+	<-d.brokerDone[i]
+	drained = time.Since(start)
+	cfg := d.brokerCfg
+	cfg.ExchangeAddress, cfg.AgentAddress, cfg.MetricsAddress = old.ExchangeAddr(), old.AgentAddr(), old.MetricsAddr()
+	b, err := broker.New(cfg)
+	if err != nil {
+		return drained, fmt.Errorf("framework: restart broker-%d: %w", i, err)
+	}
+	d.mu.Lock()
+	d.Brokers[i] = b
+	d.Broker = d.Brokers[0]
+	d.mu.Unlock()
+	d.runBroker(i, b)
+	return drained, nil
 }
 
 // ClusterProfileAccess is the "credbroker" access provider of spoke's
@@ -297,6 +340,7 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
 	cfg.Spoke = spoke.TokenConfig(tok)
 	cfg.InitialBackoff, cfg.MaxBackoff = 50*time.Millisecond, time.Second
+	cfg.MetricsAddress, cfg.ShutdownGrace = "127.0.0.1:0", 5*time.Second
 	cfg.Log = d.opts.Log.WithName("agent").WithValues("spoke", spoke.Name)
 	if opts.Log != nil {
 		cfg.Log = *opts.Log
