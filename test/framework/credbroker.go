@@ -28,6 +28,8 @@ import (
 	"github.com/credbroker/credbroker/pkg/broker"
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/plugin"
+	spokepkg "github.com/credbroker/credbroker/pkg/spoke"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // Names that a Deployment gives to what it creates.
@@ -368,7 +370,7 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	d.mu.Unlock()
 	stopAgent := func() {
 		if !opts.KeepGrants {
-			d.revokeGrants(id)
+			d.revokeGrants(spoke, id)
 		}
 		d.mu.Lock()
 		d.agents[spoke.Name] = slices.DeleteFunc(d.agents[spoke.Name], func(x *agent.Agent) bool { return x == a })
@@ -394,21 +396,41 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 }
 
 // revokeGrants revokes the grants of the ClusterProfile whose default agent
-// ID is id, if any; failures leave them to the end of the suite, which
-// counts them.
-func (d *Deployment) revokeGrants(id string) {
+// ID is id, if any, once the first replica's registry knows every grant of
+// that ClusterProfile on spoke (for 5s at most): a grant minted through
+// another replica reaches it in the agent's grant update, a moment after the
+// exchange. Failures leave them to the end of the suite, which counts them.
+func (d *Deployment) revokeGrants(spoke *Cluster, id string) {
 	rest, ok := strings.CutPrefix(id, "spiffe://"+TrustDomain+"/clusterprofile/")
 	ns, name, ok2 := strings.Cut(rest, "/")
 	if !ok || !ok2 {
 		return
 	}
+	ctx, cancel := context.WithTimeout(d.ctx, 30*time.Second)
+	defer cancel()
 	reg := d.Broker.Grants()
-	live := reg.Select(grants.Selector{Cluster: types.NamespacedName{Namespace: ns, Name: name}})
+	var live []*pb.Grant
+	_ = wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 5*time.Second, true, func(ctx context.Context) (bool, error) {
+		live = reg.Select(grants.Selector{Cluster: types.NamespacedName{Namespace: ns, Name: name}})
+		known := map[string]bool{}
+		for _, g := range live {
+			known[g.GetCredentialId()] = true
+		}
+		list, err := spoke.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
+		if err != nil {
+			return false, nil
+		}
+		for _, g := range list.Items {
+			if cid := g.Annotations[spokepkg.GrantCredentialIDAnnotation]; cid != "" && !known[cid] &&
+				g.Annotations[spokepkg.GrantClusterProfileAnnotation] == ns+"/"+name {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
 	if len(live) == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(d.ctx, 30*time.Second)
-	defer cancel()
 	reg.Revoke(ctx, live, "the test agent stopped")
 }
 
