@@ -57,6 +57,10 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.DurationVar(&cfg.RBACDebounceMax, "rbac-debounce-max", cfg.RBACDebounceMax, "longest wait from a hub RBAC change to the check of live grants, however many changes follow")
 	fs.Float64Var(&cfg.GrantReviewRateLimit, "grant-review-rate-limit", cfg.GrantReviewRateLimit, "SubjectAccessReviews per second when live grants are checked again")
 	fs.IntVar(&cfg.GrantReviewBurst, "grant-review-burst", cfg.GrantReviewBurst, "burst of SubjectAccessReviews when live grants are checked again")
+	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the broker may take to finish the exchanges in flight and close its agent streams; keep it under the pod's terminationGracePeriodSeconds")
+	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", cfg.ShutdownDelay, "on SIGTERM, how long the broker, already not ready, still serves new calls, for the Service to drop it first (part of --shutdown-grace)")
+	fs.IntVar(&cfg.MaxStreamsPerCluster, "max-streams-per-cluster", cfg.MaxStreamsPerCluster, "agent streams one ClusterProfile may hold to this replica: at least its agents' count (one per node for a DaemonSet)")
+	fs.Func("max-concurrent-streams", "concurrent calls (HTTP/2 streams) per connection on both gRPC ports (default 1000)", uint32Flag(&cfg.MaxConcurrentStreams))
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
@@ -84,6 +88,18 @@ func parseFlags(args []string) (broker.Config, error) {
 		return cfg, fmt.Errorf("hub config: %w", err)
 	}
 	return cfg, cfg.Validate()
+}
+
+// uint32Flag parses a positive uint32.
+func uint32Flag(p *uint32) func(string) error {
+	return func(s string) error {
+		n, err := strconv.ParseUint(s, 10, 32)
+		if err != nil || n == 0 {
+			return fmt.Errorf("not a positive 32-bit integer: %q", s)
+		}
+		*p = uint32(n)
+		return nil
+	}
 }
 
 // floatFlag parses a finite float32; the whole value must be the number.

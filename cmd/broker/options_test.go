@@ -140,3 +140,38 @@ func TestParseFlagsSVIDSource(t *testing.T) {
 		})
 	}
 }
+
+func TestParseFlagsLimitsAndShutdown(t *testing.T) {
+	required := requiredFlags(t)
+	tests := []struct {
+		name                 string
+		args                 []string
+		wantStreams          int
+		wantConcurrent       uint32
+		wantGrace, wantDelay time.Duration
+		wantErr              string
+	}{
+		{name: "defaults fit a 200-node DaemonSet", wantStreams: 256, wantConcurrent: 1000, wantGrace: 15 * time.Second},
+		{name: "set", args: []string{"--max-streams-per-cluster=1000", "--max-concurrent-streams=50", "--shutdown-grace=20s", "--shutdown-delay=3s"},
+			wantStreams: 1000, wantConcurrent: 50, wantGrace: 20 * time.Second, wantDelay: 3 * time.Second},
+		{name: "no streams", args: []string{"--max-streams-per-cluster=0"}, wantErr: "the agent streams per cluster must be positive"},
+		{name: "no concurrent streams", args: []string{"--max-concurrent-streams=0"}, wantErr: `invalid value "0" for flag -max-concurrent-streams`},
+		{name: "concurrent streams beyond uint32", args: []string{"--max-concurrent-streams=4294967296"}, wantErr: "not a positive 32-bit integer"},
+		{name: "delay as long as the grace", args: []string{"--shutdown-delay=15s"}, wantErr: "the shutdown delay less than it"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(append([]string{}, required...), tt.args...))
+			if tt.wantErr != "" {
+				require.Error(t, err)
+				assert.Contains(t, err.Error(), tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.wantStreams, cfg.MaxStreamsPerCluster)
+			assert.Equal(t, tt.wantConcurrent, cfg.MaxConcurrentStreams)
+			assert.Equal(t, tt.wantGrace, cfg.ShutdownGrace)
+			assert.Equal(t, tt.wantDelay, cfg.ShutdownDelay)
+		})
+	}
+}

@@ -33,6 +33,9 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
 	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "bound on one TokenRequest; keep it at least the broker's --mint-timeout")
 	fs.DurationVar(&cfg.CollectInterval, "grant-collect-interval", cfg.CollectInterval, "how often to delete the grant Secrets of expired tokens, including those a previous agent left")
+	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
+	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the agent may take to answer the requests in flight before it closes its broker streams; keep it under the pod's terminationGracePeriodSeconds")
+	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err

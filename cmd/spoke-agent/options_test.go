@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -91,6 +92,49 @@ users: [{name: agent, user: {token: x}}]
 			if tt.wantID != "" {
 				assert.Equal(t, tt.wantID, cfg.SPIFFEID.String())
 			}
+		})
+	}
+}
+
+func TestParseFlagsLimitsAndShutdown(t *testing.T) {
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	require.NoError(t, os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: spoke, cluster: {server: "https://127.0.0.1:6443"}}]
+contexts: [{name: spoke, context: {cluster: spoke, user: agent}}]
+current-context: spoke
+users: [{name: agent, user: {token: x}}]
+`), 0o600))
+	required := []string{
+		"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example",
+		"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b", "--kubeconfig", kubeconfig,
+	}
+	tests := []struct {
+		name         string
+		args         []string
+		wantInFlight int
+		wantGrace    time.Duration
+		wantMetrics  string
+		wantErr      string
+	}{
+		{name: "defaults", wantInFlight: 64, wantGrace: 15 * time.Second, wantMetrics: ":8080"},
+		{name: "set", args: []string{"--max-in-flight=8", "--shutdown-grace=25s", "--metrics-address="},
+			wantInFlight: 8, wantGrace: 25 * time.Second},
+		{name: "no in-flight requests", args: []string{"--max-in-flight=0"}, wantErr: "the in-flight requests per stream must be positive"},
+		{name: "no grace", args: []string{"--shutdown-grace=0s"}, wantErr: "the shutdown grace must be positive"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(append([]string(nil), required...), tt.args...))
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.wantInFlight, cfg.MaxInFlight)
+			assert.Equal(t, tt.wantGrace, cfg.ShutdownGrace)
+			assert.Equal(t, tt.wantMetrics, cfg.MetricsAddress)
 		})
 	}
 }

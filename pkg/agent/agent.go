@@ -7,9 +7,12 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/sync/errgroup"
@@ -92,6 +95,17 @@ type Config struct {
 	InitialBackoff, MaxBackoff time.Duration
 	CacheSyncTimeout           time.Duration
 
+	// MetricsAddress serves /metrics, /healthz and /readyz over HTTP; empty
+	// disables it. The agent is ready while at least one broker stream
+	// serves and its SVID is valid.
+	MetricsAddress string
+	// ShutdownGrace bounds the drain when Run's context ends: every stream
+	// says goodbye, answers its requests in flight, and closes.
+	ShutdownGrace time.Duration
+	// MaxInFlight bounds the concurrent mints and revokes of one broker
+	// stream.
+	MaxInFlight int
+
 	Log logr.Logger
 }
 
@@ -106,6 +120,9 @@ func Default() Config {
 		InitialBackoff:    500 * time.Millisecond,
 		MaxBackoff:        30 * time.Second,
 		CacheSyncTimeout:  time.Minute,
+		MetricsAddress:    ":8080",
+		ShutdownGrace:     15 * time.Second,
+		MaxInFlight:       64,
 	}
 }
 
@@ -124,6 +141,8 @@ func (c *Config) Validate() error {
 	}
 	need(c.ResolveInterval > 0, "the resolve interval must be positive")
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
+	need(c.ShutdownGrace > 0, "the shutdown grace must be positive")
+	need(c.MaxInFlight > 0, "the in-flight requests per stream must be positive")
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
@@ -153,6 +172,12 @@ type Agent struct {
 
 	mu      sync.Mutex
 	clients map[*tunnel.Client]struct{} // the running broker streams' clients
+
+	metricsLis net.Listener
+	registry   *prometheus.Registry
+	// serving counts the broker streams that serve: admitted, and neither
+	// draining nor leaving.
+	serving atomic.Int64
 }
 
 // New validates cfg and builds every part; nothing connects until Run.
@@ -232,11 +257,14 @@ func New(cfg Config) (_ *Agent, err error) {
 		return tunnel.ClientConfig{
 			Address:        addr,
 			Credentials:    creds,
-			Minter:         minter,
+			Minter:         instrumented{minter},
 			Grants:         minter,
 			Hello:          hello,
 			Cluster:        clusterString(cfg.Cluster),
 			MintTimeout:    cfg.MintTimeout,
+			MaxInFlight:    cfg.MaxInFlight,
+			DrainTimeout:   cfg.ShutdownGrace,
+			Serving:        a.countServing,
 			InitialBackoff: cfg.InitialBackoff,
 			MaxBackoff:     cfg.MaxBackoff,
 			Log:            cfg.Log.WithName("tunnel"),
@@ -278,6 +306,14 @@ func New(cfg Config) (_ *Agent, err error) {
 	for _, target := range cfg.BrokerAddresses {
 		a.targets = append(a.targets, newFanout(target, cfg.ResolveInterval, net.DefaultResolver.LookupHost, serve, cfg.Log.WithName("brokers")))
 	}
+	a.registry = prometheus.NewRegistry()
+	a.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	a.registry.MustRegister(Collectors()...)
+	if cfg.MetricsAddress != "" {
+		if a.metricsLis, err = net.Listen("tcp", cfg.MetricsAddress); err != nil {
+			return nil, fmt.Errorf("agent: metrics listener: %w", err)
+		}
+	}
 	return a, nil
 }
 
@@ -313,6 +349,11 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer cancel()
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return a.svid.Run(ctx) })
+	if a.metricsLis != nil {
+		// Served from the start, so that /healthz answers while the
+		// informers sync; closed last, after the streams' goodbyes.
+		defer a.serveMetrics()()
+	}
 
 	a.informers.Start(ctx.Done())
 	defer a.informers.Shutdown()

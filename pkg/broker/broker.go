@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -32,9 +33,11 @@ import (
 	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/utils/clock"
 	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
 	inventoryinformers "sigs.k8s.io/cluster-inventory-api/client/informers/externalversions"
 
+	"github.com/credbroker/credbroker/internal/probe"
 	"github.com/credbroker/credbroker/pkg/clusterprofile"
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/grants"
@@ -68,6 +71,9 @@ type Broker struct {
 	exchange         *tokenexchange.Service
 	health           *health.Server
 	registry         *prometheus.Registry
+	// draining is set when Run's context ends; the broker is not ready
+	// from then on.
+	draining atomic.Bool
 }
 
 // New validates cfg, loads the certificates, builds every part and binds the
@@ -129,12 +135,13 @@ func New(cfg Config) (b *Broker, err error) {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 	if b.tunnel, err = tunnel.NewServer(tunnel.ServerConfig{
-		Resolver:    agentResolver{b.profiles},
-		Peer:        identity.PeerSVID,
-		Bundles:     b.svid,
-		MintTimeout: cfg.MintTimeout,
-		Log:         cfg.Log.WithName("tunnel"),
-		Grants:      b.grants,
+		Resolver:             agentResolver{b.profiles},
+		Peer:                 identity.PeerSVID,
+		Bundles:              b.svid,
+		MintTimeout:          cfg.MintTimeout,
+		MaxStreamsPerCluster: cfg.MaxStreamsPerCluster,
+		Log:                  cfg.Log.WithName("tunnel"),
+		Grants:               b.grants,
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
@@ -220,6 +227,15 @@ func (b *Broker) ExchangeAddr() string { return b.exchangeLis.Addr().String() }
 
 // AgentAddr is the bound address of the AgentTunnel listener.
 func (b *Broker) AgentAddr() string { return b.agentLis.Addr().String() }
+
+// MetricsAddr is the bound address of the /metrics, /healthz and /readyz
+// listener; empty when it is disabled.
+func (b *Broker) MetricsAddr() string {
+	if b.metricsLis == nil {
+		return ""
+	}
+	return b.metricsLis.Addr().String()
+}
 
 // Connected reports how many agent streams serve the ClusterProfile.
 func (b *Broker) Connected(namespace, name string) int {
@@ -307,16 +323,18 @@ func (b *Broker) Run(ctx context.Context) error {
 			}
 			return nil
 		})
-		g.Go(func() error {
-			<-ctx.Done()
-			stopGracefully(s, b.cfg.ShutdownGrace)
-			return nil
-		})
 	}
 	serveGRPC("exchange", exchange, b.exchangeLis)
 	serveGRPC("agent", agents, b.agentLis)
+	drained := make(chan struct{})
+	g.Go(func() error {
+		defer close(drained)
+		<-ctx.Done()
+		b.drain(exchange, agents)
+		return nil
+	})
 	if b.metricsLis != nil {
-		g.Go(func() error { return b.serveMetrics(ctx) })
+		g.Go(func() error { return b.serveMetrics(drained) })
 	}
 
 	b.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
@@ -333,7 +351,7 @@ func (b *Broker) grpcServer(creds credentials.TransportCredentials, params keepa
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 		grpc.MaxRecvMsgSize(64<<10),
 		grpc.MaxHeaderListSize(64<<10),
-		grpc.MaxConcurrentStreams(1000),
+		grpc.MaxConcurrentStreams(b.cfg.MaxConcurrentStreams),
 		grpc.ChainUnaryInterceptor(recoverUnary(b.log)),
 		grpc.ChainStreamInterceptor(recoverStream(b.log)),
 	)
@@ -341,25 +359,54 @@ func (b *Broker) grpcServer(creds credentials.TransportCredentials, params keepa
 	return s
 }
 
-func (b *Broker) serveMetrics(ctx context.Context) error {
+// Ready reports nil when the broker is ready to serve, or why not: the
+// ClusterProfile informer has synced, the hub issuer's keys are loaded, its
+// SVID is valid for more than probe.MinSVIDLifetime, and it is not
+// draining. /readyz answers it.
+func (b *Broker) Ready() error {
+	return probe.All(
+		probe.Synced("the ClusterProfile informer has not synced", b.profiles.HasSynced),
+		probe.Synced("the hub issuer's keys are not loaded", b.keys.Loaded),
+		probe.SVIDValid(b.svid, clock.RealClock{}, probe.MinSVIDLifetime),
+		probe.NotDraining(&b.draining),
+	)()
+}
+
+// alive answers /healthz. It takes the tunnel's session lock, which every
+// mint needs: a broker wedged there times the probe out and is restarted.
+func (b *Broker) alive() error {
+	b.tunnel.Connected(tunnel.ClusterRef{})
+	return nil
+}
+
+// drain stops the broker within ShutdownGrace: not ready and NOT_SERVING on
+// both gRPC ports at once, agents told; new calls are still served for
+// ShutdownDelay, then refused (a consumer retries another replica) while
+// the exchanges in flight finish with their mints; then the agent streams
+// close.
+func (b *Broker) drain(exchange, agents *grpc.Server) {
+	start := time.Now()
+	deadline := start.Add(b.cfg.ShutdownGrace)
+	b.draining.Store(true)
+	b.health.Shutdown()
+	b.tunnel.Drain()
+	b.log.Info("broker draining", "grace", b.cfg.ShutdownGrace.String(), "delay", b.cfg.ShutdownDelay.String())
+	time.Sleep(b.cfg.ShutdownDelay)
+	stopGracefully(exchange, time.Until(deadline))
+	b.tunnel.Close()
+	stopGracefully(agents, time.Until(deadline))
+	b.log.Info("broker drained", "took", time.Since(start).Round(time.Millisecond).String())
+}
+
+func (b *Broker) serveMetrics(drained <-chan struct{}) error {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(b.registry, promhttp.HandlerOpts{}))
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) })
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if !b.profiles.HasSynced() {
-			http.Error(w, "ClusterProfile informer not synced", http.StatusServiceUnavailable)
-			return
-		}
-		if !b.keys.Loaded() {
-			http.Error(w, "the hub issuer's keys are not loaded", http.StatusServiceUnavailable)
-			return
-		}
-		_, _ = w.Write([]byte("ok"))
-	})
+	probe.Serve(mux, b.alive, b.Ready)
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
-		<-ctx.Done()
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.cfg.ShutdownGrace)
+		// /readyz answers "draining" until the drain is over.
+		<-drained
+		sctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		_ = srv.Shutdown(sctx)
 	}()
@@ -369,8 +416,8 @@ func (b *Broker) serveMetrics(ctx context.Context) error {
 	return nil
 }
 
-// stopGracefully lets in-flight calls finish for up to grace. Agent streams
-// never finish on their own, so it then stops hard.
+// stopGracefully lets in-flight calls finish for up to grace, then stops
+// hard.
 func stopGracefully(s *grpc.Server, grace time.Duration) {
 	done := make(chan struct{})
 	go func() {

@@ -48,8 +48,20 @@ type Config struct {
 	HubBurst          int
 	InformerResync    time.Duration
 	CacheSyncTimeout  time.Duration
-	ShutdownGrace     time.Duration
 	FileCheckInterval time.Duration
+	// ShutdownGrace bounds the drain when Run's context ends: the broker
+	// turns not ready, tells its agents, refuses new calls and streams,
+	// finishes the exchanges in flight (and their mints), then closes the
+	// agent streams. ShutdownDelay, within it, is how long the broker keeps
+	// serving new calls after it turns not ready, for the Service's
+	// endpoints to drop it first.
+	ShutdownGrace, ShutdownDelay time.Duration
+	// MaxStreamsPerCluster bounds the agent streams one ClusterProfile may
+	// hold to this replica (one per agent: a DaemonSet's agents need one per
+	// node). MaxConcurrentStreams bounds the concurrent calls (HTTP/2
+	// streams) of one connection, on both ports.
+	MaxStreamsPerCluster int
+	MaxConcurrentStreams uint32
 
 	// Audience a consumer's hub token must carry.
 	Audience string
@@ -120,7 +132,9 @@ func Default() Config {
 		HubBurst:                   400,
 		InformerResync:             10 * time.Minute,
 		CacheSyncTimeout:           time.Minute,
-		ShutdownGrace:              10 * time.Second,
+		ShutdownGrace:              15 * time.Second,
+		MaxStreamsPerCluster:       256,
+		MaxConcurrentStreams:       1000,
 		FileCheckInterval:          5 * time.Second,
 		Audience:                   "credbroker",
 		MaxExpiration:              time.Hour,
@@ -170,6 +184,10 @@ func (c *Config) Validate() error {
 	need(c.Audience != "", "the audience is required")
 	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
+	need(c.ShutdownGrace > 0 && c.ShutdownDelay >= 0 && c.ShutdownDelay < c.ShutdownGrace,
+		"the shutdown grace must be positive, and the shutdown delay less than it (%s, %s)", c.ShutdownGrace, c.ShutdownDelay)
+	need(c.MaxStreamsPerCluster > 0, "the agent streams per cluster must be positive")
+	need(c.MaxConcurrentStreams > 0, "the concurrent streams per connection must be positive")
 	need(c.AgentMaxConnectionAge > 0, "the agent connection age must be positive")
 	need(c.AgentMaxConnectionAgeGrace >= c.MintTimeout, "the agent connection age grace (%s) must be at least the mint timeout (%s), so that mints in flight finish",
 		c.AgentMaxConnectionAgeGrace, c.MintTimeout)

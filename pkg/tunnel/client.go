@@ -80,11 +80,14 @@ type ClientConfig struct {
 	// Keepalive is the interval of HTTP/2 pings on an idle connection.
 	// Default 30s.
 	Keepalive time.Duration
-	// DrainQuiet is how long a stream being drained after a rotation (see
-	// Rotate) must go without a request in flight or a new one before the
-	// Client closes it; a drained stream closes at the latest MintTimeout
-	// after that. Default 1s.
-	DrainQuiet time.Duration
+	// DrainTimeout bounds how long a stream that is leaving (Run's context
+	// ended, or Rotate replaced the stream) waits for its requests in
+	// flight. Default 15s.
+	DrainTimeout time.Duration
+	// Serving, when set, is called with true when the broker admits a
+	// stream, and with false once that stream stops serving: the broker
+	// said it drains, the stream is leaving, or it ended.
+	Serving func(bool)
 	// DialOptions are appended to the client's own; tests use them to dial
 	// in memory.
 	DialOptions []grpc.DialOption
@@ -131,18 +134,19 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.Keepalive <= 0 {
 		cfg.Keepalive = 30 * time.Second
 	}
-	if cfg.DrainQuiet <= 0 {
-		cfg.DrainQuiet = time.Second
+	if cfg.DrainTimeout <= 0 {
+		cfg.DrainTimeout = 15 * time.Second
 	}
 	return &Client{cfg: cfg, instance: newCorrelationID(), rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
 }
 
 // Rotate tells the Client that the SVID that Credentials presents has
 // changed. Run opens a stream over a new connection, whose handshake
-// presents the new SVID, and once the broker admits it, drains the old
-// stream: the broker sends new requests down the newest stream of an agent
-// (instanceHeader), and the old one closes once it has answered those it
-// holds. It does not block.
+// presents the new SVID, and once the broker admits it, the old stream
+// leaves as it does when Run's context ends: it says goodbye, answers the
+// requests it holds (within DrainTimeout) and half-closes. The broker
+// already sends new requests down the newest stream of an agent
+// (instanceHeader) from the admission on. It does not block.
 func (c *Client) Rotate() {
 	select {
 	case c.rotate <- struct{}{}:
@@ -153,7 +157,9 @@ func (c *Client) Rotate() {
 // Connected is closed once the broker has admitted a stream.
 func (c *Client) Connected() <-chan struct{} { return c.connected }
 
-// Run keeps a stream to the broker open until ctx ends, and then returns nil.
+// Run keeps a stream to the broker open until ctx ends, and then returns nil
+// once every stream has said goodbye and answered its requests in flight
+// (within DrainTimeout).
 // It reconnects after every failure, each time over a new connection, so
 // that the TLS handshake presents the SVID that Credentials holds then: a
 // broker ends a stream when the SVID it was opened with expires. After
@@ -262,7 +268,7 @@ func (c *Client) Run(ctx context.Context) error {
 // generation is one connection and its stream.
 type generation struct {
 	admitted chan struct{} // closed when the broker admits the stream
-	drain    chan struct{} // closed to drain the stream
+	drain    chan struct{} // closed to make the stream leave
 	done     chan struct{} // closed when the stream has ended
 	seen     bool          // Run has seen admitted closed
 
@@ -280,17 +286,18 @@ func (g *generation) isAdmitted() bool {
 	}
 }
 
-// errDrained ends a stream drained after a rotation.
-var errDrained = errors.New("drained after the SVID rotated")
-
-// serve runs one stream until it fails. admitted reports whether the broker
-// accepted the stream before it ended.
-// It calls onAdmitted once the broker admits the stream. Once drain is
-// closed, it ends the stream when no request has been in flight or arrived
-// for DrainQuiet, or at the latest MintTimeout after that, with errDrained.
+// serve runs one stream until it fails, or until ctx ends or drain is
+// closed and the stream has said goodbye (see leave). admitted reports
+// whether the broker accepted the stream before it ended. It calls
+// onAdmitted once the broker admits the stream.
 func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log logr.Logger, onAdmitted func(), drain <-chan struct{}) (admitted bool, err error) {
-	ctx, cancel := context.WithCancelCause(ctx)
+	leave := ctx
+	// The stream outlives ctx by its goodbye; until the broker admits it,
+	// there is nothing to finish.
+	ctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	defer cancel(nil)
+	stopBeforeAdmission := context.AfterFunc(leave, func() { cancel(context.Canceled) })
+	defer stopBeforeAdmission()
 	ctx = metadata.AppendToOutgoingContext(ctx, instanceHeader, c.instance)
 	// Subscribe before Snapshot: an update in between is sent twice rather
 	// than lost.
@@ -331,15 +338,18 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	log.Info("connected to broker", "cluster", cluster, "grants", len(hello.GetGrants())+grantCount(rest))
 	ctx = context.WithValue(ctx, admittedKey{}, admission{cluster: cluster, uid: first(md.Get(admittedUIDHeader))})
 	c.once.Do(func() { close(c.connected) })
+	if !stopBeforeAdmission() {
+		return true, context.Canceled // leave ended before the admission
+	}
 	onAdmitted()
+	notServing := c.serving()
+	defer notServing()
 
 	var (
 		sendMu   sync.Mutex
 		inFlight = make(chan struct{}, c.cfg.MaxInFlight)
 		wg       sync.WaitGroup
-		lastReq  atomic.Int64 // unix nanoseconds of the last request received
 	)
-	wg.Go(func() { c.drainWhenTold(ctx, cancel, drain, inFlight, &lastReq) })
 	defer func() {
 		cancel(nil) // in-flight requests stop with the stream
 		wg.Wait()
@@ -351,9 +361,24 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 			log.Info("frame not sent", "correlationID", f.GetCorrelationId(), "err", err.Error())
 		}
 	}
+	closeSend := func() {
+		sendMu.Lock()
+		defer sendMu.Unlock()
+		_ = stream.CloseSend()
+	}
 	if updates != nil {
 		wg.Go(func() { sendGrantUpdates(ctx, rest, updates, send) })
 	}
+	wg.Go(func() {
+		select {
+		case <-leave.Done():
+		case <-drain: // replaced by the stream of a rotated SVID
+		case <-ctx.Done():
+			return
+		}
+		notServing()
+		c.leave(ctx, cancel, send, closeSend, inFlight, log)
+	})
 	for {
 		f, err := stream.Recv()
 		if err != nil {
@@ -367,10 +392,15 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 			handle = func(ctx context.Context) *pb.AgentFrame {
 				return c.revoke(ctx, f.GetCorrelationId(), body.RevokeRequest)
 			}
+		case *pb.BrokerFrame_Drain:
+			// The broker still sends the requests of its exchanges in
+			// flight, and closes the stream when they are done.
+			log.Info("broker is draining; serving its last requests until it closes the stream")
+			notServing()
+			continue
 		default:
 			continue // a frame this agent does not know; newer brokers may send them
 		}
-		lastReq.Store(time.Now().UnixNano())
 		select {
 		case inFlight <- struct{}{}:
 		case <-ctx.Done():
@@ -396,38 +426,10 @@ var errGrantQueueFull = errors.New("grant updates overflowed the stream's queue;
 
 // causeOf returns why ctx ended, if the Client ended it, or else err.
 func causeOf(ctx context.Context, err error) error {
-	if cause := context.Cause(ctx); errors.Is(cause, errGrantQueueFull) || errors.Is(cause, errDrained) {
+	if cause := context.Cause(ctx); errors.Is(cause, errGrantQueueFull) {
 		return cause
 	}
 	return err
-}
-
-// drainWhenTold waits for drain to close, then ends the stream with
-// errDrained once no request is in flight and none arrived for DrainQuiet,
-// or MintTimeout after DrainQuiet at the latest. The broker sends no new
-// request down a stream it knows to be replaced, but one it sent just
-// before is still answered.
-func (c *Client) drainWhenTold(ctx context.Context, end context.CancelCauseFunc, drain <-chan struct{}, inFlight chan struct{}, lastReq *atomic.Int64) {
-	select {
-	case <-drain:
-	case <-ctx.Done():
-		return
-	}
-	began := time.Now()
-	tick := time.NewTicker(c.cfg.DrainQuiet / 10)
-	defer tick.Stop()
-	for {
-		quiet := time.Since(time.Unix(0, max(lastReq.Load(), began.UnixNano())))
-		if (len(inFlight) == 0 && quiet >= c.cfg.DrainQuiet) || time.Since(began) >= c.cfg.DrainQuiet+c.cfg.MintTimeout {
-			end(errDrained)
-			return
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
-	}
 }
 
 // subscribe subscribes to the agent's grant updates for one stream, in a

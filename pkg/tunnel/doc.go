@@ -40,13 +40,25 @@
 //	c, err := tunnel.NewClient(tunnel.ClientConfig{Address: addr, Credentials: creds, Minter: m, Cluster: "fleet/east-1"})
 //	err = c.Run(ctx)
 //
+// Draining: Server.Drain tells every stream, with a Drain frame, that the
+// broker replica is shutting down, and refuses new streams (Unavailable);
+// the streams still carry the requests of the exchanges in flight until
+// Server.Close ends them. A Client whose Run context ends says goodbye (a
+// Goodbye frame), answers its requests in flight within
+// ClientConfig.DrainTimeout, and half-closes the stream; from the goodbye on,
+// the Server sends nothing new down that stream and counts it no more
+// (Connected), so mints go to the cluster's other streams, or are
+// Unavailable at once when there is none. ClientConfig.Serving learns when a
+// stream starts and stops serving, which the agent's readiness counts.
+//
 // When the agent's SVID rotates, it calls Client.Rotate: the Client opens a
 // stream over a new connection (a handshake with the new SVID) and, once
-// the broker admits it, drains the old one, which closes when it has held
-// no request for DrainQuiet. Every stream of a Client names the Client in a
-// request header; of the live streams of one agent SPIFFE ID and Client,
-// the Server sends new requests down the newest only, and a request whose
-// stream closes under it goes to another stream live then.
+// the broker admits it, the old one leaves the same way: goodbye, its
+// requests in flight answered, half-close. Every stream of a Client names
+// the Client in a request header; of the live streams of one agent SPIFFE
+// ID and Client, the Server sends new requests down the newest only, from
+// its admission on, before the old stream's goodbye arrives; and a request
+// whose stream closes under it goes to another stream live then.
 //
 // The package knows nothing of consumers, Kubernetes clients or minting.
 package tunnel

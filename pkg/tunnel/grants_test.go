@@ -369,7 +369,7 @@ func TestRevokeMovesToAnotherStreamWhenOneCloses(t *testing.T) {
 		return nil, ctx.Err()
 	}}
 	healthy := &fakeAgentGrants{}
-	_, stopDying = h.agent(t, agentA, &fakeMinter{}, withAgentGrants(dying))
+	_, stopDying = h.agent(t, agentA, &fakeMinter{}, withAgentGrants(dying), leaveAtOnce)
 	h.agent(t, agentA, &fakeMinter{}, withAgentGrants(healthy))
 	waitConnected(t, h, clusterA, 2)
 

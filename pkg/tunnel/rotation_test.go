@@ -41,7 +41,7 @@ func TestRotationOpensTheNewStreamBeforeDrainingTheOld(t *testing.T) {
 		}
 		return &pb.MintResponse{Token: testToken, ExpirationTime: timestamppb.New(time.Unix(2e9, 0))}, nil
 	}}
-	c, _ := h.agent(t, agentA, m, func(cfg *ClientConfig) { cfg.DrainQuiet = 50 * time.Millisecond })
+	c, _ := h.agent(t, agentA, m)
 	waitConnected(t, h, clusterA, 1)
 
 	// Watch for a moment without a stream that takes requests.

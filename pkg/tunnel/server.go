@@ -76,7 +76,8 @@ type ServerConfig struct {
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
 	// MaxStreamsPerCluster bounds the streams one cluster's agents may hold
-	// to this broker; more are refused with ResourceExhausted. Default 64.
+	// to this broker; more are refused with ResourceExhausted. Default 256:
+	// a DaemonSet of agents holds one stream per node to every replica.
 	MaxStreamsPerCluster int
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
@@ -116,6 +117,7 @@ type Server struct {
 
 	mu       sync.RWMutex
 	sessions map[types.NamespacedName][]*session
+	draining bool // set by Drain and Close; no stream is admitted after
 }
 
 var _ pb.AgentTunnelServer = (*Server)(nil)
@@ -135,7 +137,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.HelloTimeout = 10 * time.Second
 	}
 	if cfg.MaxStreamsPerCluster <= 0 {
-		cfg.MaxStreamsPerCluster = 64
+		cfg.MaxStreamsPerCluster = 256
 	}
 	if cfg.Grants == nil {
 		cfg.Grants = noGrants{}
@@ -155,6 +157,11 @@ type session struct {
 
 	mu      sync.Mutex
 	pending map[string]chan *pb.AgentFrame
+
+	// leaving is set when the agent says goodbye: no new request goes down
+	// the stream, and the agent closes it once it has answered those in
+	// flight.
+	leaving atomic.Bool
 }
 
 // Connect serves one agent stream until the agent leaves, the stream breaks,
@@ -327,6 +334,11 @@ func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.B
 			grants.Update(sess.ctx, sess.cluster, u)
 			continue
 		}
+		if f.GetGoodbye() != nil && f.GetCorrelationId() == "" {
+			sess.leaving.Store(true)
+			log.Info("agent is leaving; no new request goes down its stream")
+			continue
+		}
 		sess.mu.Lock()
 		ch, ok := sess.pending[f.GetCorrelationId()]
 		delete(sess.pending, f.GetCorrelationId())
@@ -347,6 +359,9 @@ func (s *Server) add(sess *session) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	key := sess.cluster.NamespacedName
+	if s.draining {
+		return errDraining
+	}
 	if n := len(s.sessions[key]); n >= s.cfg.MaxStreamsPerCluster {
 		return fmt.Errorf("cluster %s already has %d agent streams to this broker: %w", sess.cluster, n, errdefs.ErrResourceExhausted)
 	}
@@ -372,8 +387,9 @@ func (s *Server) remove(sess *session) {
 	}
 }
 
-// live returns the sessions that serve cluster and take new requests: of
-// the live sessions of one agent instance, the newest.
+// live returns the sessions that serve cluster and take new requests: open,
+// whose agent has not said goodbye, and of those of one agent instance, the
+// newest.
 func (s *Server) live(cluster ClusterRef) []*session {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
@@ -382,7 +398,7 @@ func (s *Server) live(cluster ClusterRef) []*session {
 	newest := map[agentInstance]bool{}
 	for i := len(list) - 1; i >= 0; i-- { // newest first
 		sess := list[i]
-		if sess.cluster.UID != cluster.UID || sess.ctx.Err() != nil {
+		if sess.cluster.UID != cluster.UID || sess.ctx.Err() != nil || sess.isLeaving() {
 			continue
 		}
 		if sess.instance != "" {

@@ -477,7 +477,7 @@ func TestMintMovesToAnotherStreamWhenOneCloses(t *testing.T) {
 		return nil, ctx.Err()
 	}}
 	healthy := &fakeMinter{}
-	_, stopDying = h.agent(t, agentA, dying)
+	_, stopDying = h.agent(t, agentA, dying, leaveAtOnce)
 	h.agent(t, agentA, healthy)
 	waitConnected(t, h, clusterA, 2)
 

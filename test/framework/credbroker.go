@@ -28,6 +28,8 @@ import (
 	"github.com/credbroker/credbroker/pkg/broker"
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/plugin"
+	spokepkg "github.com/credbroker/credbroker/pkg/spoke"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // Names that a Deployment gives to what it creates.
@@ -77,6 +79,11 @@ type Deployment struct {
 	dir  string
 	opts DeploymentOptions
 	ctx  context.Context
+	// brokerCfg is the replicas' config; brokerStops and brokerDone stop
+	// each replica and tell when it has.
+	brokerCfg   broker.Config
+	brokerStops []context.CancelFunc
+	brokerDone  []chan struct{}
 	// agents lists the running agents by spoke name; guarded by mu.
 	agents map[string][]*agent.Agent
 	stop   context.CancelFunc
@@ -133,13 +140,15 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 		opts.Tune(&cfg)
 	}
 	d.ctx, d.stop = context.WithCancel(context.Background())
+	d.brokerCfg = cfg
 	for i := range max(opts.Replicas, 1) {
 		b, err := broker.New(cfg)
 		if err != nil {
 			return nil, errors.Join(err, d.Stop())
 		}
 		d.Brokers = append(d.Brokers, b)
-		d.run(fmt.Sprintf("broker-%d", i), b.Run)
+		d.brokerStops, d.brokerDone = append(d.brokerStops, nil), append(d.brokerDone, nil)
+		d.runBroker(i, b)
 	}
 	d.Broker = d.Brokers[0]
 
@@ -149,6 +158,42 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 		}
 	}
 	return d, nil
+}
+
+// runBroker runs b as replica i until RestartBroker or Stop.
+func (d *Deployment) runBroker(i int, b *broker.Broker) {
+	ctx, cancel := context.WithCancel(d.ctx)
+	done := make(chan struct{})
+	d.brokerStops[i], d.brokerDone[i] = cancel, done
+	d.run(fmt.Sprintf("broker-%d", i), func(context.Context) error {
+		defer close(done)
+		return b.Run(ctx)
+	})
+}
+
+// RestartBroker stops broker replica i as SIGTERM would (it drains within
+// its shutdown grace), then starts a new replica on the same addresses, as
+// a restarted pod behind the same Service, and returns once it runs. The
+// agents reconnect on their own. It returns how long the old replica took
+// to drain.
+func (d *Deployment) RestartBroker(i int) (drained time.Duration, err error) {
+	old := d.Brokers[i]
+	start := time.Now()
+	d.brokerStops[i]()
+	<-d.brokerDone[i]
+	drained = time.Since(start)
+	cfg := d.brokerCfg
+	cfg.ExchangeAddress, cfg.AgentAddress, cfg.MetricsAddress = old.ExchangeAddr(), old.AgentAddr(), old.MetricsAddr()
+	b, err := broker.New(cfg)
+	if err != nil {
+		return drained, fmt.Errorf("framework: restart broker-%d: %w", i, err)
+	}
+	d.mu.Lock()
+	d.Brokers[i] = b
+	d.Broker = d.Brokers[0]
+	d.mu.Unlock()
+	d.runBroker(i, b)
+	return drained, nil
 }
 
 // ClusterProfileAccess is the "credbroker" access provider of spoke's
@@ -297,6 +342,7 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
 	cfg.Spoke = spoke.TokenConfig(tok)
 	cfg.InitialBackoff, cfg.MaxBackoff = 50*time.Millisecond, time.Second
+	cfg.MetricsAddress, cfg.ShutdownGrace = "127.0.0.1:0", 5*time.Second
 	cfg.Log = d.opts.Log.WithName("agent").WithValues("spoke", spoke.Name)
 	if opts.Log != nil {
 		cfg.Log = *opts.Log
@@ -324,7 +370,7 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	d.mu.Unlock()
 	stopAgent := func() {
 		if !opts.KeepGrants {
-			d.revokeGrants(id)
+			d.revokeGrants(spoke, id)
 		}
 		d.mu.Lock()
 		d.agents[spoke.Name] = slices.DeleteFunc(d.agents[spoke.Name], func(x *agent.Agent) bool { return x == a })
@@ -350,21 +396,41 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 }
 
 // revokeGrants revokes the grants of the ClusterProfile whose default agent
-// ID is id, if any; failures leave them to the end of the suite, which
-// counts them.
-func (d *Deployment) revokeGrants(id string) {
+// ID is id, if any, once the first replica's registry knows every grant of
+// that ClusterProfile on spoke (for 5s at most): a grant minted through
+// another replica reaches it in the agent's grant update, a moment after the
+// exchange. Failures leave them to the end of the suite, which counts them.
+func (d *Deployment) revokeGrants(spoke *Cluster, id string) {
 	rest, ok := strings.CutPrefix(id, "spiffe://"+TrustDomain+"/clusterprofile/")
 	ns, name, ok2 := strings.Cut(rest, "/")
 	if !ok || !ok2 {
 		return
 	}
+	ctx, cancel := context.WithTimeout(d.ctx, 30*time.Second)
+	defer cancel()
 	reg := d.Broker.Grants()
-	live := reg.Select(grants.Selector{Cluster: types.NamespacedName{Namespace: ns, Name: name}})
+	var live []*pb.Grant
+	_ = wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 5*time.Second, true, func(ctx context.Context) (bool, error) {
+		live = reg.Select(grants.Selector{Cluster: types.NamespacedName{Namespace: ns, Name: name}})
+		known := map[string]bool{}
+		for _, g := range live {
+			known[g.GetCredentialId()] = true
+		}
+		list, err := spoke.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
+		if err != nil {
+			return false, nil
+		}
+		for _, g := range list.Items {
+			if cid := g.Annotations[spokepkg.GrantCredentialIDAnnotation]; cid != "" && !known[cid] &&
+				g.Annotations[spokepkg.GrantClusterProfileAnnotation] == ns+"/"+name {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
 	if len(live) == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(d.ctx, 30*time.Second)
-	defer cancel()
 	reg.Revoke(ctx, live, "the test agent stopped")
 }
 

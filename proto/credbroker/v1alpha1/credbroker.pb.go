@@ -269,6 +269,7 @@ type AgentFrame struct {
 	//	*AgentFrame_Error
 	//	*AgentFrame_RevokeResponse
 	//	*AgentFrame_GrantUpdate
+	//	*AgentFrame_Goodbye
 	Body          isAgentFrame_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -363,6 +364,15 @@ func (x *AgentFrame) GetGrantUpdate() *GrantUpdate {
 	return nil
 }
 
+func (x *AgentFrame) GetGoodbye() *Goodbye {
+	if x != nil {
+		if x, ok := x.Body.(*AgentFrame_Goodbye); ok {
+			return x.Goodbye
+		}
+	}
+	return nil
+}
+
 type isAgentFrame_Body interface {
 	isAgentFrame_Body()
 }
@@ -394,6 +404,12 @@ type AgentFrame_GrantUpdate struct {
 	GrantUpdate *GrantUpdate `protobuf:"bytes,6,opt,name=grant_update,json=grantUpdate,proto3,oneof"`
 }
 
+type AgentFrame_Goodbye struct {
+	// goodbye says the agent is leaving: the broker sends no new request
+	// down this stream; the agent answers those in flight, then closes it.
+	Goodbye *Goodbye `protobuf:"bytes,7,opt,name=goodbye,proto3,oneof"`
+}
+
 func (*AgentFrame_Hello) isAgentFrame_Body() {}
 
 func (*AgentFrame_MintResponse) isAgentFrame_Body() {}
@@ -403,6 +419,8 @@ func (*AgentFrame_Error) isAgentFrame_Body() {}
 func (*AgentFrame_RevokeResponse) isAgentFrame_Body() {}
 
 func (*AgentFrame_GrantUpdate) isAgentFrame_Body() {}
+
+func (*AgentFrame_Goodbye) isAgentFrame_Body() {}
 
 // BrokerFrame is one message from the broker to a spoke agent.
 type BrokerFrame struct {
@@ -415,6 +433,7 @@ type BrokerFrame struct {
 	//
 	//	*BrokerFrame_MintRequest
 	//	*BrokerFrame_RevokeRequest
+	//	*BrokerFrame_Drain
 	Body          isBrokerFrame_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -482,6 +501,15 @@ func (x *BrokerFrame) GetRevokeRequest() *RevokeRequest {
 	return nil
 }
 
+func (x *BrokerFrame) GetDrain() *Drain {
+	if x != nil {
+		if x, ok := x.Body.(*BrokerFrame_Drain); ok {
+			return x.Drain
+		}
+	}
+	return nil
+}
+
 type isBrokerFrame_Body interface {
 	isBrokerFrame_Body()
 }
@@ -496,9 +524,92 @@ type BrokerFrame_RevokeRequest struct {
 	RevokeRequest *RevokeRequest `protobuf:"bytes,3,opt,name=revoke_request,json=revokeRequest,proto3,oneof"`
 }
 
+type BrokerFrame_Drain struct {
+	// drain says the broker replica is shutting down: it finishes the
+	// requests in flight on this stream and then closes it; the agent
+	// should not count on this replica meanwhile.
+	Drain *Drain `protobuf:"bytes,4,opt,name=drain,proto3,oneof"`
+}
+
 func (*BrokerFrame_MintRequest) isBrokerFrame_Body() {}
 
 func (*BrokerFrame_RevokeRequest) isBrokerFrame_Body() {}
+
+func (*BrokerFrame_Drain) isBrokerFrame_Body() {}
+
+// Drain tells an agent that the broker replica is draining.
+type Drain struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Drain) Reset() {
+	*x = Drain{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Drain) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Drain) ProtoMessage() {}
+
+func (x *Drain) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Drain.ProtoReflect.Descriptor instead.
+func (*Drain) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{5}
+}
+
+// Goodbye tells the broker that the agent is leaving.
+type Goodbye struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Goodbye) Reset() {
+	*x = Goodbye{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Goodbye) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Goodbye) ProtoMessage() {}
+
+func (x *Goodbye) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Goodbye.ProtoReflect.Descriptor instead.
+func (*Goodbye) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{6}
+}
 
 // Hello introduces an agent. Its identity comes from its X.509-SVID, not from
 // anything in this message.
@@ -520,7 +631,7 @@ type Hello struct {
 
 func (x *Hello) Reset() {
 	*x = Hello{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[5]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -532,7 +643,7 @@ func (x *Hello) String() string {
 func (*Hello) ProtoMessage() {}
 
 func (x *Hello) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[5]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -545,7 +656,7 @@ func (x *Hello) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Hello.ProtoReflect.Descriptor instead.
 func (*Hello) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{5}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Hello) GetAgentVersion() string {
@@ -603,7 +714,7 @@ type Grant struct {
 
 func (x *Grant) Reset() {
 	*x = Grant{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[6]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -615,7 +726,7 @@ func (x *Grant) String() string {
 func (*Grant) ProtoMessage() {}
 
 func (x *Grant) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[6]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -628,7 +739,7 @@ func (x *Grant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Grant.ProtoReflect.Descriptor instead.
 func (*Grant) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{6}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Grant) GetCredentialId() string {
@@ -704,7 +815,7 @@ type GrantSelector struct {
 
 func (x *GrantSelector) Reset() {
 	*x = GrantSelector{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[7]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -716,7 +827,7 @@ func (x *GrantSelector) String() string {
 func (*GrantSelector) ProtoMessage() {}
 
 func (x *GrantSelector) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[7]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -729,7 +840,7 @@ func (x *GrantSelector) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GrantSelector.ProtoReflect.Descriptor instead.
 func (*GrantSelector) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{7}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GrantSelector) GetCredentialId() string {
@@ -763,7 +874,7 @@ type ListGrantsRequest struct {
 
 func (x *ListGrantsRequest) Reset() {
 	*x = ListGrantsRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -775,7 +886,7 @@ func (x *ListGrantsRequest) String() string {
 func (*ListGrantsRequest) ProtoMessage() {}
 
 func (x *ListGrantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -788,7 +899,7 @@ func (x *ListGrantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGrantsRequest.ProtoReflect.Descriptor instead.
 func (*ListGrantsRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{8}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ListGrantsRequest) GetSelector() *GrantSelector {
@@ -809,7 +920,7 @@ type ListGrantsResponse struct {
 
 func (x *ListGrantsResponse) Reset() {
 	*x = ListGrantsResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -821,7 +932,7 @@ func (x *ListGrantsResponse) String() string {
 func (*ListGrantsResponse) ProtoMessage() {}
 
 func (x *ListGrantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -834,7 +945,7 @@ func (x *ListGrantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGrantsResponse.ProtoReflect.Descriptor instead.
 func (*ListGrantsResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{9}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListGrantsResponse) GetGrants() []*Grant {
@@ -857,7 +968,7 @@ type RevokeGrantsRequest struct {
 
 func (x *RevokeGrantsRequest) Reset() {
 	*x = RevokeGrantsRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -869,7 +980,7 @@ func (x *RevokeGrantsRequest) String() string {
 func (*RevokeGrantsRequest) ProtoMessage() {}
 
 func (x *RevokeGrantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -882,7 +993,7 @@ func (x *RevokeGrantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeGrantsRequest.ProtoReflect.Descriptor instead.
 func (*RevokeGrantsRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{10}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *RevokeGrantsRequest) GetSelector() *GrantSelector {
@@ -914,7 +1025,7 @@ type RevokeGrantsResponse struct {
 
 func (x *RevokeGrantsResponse) Reset() {
 	*x = RevokeGrantsResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -926,7 +1037,7 @@ func (x *RevokeGrantsResponse) String() string {
 func (*RevokeGrantsResponse) ProtoMessage() {}
 
 func (x *RevokeGrantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -939,7 +1050,7 @@ func (x *RevokeGrantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeGrantsResponse.ProtoReflect.Descriptor instead.
 func (*RevokeGrantsResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{11}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *RevokeGrantsResponse) GetRevoked() []*Grant {
@@ -969,7 +1080,7 @@ type RevokeRequest struct {
 
 func (x *RevokeRequest) Reset() {
 	*x = RevokeRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -981,7 +1092,7 @@ func (x *RevokeRequest) String() string {
 func (*RevokeRequest) ProtoMessage() {}
 
 func (x *RevokeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -994,7 +1105,7 @@ func (x *RevokeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeRequest.ProtoReflect.Descriptor instead.
 func (*RevokeRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{12}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RevokeRequest) GetCredentialIds() []string {
@@ -1022,7 +1133,7 @@ type RevokeResponse struct {
 
 func (x *RevokeResponse) Reset() {
 	*x = RevokeResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1034,7 +1145,7 @@ func (x *RevokeResponse) String() string {
 func (*RevokeResponse) ProtoMessage() {}
 
 func (x *RevokeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1047,7 +1158,7 @@ func (x *RevokeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeResponse.ProtoReflect.Descriptor instead.
 func (*RevokeResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{13}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RevokeResponse) GetCredentialIds() []string {
@@ -1070,7 +1181,7 @@ type GrantUpdate struct {
 
 func (x *GrantUpdate) Reset() {
 	*x = GrantUpdate{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1082,7 +1193,7 @@ func (x *GrantUpdate) String() string {
 func (*GrantUpdate) ProtoMessage() {}
 
 func (x *GrantUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1095,7 +1206,7 @@ func (x *GrantUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GrantUpdate.ProtoReflect.Descriptor instead.
 func (*GrantUpdate) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{14}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *GrantUpdate) GetAdded() []*Grant {
@@ -1128,7 +1239,7 @@ type Subject struct {
 
 func (x *Subject) Reset() {
 	*x = Subject{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1140,7 +1251,7 @@ func (x *Subject) String() string {
 func (*Subject) ProtoMessage() {}
 
 func (x *Subject) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1153,7 +1264,7 @@ func (x *Subject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Subject.ProtoReflect.Descriptor instead.
 func (*Subject) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{15}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Subject) GetUsername() string {
@@ -1196,7 +1307,7 @@ type MintRequest struct {
 
 func (x *MintRequest) Reset() {
 	*x = MintRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1208,7 +1319,7 @@ func (x *MintRequest) String() string {
 func (*MintRequest) ProtoMessage() {}
 
 func (x *MintRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1221,7 +1332,7 @@ func (x *MintRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MintRequest.ProtoReflect.Descriptor instead.
 func (*MintRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{16}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *MintRequest) GetSubject() *Subject {
@@ -1267,7 +1378,7 @@ type MintResponse struct {
 
 func (x *MintResponse) Reset() {
 	*x = MintResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1279,7 +1390,7 @@ func (x *MintResponse) String() string {
 func (*MintResponse) ProtoMessage() {}
 
 func (x *MintResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1292,7 +1403,7 @@ func (x *MintResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MintResponse.ProtoReflect.Descriptor instead.
 func (*MintResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{17}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *MintResponse) GetToken() string {
@@ -1330,7 +1441,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1342,7 +1453,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1355,7 +1466,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{18}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Error) GetCode() int32 {
@@ -1391,7 +1502,7 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\x06server\x18\x03 \x01(\tR\x06server\x12<\n" +
 	"\x1acertificate_authority_data\x18\x04 \x01(\fR\x18certificateAuthorityData\x12M\n" +
 	"\x0fservice_account\x18\x05 \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\x0eserviceAccount\x12#\n" +
-	"\rcredential_id\x18\x06 \x01(\tR\fcredentialId\"\x84\x03\n" +
+	"\rcredential_id\x18\x06 \x01(\tR\fcredentialId\"\xbe\x03\n" +
 	"\n" +
 	"AgentFrame\x12%\n" +
 	"\x0ecorrelation_id\x18\x01 \x01(\tR\rcorrelationId\x122\n" +
@@ -1399,13 +1510,17 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\rmint_response\x18\x03 \x01(\v2!.credbroker.v1alpha1.MintResponseH\x00R\fmintResponse\x122\n" +
 	"\x05error\x18\x04 \x01(\v2\x1a.credbroker.v1alpha1.ErrorH\x00R\x05error\x12N\n" +
 	"\x0frevoke_response\x18\x05 \x01(\v2#.credbroker.v1alpha1.RevokeResponseH\x00R\x0erevokeResponse\x12E\n" +
-	"\fgrant_update\x18\x06 \x01(\v2 .credbroker.v1alpha1.GrantUpdateH\x00R\vgrantUpdateB\x06\n" +
-	"\x04body\"\xd0\x01\n" +
+	"\fgrant_update\x18\x06 \x01(\v2 .credbroker.v1alpha1.GrantUpdateH\x00R\vgrantUpdate\x128\n" +
+	"\agoodbye\x18\a \x01(\v2\x1c.credbroker.v1alpha1.GoodbyeH\x00R\agoodbyeB\x06\n" +
+	"\x04body\"\x84\x02\n" +
 	"\vBrokerFrame\x12%\n" +
 	"\x0ecorrelation_id\x18\x01 \x01(\tR\rcorrelationId\x12E\n" +
 	"\fmint_request\x18\x02 \x01(\v2 .credbroker.v1alpha1.MintRequestH\x00R\vmintRequest\x12K\n" +
-	"\x0erevoke_request\x18\x03 \x01(\v2\".credbroker.v1alpha1.RevokeRequestH\x00R\rrevokeRequestB\x06\n" +
-	"\x04body\"\xb6\x01\n" +
+	"\x0erevoke_request\x18\x03 \x01(\v2\".credbroker.v1alpha1.RevokeRequestH\x00R\rrevokeRequest\x122\n" +
+	"\x05drain\x18\x04 \x01(\v2\x1a.credbroker.v1alpha1.DrainH\x00R\x05drainB\x06\n" +
+	"\x04body\"\a\n" +
+	"\x05Drain\"\t\n" +
+	"\aGoodbye\"\xb6\x01\n" +
 	"\x05Hello\x12#\n" +
 	"\ragent_version\x18\x01 \x01(\tR\fagentVersion\x12\x16\n" +
 	"\x06server\x18\x02 \x01(\tR\x06server\x12<\n" +
@@ -1479,71 +1594,75 @@ func file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP() []byte {
 	return file_credbroker_v1alpha1_credbroker_proto_rawDescData
 }
 
-var file_credbroker_v1alpha1_credbroker_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_credbroker_v1alpha1_credbroker_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_credbroker_v1alpha1_credbroker_proto_goTypes = []any{
 	(*ObjectReference)(nil),       // 0: credbroker.v1alpha1.ObjectReference
 	(*ExchangeRequest)(nil),       // 1: credbroker.v1alpha1.ExchangeRequest
 	(*ExchangeResponse)(nil),      // 2: credbroker.v1alpha1.ExchangeResponse
 	(*AgentFrame)(nil),            // 3: credbroker.v1alpha1.AgentFrame
 	(*BrokerFrame)(nil),           // 4: credbroker.v1alpha1.BrokerFrame
-	(*Hello)(nil),                 // 5: credbroker.v1alpha1.Hello
-	(*Grant)(nil),                 // 6: credbroker.v1alpha1.Grant
-	(*GrantSelector)(nil),         // 7: credbroker.v1alpha1.GrantSelector
-	(*ListGrantsRequest)(nil),     // 8: credbroker.v1alpha1.ListGrantsRequest
-	(*ListGrantsResponse)(nil),    // 9: credbroker.v1alpha1.ListGrantsResponse
-	(*RevokeGrantsRequest)(nil),   // 10: credbroker.v1alpha1.RevokeGrantsRequest
-	(*RevokeGrantsResponse)(nil),  // 11: credbroker.v1alpha1.RevokeGrantsResponse
-	(*RevokeRequest)(nil),         // 12: credbroker.v1alpha1.RevokeRequest
-	(*RevokeResponse)(nil),        // 13: credbroker.v1alpha1.RevokeResponse
-	(*GrantUpdate)(nil),           // 14: credbroker.v1alpha1.GrantUpdate
-	(*Subject)(nil),               // 15: credbroker.v1alpha1.Subject
-	(*MintRequest)(nil),           // 16: credbroker.v1alpha1.MintRequest
-	(*MintResponse)(nil),          // 17: credbroker.v1alpha1.MintResponse
-	(*Error)(nil),                 // 18: credbroker.v1alpha1.Error
-	(*timestamppb.Timestamp)(nil), // 19: google.protobuf.Timestamp
+	(*Drain)(nil),                 // 5: credbroker.v1alpha1.Drain
+	(*Goodbye)(nil),               // 6: credbroker.v1alpha1.Goodbye
+	(*Hello)(nil),                 // 7: credbroker.v1alpha1.Hello
+	(*Grant)(nil),                 // 8: credbroker.v1alpha1.Grant
+	(*GrantSelector)(nil),         // 9: credbroker.v1alpha1.GrantSelector
+	(*ListGrantsRequest)(nil),     // 10: credbroker.v1alpha1.ListGrantsRequest
+	(*ListGrantsResponse)(nil),    // 11: credbroker.v1alpha1.ListGrantsResponse
+	(*RevokeGrantsRequest)(nil),   // 12: credbroker.v1alpha1.RevokeGrantsRequest
+	(*RevokeGrantsResponse)(nil),  // 13: credbroker.v1alpha1.RevokeGrantsResponse
+	(*RevokeRequest)(nil),         // 14: credbroker.v1alpha1.RevokeRequest
+	(*RevokeResponse)(nil),        // 15: credbroker.v1alpha1.RevokeResponse
+	(*GrantUpdate)(nil),           // 16: credbroker.v1alpha1.GrantUpdate
+	(*Subject)(nil),               // 17: credbroker.v1alpha1.Subject
+	(*MintRequest)(nil),           // 18: credbroker.v1alpha1.MintRequest
+	(*MintResponse)(nil),          // 19: credbroker.v1alpha1.MintResponse
+	(*Error)(nil),                 // 20: credbroker.v1alpha1.Error
+	(*timestamppb.Timestamp)(nil), // 21: google.protobuf.Timestamp
 }
 var file_credbroker_v1alpha1_credbroker_proto_depIdxs = []int32{
 	0,  // 0: credbroker.v1alpha1.ExchangeRequest.cluster:type_name -> credbroker.v1alpha1.ObjectReference
 	0,  // 1: credbroker.v1alpha1.ExchangeRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	19, // 2: credbroker.v1alpha1.ExchangeResponse.expiration_time:type_name -> google.protobuf.Timestamp
+	21, // 2: credbroker.v1alpha1.ExchangeResponse.expiration_time:type_name -> google.protobuf.Timestamp
 	0,  // 3: credbroker.v1alpha1.ExchangeResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	5,  // 4: credbroker.v1alpha1.AgentFrame.hello:type_name -> credbroker.v1alpha1.Hello
-	17, // 5: credbroker.v1alpha1.AgentFrame.mint_response:type_name -> credbroker.v1alpha1.MintResponse
-	18, // 6: credbroker.v1alpha1.AgentFrame.error:type_name -> credbroker.v1alpha1.Error
-	13, // 7: credbroker.v1alpha1.AgentFrame.revoke_response:type_name -> credbroker.v1alpha1.RevokeResponse
-	14, // 8: credbroker.v1alpha1.AgentFrame.grant_update:type_name -> credbroker.v1alpha1.GrantUpdate
-	16, // 9: credbroker.v1alpha1.BrokerFrame.mint_request:type_name -> credbroker.v1alpha1.MintRequest
-	12, // 10: credbroker.v1alpha1.BrokerFrame.revoke_request:type_name -> credbroker.v1alpha1.RevokeRequest
-	6,  // 11: credbroker.v1alpha1.Hello.grants:type_name -> credbroker.v1alpha1.Grant
-	0,  // 12: credbroker.v1alpha1.Grant.cluster:type_name -> credbroker.v1alpha1.ObjectReference
-	15, // 13: credbroker.v1alpha1.Grant.subject:type_name -> credbroker.v1alpha1.Subject
-	0,  // 14: credbroker.v1alpha1.Grant.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	19, // 15: credbroker.v1alpha1.Grant.expiration_time:type_name -> google.protobuf.Timestamp
-	0,  // 16: credbroker.v1alpha1.Grant.secret:type_name -> credbroker.v1alpha1.ObjectReference
-	0,  // 17: credbroker.v1alpha1.GrantSelector.cluster:type_name -> credbroker.v1alpha1.ObjectReference
-	7,  // 18: credbroker.v1alpha1.ListGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
-	6,  // 19: credbroker.v1alpha1.ListGrantsResponse.grants:type_name -> credbroker.v1alpha1.Grant
-	7,  // 20: credbroker.v1alpha1.RevokeGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
-	6,  // 21: credbroker.v1alpha1.RevokeGrantsResponse.revoked:type_name -> credbroker.v1alpha1.Grant
-	6,  // 22: credbroker.v1alpha1.RevokeGrantsResponse.pending:type_name -> credbroker.v1alpha1.Grant
-	6,  // 23: credbroker.v1alpha1.GrantUpdate.added:type_name -> credbroker.v1alpha1.Grant
-	15, // 24: credbroker.v1alpha1.MintRequest.subject:type_name -> credbroker.v1alpha1.Subject
-	0,  // 25: credbroker.v1alpha1.MintRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	19, // 26: credbroker.v1alpha1.MintResponse.expiration_time:type_name -> google.protobuf.Timestamp
-	0,  // 27: credbroker.v1alpha1.MintResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	1,  // 28: credbroker.v1alpha1.TokenExchange.Exchange:input_type -> credbroker.v1alpha1.ExchangeRequest
-	8,  // 29: credbroker.v1alpha1.Grants.List:input_type -> credbroker.v1alpha1.ListGrantsRequest
-	10, // 30: credbroker.v1alpha1.Grants.Revoke:input_type -> credbroker.v1alpha1.RevokeGrantsRequest
-	3,  // 31: credbroker.v1alpha1.AgentTunnel.Connect:input_type -> credbroker.v1alpha1.AgentFrame
-	2,  // 32: credbroker.v1alpha1.TokenExchange.Exchange:output_type -> credbroker.v1alpha1.ExchangeResponse
-	9,  // 33: credbroker.v1alpha1.Grants.List:output_type -> credbroker.v1alpha1.ListGrantsResponse
-	11, // 34: credbroker.v1alpha1.Grants.Revoke:output_type -> credbroker.v1alpha1.RevokeGrantsResponse
-	4,  // 35: credbroker.v1alpha1.AgentTunnel.Connect:output_type -> credbroker.v1alpha1.BrokerFrame
-	32, // [32:36] is the sub-list for method output_type
-	28, // [28:32] is the sub-list for method input_type
-	28, // [28:28] is the sub-list for extension type_name
-	28, // [28:28] is the sub-list for extension extendee
-	0,  // [0:28] is the sub-list for field type_name
+	7,  // 4: credbroker.v1alpha1.AgentFrame.hello:type_name -> credbroker.v1alpha1.Hello
+	19, // 5: credbroker.v1alpha1.AgentFrame.mint_response:type_name -> credbroker.v1alpha1.MintResponse
+	20, // 6: credbroker.v1alpha1.AgentFrame.error:type_name -> credbroker.v1alpha1.Error
+	15, // 7: credbroker.v1alpha1.AgentFrame.revoke_response:type_name -> credbroker.v1alpha1.RevokeResponse
+	16, // 8: credbroker.v1alpha1.AgentFrame.grant_update:type_name -> credbroker.v1alpha1.GrantUpdate
+	6,  // 9: credbroker.v1alpha1.AgentFrame.goodbye:type_name -> credbroker.v1alpha1.Goodbye
+	18, // 10: credbroker.v1alpha1.BrokerFrame.mint_request:type_name -> credbroker.v1alpha1.MintRequest
+	14, // 11: credbroker.v1alpha1.BrokerFrame.revoke_request:type_name -> credbroker.v1alpha1.RevokeRequest
+	5,  // 12: credbroker.v1alpha1.BrokerFrame.drain:type_name -> credbroker.v1alpha1.Drain
+	8,  // 13: credbroker.v1alpha1.Hello.grants:type_name -> credbroker.v1alpha1.Grant
+	0,  // 14: credbroker.v1alpha1.Grant.cluster:type_name -> credbroker.v1alpha1.ObjectReference
+	17, // 15: credbroker.v1alpha1.Grant.subject:type_name -> credbroker.v1alpha1.Subject
+	0,  // 16: credbroker.v1alpha1.Grant.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	21, // 17: credbroker.v1alpha1.Grant.expiration_time:type_name -> google.protobuf.Timestamp
+	0,  // 18: credbroker.v1alpha1.Grant.secret:type_name -> credbroker.v1alpha1.ObjectReference
+	0,  // 19: credbroker.v1alpha1.GrantSelector.cluster:type_name -> credbroker.v1alpha1.ObjectReference
+	9,  // 20: credbroker.v1alpha1.ListGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
+	8,  // 21: credbroker.v1alpha1.ListGrantsResponse.grants:type_name -> credbroker.v1alpha1.Grant
+	9,  // 22: credbroker.v1alpha1.RevokeGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
+	8,  // 23: credbroker.v1alpha1.RevokeGrantsResponse.revoked:type_name -> credbroker.v1alpha1.Grant
+	8,  // 24: credbroker.v1alpha1.RevokeGrantsResponse.pending:type_name -> credbroker.v1alpha1.Grant
+	8,  // 25: credbroker.v1alpha1.GrantUpdate.added:type_name -> credbroker.v1alpha1.Grant
+	17, // 26: credbroker.v1alpha1.MintRequest.subject:type_name -> credbroker.v1alpha1.Subject
+	0,  // 27: credbroker.v1alpha1.MintRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	21, // 28: credbroker.v1alpha1.MintResponse.expiration_time:type_name -> google.protobuf.Timestamp
+	0,  // 29: credbroker.v1alpha1.MintResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	1,  // 30: credbroker.v1alpha1.TokenExchange.Exchange:input_type -> credbroker.v1alpha1.ExchangeRequest
+	10, // 31: credbroker.v1alpha1.Grants.List:input_type -> credbroker.v1alpha1.ListGrantsRequest
+	12, // 32: credbroker.v1alpha1.Grants.Revoke:input_type -> credbroker.v1alpha1.RevokeGrantsRequest
+	3,  // 33: credbroker.v1alpha1.AgentTunnel.Connect:input_type -> credbroker.v1alpha1.AgentFrame
+	2,  // 34: credbroker.v1alpha1.TokenExchange.Exchange:output_type -> credbroker.v1alpha1.ExchangeResponse
+	11, // 35: credbroker.v1alpha1.Grants.List:output_type -> credbroker.v1alpha1.ListGrantsResponse
+	13, // 36: credbroker.v1alpha1.Grants.Revoke:output_type -> credbroker.v1alpha1.RevokeGrantsResponse
+	4,  // 37: credbroker.v1alpha1.AgentTunnel.Connect:output_type -> credbroker.v1alpha1.BrokerFrame
+	34, // [34:38] is the sub-list for method output_type
+	30, // [30:34] is the sub-list for method input_type
+	30, // [30:30] is the sub-list for extension type_name
+	30, // [30:30] is the sub-list for extension extendee
+	0,  // [0:30] is the sub-list for field type_name
 }
 
 func init() { file_credbroker_v1alpha1_credbroker_proto_init() }
@@ -1557,10 +1676,12 @@ func file_credbroker_v1alpha1_credbroker_proto_init() {
 		(*AgentFrame_Error)(nil),
 		(*AgentFrame_RevokeResponse)(nil),
 		(*AgentFrame_GrantUpdate)(nil),
+		(*AgentFrame_Goodbye)(nil),
 	}
 	file_credbroker_v1alpha1_credbroker_proto_msgTypes[4].OneofWrappers = []any{
 		(*BrokerFrame_MintRequest)(nil),
 		(*BrokerFrame_RevokeRequest)(nil),
+		(*BrokerFrame_Drain)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1568,7 +1689,7 @@ func file_credbroker_v1alpha1_credbroker_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_credbroker_v1alpha1_credbroker_proto_rawDesc), len(file_credbroker_v1alpha1_credbroker_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   19,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   3,
 		},
