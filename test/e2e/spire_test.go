@@ -31,12 +31,12 @@ import (
 	"github.com/credbroker/credbroker/test/framework"
 )
 
-// rotationWatch records, for one Workload API socket, the serial of every
-// X509-SVID it serves and the NotAfter of the first.
+// rotationWatch records, for one Workload API socket, the serial and
+// NotAfter of every X509-SVID it serves.
 type rotationWatch struct {
-	mu        sync.Mutex
-	serials   []string
-	firstEnds time.Time
+	mu      sync.Mutex
+	serials []string
+	ends    []time.Time
 }
 
 func (w *rotationWatch) OnX509ContextUpdate(c *workloadapi.X509Context) {
@@ -47,30 +47,32 @@ func (w *rotationWatch) OnX509ContextUpdate(c *workloadapi.X509Context) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	leaf := s.Certificates[0]
-	if len(w.serials) == 0 {
-		w.firstEnds = leaf.NotAfter
-	}
 	if serial := leaf.SerialNumber.String(); len(w.serials) == 0 || w.serials[len(w.serials)-1] != serial {
 		w.serials = append(w.serials, serial)
+		w.ends = append(w.ends, leaf.NotAfter)
 	}
 }
 
 func (w *rotationWatch) OnX509ContextWatchError(error) {}
 
-// rotations returns how often the SVID changed and when the first ended.
-func (w *rotationWatch) rotations() (int, time.Time) {
+// rotations returns how often the SVID changed and when the first two
+// SVIDs ended (zero when not served yet).
+func (w *rotationWatch) rotations() (n int, ends [2]time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return max(len(w.serials)-1, 0), w.firstEnds
+	copy(ends[:], w.ends)
+	return max(len(w.serials)-1, 0), ends
 }
 
 // The issue's SPIRE proof: a real SPIRE server and agents on loopback
 // (join-token node attestation, unix workload attestation) issue the
 // broker's and each spoke agent's SVIDs with a 30s TTL, and a consumer's
 // exchanges, each a fresh mint through an agent stream, keep succeeding
-// through at least two rotations of every side and past the NotAfter of
-// every first SVID, so the streams run on SVIDs that SPIRE rotated. A call
-// may be retried once on Unavailable, as a client does; none may fail.
+// through at least two rotations of every side and past the NotAfter of the
+// first two SVIDs of every side, when the streams of those SVIDs end: so
+// the streams run on SVIDs that SPIRE rotated, and move to them without a
+// gap. Every 100ms the consumer calls for each spoke; a call may be retried
+// once on Unavailable, as a client does; none may fail.
 //
 // Its own hub and spokes, since the suite's broker and agents use files.
 func TestSPIREIdentityThroughRotations(t *testing.T) {
@@ -122,10 +124,10 @@ func TestSPIREIdentityThroughRotations(t *testing.T) {
 		}
 	})
 
-	// Every call asks for an audience of its own, so that none is served
-	// from the broker's token cache: each is a mint through an agent.
-	const maxCalls = 1000
-	audiences := make([]string, maxCalls)
+	// Every round of calls asks for an audience of its own, so that none is
+	// served from the broker's token cache: each is a mint through an agent.
+	const maxRounds = 1000
+	audiences := make([]string, maxRounds)
 	for i := range audiences {
 		audiences[i] = fmt.Sprintf("spire-%d", i)
 	}
@@ -165,12 +167,12 @@ func TestSPIREIdentityThroughRotations(t *testing.T) {
 	defer conn.Close()
 	client := pb.NewTokenExchangeClient(conn)
 
-	// done says whether every side rotated twice and every first SVID has
-	// expired.
+	// done says whether every side rotated twice and its first two SVIDs
+	// have expired.
 	done := func() bool {
 		for _, w := range watches {
-			n, firstEnds := w.rotations()
-			if n < 2 || time.Now().Before(firstEnds.Add(time.Second)) {
+			n, ends := w.rotations()
+			if n < 2 || time.Now().Before(ends[1].Add(time.Second)) {
 				return false
 			}
 		}
@@ -180,23 +182,25 @@ func TestSPIREIdentityThroughRotations(t *testing.T) {
 	var calls, retried int
 	var failures []string
 	for i := 0; !done(); i++ {
-		require.Less(t, i, maxCalls, "SVIDs did not rotate twice within %d calls (%s)", maxCalls, time.Since(began))
-		tg := targets[i%len(targets)]
-		req := &pb.ExchangeRequest{Cluster: clusterRef(tg.spoke), Audiences: []string{audiences[i]}}
-		calls++
-		_, err := exchangeVia(t, client, tg.client, req)
-		if status.Code(err) == codes.Unavailable {
-			retried++
-			_, err = exchangeVia(t, client, tg.client, req)
-		}
-		if err != nil {
-			failures = append(failures, fmt.Sprintf("%s after %s: %v", tg.spoke.Name, time.Since(began).Round(time.Millisecond), err))
+		require.Less(t, i, maxRounds, "SVIDs did not rotate twice within %d rounds of calls (%s)", maxRounds, time.Since(began))
+		for _, tg := range targets {
+			req := &pb.ExchangeRequest{Cluster: clusterRef(tg.spoke), Audiences: []string{audiences[i]}}
+			calls++
+			_, err := exchangeVia(t, client, tg.client, req)
+			if status.Code(err) == codes.Unavailable {
+				retried++
+				_, err = exchangeVia(t, client, tg.client, req)
+			}
+			if err != nil {
+				failures = append(failures, fmt.Sprintf("%s after %s: %v", tg.spoke.Name, time.Since(began).Round(time.Millisecond), err))
+			}
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
 	for id, w := range watches {
-		n, firstEnds := w.rotations()
-		t.Logf("%s: %d rotations; first SVID ended %s after the calls began", id, n, firstEnds.Sub(began).Round(time.Millisecond))
+		n, ends := w.rotations()
+		t.Logf("%s: %d rotations; the first two SVIDs ended %s and %s after the calls began", id, n,
+			ends[0].Sub(began).Round(time.Millisecond), ends[1].Sub(began).Round(time.Millisecond))
 	}
 	t.Logf("%d calls in %s, %d retried once on Unavailable, %d failed", calls, time.Since(began).Round(time.Millisecond), retried, len(failures))
 	assert.Empty(t, failures, "no call fails through the rotations")
