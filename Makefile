@@ -10,8 +10,12 @@ GO        ?= go
 BIN       ?= bin
 TOOLS     := $(GO) tool -modfile=hack/tools/go.mod
 TESTBIN   := hack/testbin.sh
-# Tests that start API servers find them through KUBEBUILDER_ASSETS.
+SPIRE     := hack/spire.sh
+# Tests that start API servers find them through KUBEBUILDER_ASSETS, and
+# those that start SPIRE find spire-server and spire-agent through
+# CREDBROKER_SPIRE.
 ASSETS     = KUBEBUILDER_ASSETS="$$($(TESTBIN))"
+SPIRE_BIN  = CREDBROKER_SPIRE="$$($(SPIRE))"
 TEST_FLAGS ?= -race -timeout 20m
 BENCH_FLAGS ?= -benchtime 200x -count 1
 
@@ -45,13 +49,17 @@ lint: ## Run gofmt, go vet and staticcheck (pinned in hack/tools).
 testbin: ## Build kube-apiserver and etcd for the tests into the version-keyed cache (about 7.5 min cold).
 	@$(TESTBIN) >/dev/null
 
+.PHONY: spire
+spire: ## Build spire-server and spire-agent for the tests into the version-keyed cache (about 8 min cold).
+	@$(SPIRE) >/dev/null
+
 .PHONY: test
-test: testbin ## Run every test, integration and e2e included, with -race, on real API servers.
-	$(ASSETS) $(GO) test $(TEST_FLAGS) ./...
+test: testbin spire ## Run every test, integration and e2e included, with -race, on real API servers.
+	$(ASSETS) $(SPIRE_BIN) $(GO) test $(TEST_FLAGS) ./...
 
 .PHONY: e2e
-e2e: testbin ## Run only the end-to-end tests (one hub, two spokes).
-	$(ASSETS) $(GO) test $(TEST_FLAGS) -v ./test/e2e/...
+e2e: testbin spire ## Run only the end-to-end tests (one hub, two spokes).
+	$(ASSETS) $(SPIRE_BIN) $(GO) test $(TEST_FLAGS) -v ./test/e2e/...
 
 .PHONY: bench
 bench: testbin ## Benchmark the exchange against a direct TokenRequest on the same API server.

@@ -43,6 +43,19 @@
 // Grant waits until the RBAC authorizer reflects the grant, so a
 // SubjectAccessReview right after it sees the new permission.
 //
+// StartSPIRE runs a real SPIRE server on loopback, for tests of the broker
+// and agents as SPIFFE workloads; its binaries come from `make spire`
+// ($CREDBROKER_SPIRE). Each in-process component gets a SPIRE agent of its
+// own (join-token node attestation) and an entry parented to it (unix
+// workload attestation by uid), so each Workload API socket serves exactly
+// one SVID, with a short TTL so that tests see it rotate:
+//
+//	s, err := framework.StartSPIRE(ctx, framework.SPIREOptions{X509SVIDTTL: 30 * time.Second})
+//	defer s.Stop()
+//	hub, err := s.StartAgent(ctx, "hub")
+//	err = hub.RegisterWorkload(ctx, "spiffe://"+framework.TrustDomain+"/broker", os.Getuid())
+//	// broker.Config.SPIFFEEndpointSocket = hub.Endpoint()
+//
 // Always call Env.Stop (in TestMain, after m.Run). As a safety net, on Linux
 // with setpriv(1) the servers are started with a parent-death signal, so they
 // exit when the process that started them dies without stopping them, for
