@@ -1,9 +1,3 @@
-//go:build spire_e2e
-
-// The build tag keeps this file out until the broker and the agent take
-// their SVIDs from the SPIFFE Workload API (DeploymentOptions and
-// AgentOptions.SPIFFEEndpointSocket); remove it when they do.
-
 package e2e
 
 import (
