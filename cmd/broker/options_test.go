@@ -151,7 +151,7 @@ func TestParseFlagsLimitsAndShutdown(t *testing.T) {
 		wantGrace, wantDelay time.Duration
 		wantErr              string
 	}{
-		{name: "defaults fit a 200-node DaemonSet", wantStreams: 256, wantConcurrent: 1000, wantGrace: 15 * time.Second},
+		{name: "defaults fit a 200-node DaemonSet", wantStreams: 512, wantConcurrent: 1000, wantGrace: 15 * time.Second},
 		{name: "set", args: []string{"--max-streams-per-cluster=1000", "--max-concurrent-streams=50", "--shutdown-grace=20s", "--shutdown-delay=3s"},
 			wantStreams: 1000, wantConcurrent: 50, wantGrace: 20 * time.Second, wantDelay: 3 * time.Second},
 		{name: "no streams", args: []string{"--max-streams-per-cluster=0"}, wantErr: "the agent streams per cluster must be positive"},

@@ -133,7 +133,7 @@ func Default() Config {
 		InformerResync:             10 * time.Minute,
 		CacheSyncTimeout:           time.Minute,
 		ShutdownGrace:              15 * time.Second,
-		MaxStreamsPerCluster:       256,
+		MaxStreamsPerCluster:       512,
 		MaxConcurrentStreams:       1000,
 		FileCheckInterval:          5 * time.Second,
 		Audience:                   "credbroker",

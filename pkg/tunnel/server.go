@@ -76,8 +76,9 @@ type ServerConfig struct {
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
 	// MaxStreamsPerCluster bounds the streams one cluster's agents may hold
-	// to this broker; more are refused with ResourceExhausted. Default 256:
-	// a DaemonSet of agents holds one stream per node to every replica.
+	// to this broker; more are refused with ResourceExhausted. Default 512:
+	// a DaemonSet of agents holds one stream per node to every replica, and
+	// two while an agent rotates its SVID, so 200 nodes fit.
 	MaxStreamsPerCluster int
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
@@ -137,7 +138,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.HelloTimeout = 10 * time.Second
 	}
 	if cfg.MaxStreamsPerCluster <= 0 {
-		cfg.MaxStreamsPerCluster = 256
+		cfg.MaxStreamsPerCluster = 512
 	}
 	if cfg.Grants == nil {
 		cfg.Grants = noGrants{}
