@@ -11,9 +11,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 )
 
-func TestParseFlagsCluster(t *testing.T) {
-	dir := t.TempDir()
-	kubeconfig := filepath.Join(dir, "kubeconfig")
+// writeKubeconfig writes a kubeconfig of a spoke and returns its path.
+func writeKubeconfig(t *testing.T) string {
+	t.Helper()
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
 	require.NoError(t, os.WriteFile(kubeconfig, []byte(`apiVersion: v1
 kind: Config
 clusters: [{name: spoke, cluster: {server: "https://127.0.0.1:6443"}}]
@@ -21,6 +22,11 @@ contexts: [{name: spoke, context: {cluster: spoke, user: agent}}]
 current-context: spoke
 users: [{name: agent, user: {token: x}}]
 `), 0o600))
+	return kubeconfig
+}
+
+func TestParseFlagsCluster(t *testing.T) {
+	kubeconfig := writeKubeconfig(t)
 	required := []string{
 		"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example",
 		"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b", "--kubeconfig", kubeconfig,
@@ -52,15 +58,7 @@ users: [{name: agent, user: {token: x}}]
 }
 
 func TestParseFlagsSVIDSource(t *testing.T) {
-	dir := t.TempDir()
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	require.NoError(t, os.WriteFile(kubeconfig, []byte(`apiVersion: v1
-kind: Config
-clusters: [{name: spoke, cluster: {server: "https://127.0.0.1:6443"}}]
-contexts: [{name: spoke, context: {cluster: spoke, user: agent}}]
-current-context: spoke
-users: [{name: agent, user: {token: x}}]
-`), 0o600))
+	kubeconfig := writeKubeconfig(t)
 	base := []string{"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example", "--kubeconfig", kubeconfig}
 	files := []string{"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b"}
 	socket := []string{"--spiffe-endpoint-socket", "unix:///run/spire/agent-sockets/spire-agent.sock"}
@@ -97,15 +95,7 @@ users: [{name: agent, user: {token: x}}]
 }
 
 func TestParseFlagsLimitsAndShutdown(t *testing.T) {
-	dir := t.TempDir()
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	require.NoError(t, os.WriteFile(kubeconfig, []byte(`apiVersion: v1
-kind: Config
-clusters: [{name: spoke, cluster: {server: "https://127.0.0.1:6443"}}]
-contexts: [{name: spoke, context: {cluster: spoke, user: agent}}]
-current-context: spoke
-users: [{name: agent, user: {token: x}}]
-`), 0o600))
+	kubeconfig := writeKubeconfig(t)
 	required := []string{
 		"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example",
 		"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b", "--kubeconfig", kubeconfig,

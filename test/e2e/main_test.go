@@ -239,6 +239,12 @@ func exchangeClient(t testing.TB) pb.TokenExchangeClient {
 
 func exchangeClientAt(t testing.TB, addr string) pb.TokenExchangeClient {
 	t.Helper()
+	return pb.NewTokenExchangeClient(dialExchange(t, addr))
+}
+
+// dialExchange dials addr over TLS, verifying it with the deployment's CA.
+func dialExchange(t testing.TB, addr string) *grpc.ClientConn {
+	t.Helper()
 	pem, err := os.ReadFile(deployment.CAFile)
 	require.NoError(t, err)
 	pool := x509.NewCertPool()
@@ -247,7 +253,7 @@ func exchangeClientAt(t testing.TB, addr string) pb.TokenExchangeClient {
 		grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12})))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
-	return pb.NewTokenExchangeClient(conn)
+	return conn
 }
 
 func bearer(token string) context.Context {
