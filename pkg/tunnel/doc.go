@@ -14,9 +14,8 @@
 // control characters or links, clipped to 1 KiB; the agent logs the full
 // text.
 //
-// The grants an agent reports in its hello replace what ServerConfig.Grants
-// (the broker's grant registry) knew of its cluster, and its grant updates
-// follow; a hello or update of more than MaxGrantsPerFrame grants closes the
+// The grants an agent reports in its hello, and its grant updates after it,
+// go to ServerConfig.Grants (the broker's grant registry); a hello or update of more than MaxGrantsPerFrame grants closes the
 // stream. Server.Revoke sends a RevokeRequest the same way as Mint, in
 // batches small enough for the answer, and keeps of the answer only the
 // credential ids it asked about.
