@@ -79,7 +79,8 @@ type Config struct {
 	AccessProviderName string
 	// AuthnTTL, AllowTTL and DenyTTL bound the decision caches.
 	AuthnTTL, AllowTTL, DenyTTL time.Duration
-	// RateLimit and RateBurst limit exchanges per consumer.
+	// RateLimit and RateBurst limit, per consumer, the mints and hub reviews
+	// its exchanges cause; answers from the caches do not count.
 	RateLimit float64
 	RateBurst int
 	// ReviewRateLimit and ReviewBurst limit TokenReviews of new tokens, for

@@ -43,6 +43,10 @@ func ValidateAddress(addr string) error {
 // gRPC sends the retry to another replica when there is one. Every call of
 // the broker's services may be repeated: an exchange mints or serves a
 // token, a list reads, and a revoke of what is gone already succeeds.
+// ResourceExhausted is not retried: gRPC's retry policy would retry after
+// its own backoff, before the wait the broker asks for (the "retry-after"
+// trailer, errdefs.RetryAfterKey), and spend the consumer's budget again.
+// The refusal reaches the caller, whose message names the wait.
 const serviceConfig = `{
   "loadBalancingConfig": [{"round_robin": {}}],
   "methodConfig": [{

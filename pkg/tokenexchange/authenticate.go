@@ -24,7 +24,7 @@ func (s *Service) Authenticate(ctx context.Context) (User, error) {
 	if err != nil {
 		return User{}, err
 	}
-	if err := s.allow(ctx, user); err != nil {
+	if err := s.allow(ctx, user, "calls"); err != nil {
 		return User{}, err
 	}
 	return user, nil

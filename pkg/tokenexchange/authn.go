@@ -9,6 +9,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/time/rate"
@@ -56,24 +57,34 @@ func bearerToken(ctx context.Context) (string, error) {
 // Before its review, a token not in the cache must pass the Verifier and
 // the review limits of its peer address and of the broker.
 func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, error) {
+	user, _, err := s.authenticateReviewed(ctx, bearer)
+	return user, err
+}
+
+// authenticateReviewed is authenticate, and also reports whether this call
+// sent the TokenReview (the token was not in the cache, and no concurrent
+// call was reviewing it already).
+func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (userInfo, bool, error) {
 	mac := hmac.New(sha256.New, s.cfg.HMACKey)
 	mac.Write([]byte(bearer))
 	key := hex.EncodeToString(mac.Sum(nil))
 
+	var reviewed atomic.Bool
 	res, hit, err := s.authn.Do(ctx, key, func(ctx context.Context) (authnResult, time.Time, error) {
-		return s.tokenReview(ctx, bearer)
+		return s.tokenReview(ctx, bearer, &reviewed)
 	})
 	cacheLookups.WithLabelValues("authn", cacheLabel(hit)).Inc()
 	if err != nil {
-		return userInfo{}, err
+		return userInfo{}, false, err
 	}
 	if res.reason != "" {
-		return userInfo{}, fmt.Errorf("the hub rejected the token for audience %q: %s: %w", s.cfg.Audience, res.reason, errdefs.ErrUnauthenticated)
+		return userInfo{}, false, fmt.Errorf("the hub rejected the token for audience %q: %s: %w", s.cfg.Audience, res.reason, errdefs.ErrUnauthenticated)
 	}
-	return res.user, nil
+	return res.user, reviewed.Load(), nil
 }
 
-func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, time.Time, error) {
+// tokenReview sets reviewed once it has sent the review to the hub.
+func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atomic.Bool) (authnResult, time.Time, error) {
 	// Forged, expired and wrong-audience tokens end here, costing no hub
 	// call and no review budget. Their refusal is not cached: checking
 	// again is cheaper than the cache entry.
@@ -99,6 +110,7 @@ func (s *Service) tokenReview(ctx context.Context, bearer string) (authnResult, 
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()
+	reviewed.Store(true)
 	review, err := s.cfg.TokenReviews.Create(ctx, &authenticationv1.TokenReview{
 		Spec: authenticationv1.TokenReviewSpec{Token: bearer, Audiences: []string{s.cfg.Audience}},
 	}, metav1.CreateOptions{})

@@ -34,6 +34,9 @@ func (s *Service) authorize(ctx context.Context, user userInfo, cluster types.Na
 	}
 	sum := sha256.Sum256(key)
 	allowed, hit, err := s.authz.Do(ctx, hex.EncodeToString(sum[:]), func(ctx context.Context) (bool, time.Time, error) {
+		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
+			return false, time.Time{}, err
+		}
 		return s.accessReview(ctx, user, cluster)
 	})
 	cacheLookups.WithLabelValues("authz", cacheLabel(hit)).Inc()

@@ -32,6 +32,17 @@
 // answer that fails is Unavailable for the consumer and an error in the log
 // that names the cluster and the check.
 //
+// Each consumer has a rate limit (Config.RateLimit, RateBurst) on what costs
+// the hub and the spokes: its TokenReviews and SubjectAccessReviews not
+// served from the decision caches, and its mints. Answers from the caches
+// do not count, so a controller that starts with a thousand clusters and
+// asks for each token many times is not refused. A mint or access review
+// over the limit is refused before it is sent; a TokenReview, which alone
+// says who the consumer is, counts once done. A refusal is
+// ResourceExhausted, with the wait in its message and in the "retry-after"
+// trailer (errdefs.RetryAfterKey), whole seconds from the limiter's
+// reservation; it spends none of the budget.
+//
 // Every call writes one audit line. Tokens never reach a log, an error or a
 // metric; the audit line names the minted token by its credential id, and
 // records its checked claims, not what the agent said beside it.

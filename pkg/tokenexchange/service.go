@@ -11,6 +11,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"golang.org/x/time/rate"
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	authenticationv1client "k8s.io/client-go/kubernetes/typed/authentication/v1"
 	authorizationv1client "k8s.io/client-go/kubernetes/typed/authorization/v1"
@@ -112,8 +113,13 @@ type Config struct {
 	ReviewTimeout time.Duration
 	// CacheSize bounds each cache. Default 10000.
 	CacheSize int
-	// RateLimit and RateBurst limit exchanges per consumer. Defaults 20/s
-	// and 40.
+	// RateLimit and RateBurst limit, per consumer, what costs the hub and
+	// the spokes: its mints (token-cache misses that reach an agent) and
+	// its hub reviews (TokenReviews and SubjectAccessReviews not served
+	// from the decision caches). Answers served from the caches do not
+	// count. A consumer over the limit is refused with ResourceExhausted
+	// and a retry-after trailer (errdefs.RetryAfterKey). Calls of
+	// Authenticate count one each. Defaults 20/s and 40.
 	RateLimit rate.Limit
 	RateBurst int
 	// HMACKey keys the authentication cache. Default: 32 random bytes.
@@ -209,6 +215,11 @@ func (s *Service) Exchange(ctx context.Context, req *pb.ExchangeRequest) (*pb.Ex
 	rec := &auditRecord{}
 	resp, err := s.exchange(ctx, req, rec)
 	s.audit(rec, req, err, s.cfg.Clock.Since(start))
+	if wait, ok := errdefs.RetryAfter(err); ok {
+		// Only a gRPC server has a stream to carry the trailer; the
+		// message says the wait too.
+		_ = grpc.SetTrailer(ctx, errdefs.RetryAfterTrailer(wait))
+	}
 	if err != nil {
 		return nil, errdefs.ToStatus(err).Err()
 	}
@@ -220,13 +231,18 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 	if err != nil {
 		return nil, err
 	}
-	user, err := s.authenticate(ctx, bearer)
+	user, reviewed, err := s.authenticateReviewed(ctx, bearer)
 	if err != nil {
 		return nil, err
 	}
 	rec.user = &user
-	if err := s.allow(ctx, user); err != nil {
-		return nil, err
+	// The TokenReview is done; it counts against the consumer's limit
+	// after the fact, since only it says who the consumer is. Its answer
+	// is cached, so a consumer told to wait costs no second review.
+	if reviewed {
+		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
+			return nil, err
+		}
 	}
 	r, err := parseRequest(req, s.cfg.Audience, s.cfg.MinExpiration, s.cfg.MaxExpiration)
 	if err != nil {
@@ -248,6 +264,9 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 	}
 	key := tokenKey(cluster.Ref, user, r)
 	mint := func(ctx context.Context) (minted, time.Time, error) {
+		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
+			return minted{}, time.Time{}, err
+		}
 		issued := s.cfg.Clock.Now()
 		resp, err := s.cfg.Minter.Mint(ctx, cluster.Ref, mintReq)
 		if err != nil {
@@ -318,20 +337,36 @@ func (s *Service) record(ctx context.Context, cluster tunnel.ClusterRef, user us
 	}}})
 }
 
-// allow applies the per-consumer rate limit.
-func (s *Service) allow(ctx context.Context, user userInfo) error {
+// allow spends one unit of user's rate limit (RateLimit, RateBurst) on
+// something that costs the hub or a spoke: a hub review or a mint. Answers
+// served from the caches spend nothing. When the limit is exceeded, it
+// spends nothing either, and returns an error wrapping
+// errdefs.ErrResourceExhausted that carries (errdefs.RetryAfter) and says
+// how long to wait: the delay of the limiter's reservation.
+func (s *Service) allow(ctx context.Context, user userInfo, what string) error {
 	key, err := json.Marshal([]string{user.UID, user.Username})
 	if err != nil {
 		return fmt.Errorf("rate limit key: %w", err)
 	}
+	now := s.cfg.Clock.Now()
 	lim, _, err := s.limiters.Do(ctx, string(key), func(context.Context) (*rate.Limiter, time.Time, error) {
-		return rate.NewLimiter(s.cfg.RateLimit, s.cfg.RateBurst), s.cfg.Clock.Now().Add(time.Hour), nil
+		return rate.NewLimiter(s.cfg.RateLimit, s.cfg.RateBurst), now.Add(time.Hour), nil
 	})
 	if err != nil {
 		return err
 	}
-	if !lim.AllowN(s.cfg.Clock.Now(), 1) {
-		return fmt.Errorf("%s sent more than %v exchanges per second: %w", user.Username, s.cfg.RateLimit, errdefs.ErrResourceExhausted)
+	r := lim.ReserveN(now, 1)
+	if !r.OK() {
+		// Only a burst below 1 refuses every reservation; New's defaults
+		// keep it at 40 unless configured so.
+		return fmt.Errorf("%s may not have %s (rate limit %v/s, burst %d): %w",
+			user.Username, what, s.cfg.RateLimit, s.cfg.RateBurst, errdefs.ErrResourceExhausted)
 	}
-	return nil
+	wait := r.DelayFrom(now)
+	if wait <= 0 {
+		return nil
+	}
+	r.CancelAt(now)
+	return errdefs.WithRetryAfter(fmt.Errorf("%s asked for more than %v %s per second (burst %d); retry after %ds: %w",
+		user.Username, s.cfg.RateLimit, what, s.cfg.RateBurst, errdefs.RetryAfterSeconds(wait), errdefs.ErrResourceExhausted), wait)
 }

@@ -465,19 +465,6 @@ func TestHungHubIsUnavailable(t *testing.T) {
 	assert.Equal(t, "hub TokenReview failed: the hub API server did not answer in time: unavailable", status.Convert(err).Message())
 }
 
-func TestRateLimitPerConsumer(t *testing.T) {
-	f := newFixture(t, func(c *Config) { c.RateLimit, c.RateBurst = 1, 2 })
-	for range 2 {
-		_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
-		require.NoError(t, err)
-	}
-	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
-	assert.Equal(t, codes.ResourceExhausted, status.Code(err))
-	f.clock.Step(time.Second)
-	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
-	assert.NoError(t, err)
-}
-
 func TestNewTokensAreReviewedAtABoundedRate(t *testing.T) {
 	f := newFixture(t, func(c *Config) { c.ReviewRateLimit, c.ReviewBurst = 1, 2 })
 	for i := range 2 {
