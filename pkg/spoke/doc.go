@@ -6,21 +6,35 @@
 // # Policy
 //
 // The spoke decides, not the hub. A ServiceAccount opts in by listing hub
-// usernames, comma-separated, in its AllowedSubjectsAnnotation:
+// subjects, comma-separated, in its AllowedSubjectsAnnotation: usernames,
+// and hub groups as group:<name> (GroupSubjectPrefix):
 //
 //	metadata:
 //	  annotations:
-//	    credbroker.io/allowed-subjects: system:serviceaccount:argocd:argocd-application-controller
+//	    credbroker.io/allowed-subjects: system:serviceaccount:argocd:argocd-application-controller,group:system:serviceaccounts:flux-system
 //
-// Usernames match exactly; there are no wildcards, and the subject's groups
-// and uid play no part. Everything else is denied:
+// A plain entry matches the subject's username exactly, and never a group.
+// A group:<name> entry matches a subject whose groups include <name>
+// exactly, and never a username: a hub user named group:x is not allowed by
+// the entry group:x unless it is in group x, so such a user cannot be
+// listed by name. "group:" with an empty name matches nothing. There are no
+// wildcards ("*" is an ordinary character), no prefixes and no case
+// folding, the uid plays no part, and a group whose name holds a comma
+// cannot be listed. The groups are those the hub's TokenReview reported
+// for the consumer's own token, which the broker sends in the MintRequest;
+// nothing in the consumer's request can add one. A group is wide:
+// group:system:serviceaccounts:argocd allows every ServiceAccount of the
+// hub namespace argocd, including ones created later, and
+// group:system:authenticated every hub subject the hub's RBAC lets ask for
+// this cluster. Everything else is denied:
 //
 //   - A request that names a ServiceAccount gets a token for it only if its
-//     annotation lists the subject.
+//     annotation lists the subject, by name or by one of its groups.
 //   - A request that names none gets a token for the single ServiceAccount,
 //     among all the informer sees, whose annotation lists the subject; it
-//     is refused when there is none, and when there are several, so that
-//     the caller names one.
+//     is refused when there is none, and when there are several (say one
+//     that lists it by name and one by group), so that the caller names
+//     one.
 //   - The lifetime is the request's, clamped to [MinExpiration,
 //     MaxExpiration]; zero asks for MaxExpiration. The spoke API server may
 //     shorten it further, and the response reports what it granted.
@@ -78,7 +92,9 @@
 // CollectInterval while an agent runs.
 //
 // Withdrawing an opt-in revokes: when a ServiceAccount's
-// AllowedSubjectsAnnotation stops listing a hub user, or its
+// AllowedSubjectsAnnotation stops listing a hub user, or a group entry that
+// allowed it (each grant is judged by the hub groups it recorded, as Mint
+// judged the request), or its
 // AllowedAudiencesAnnotation stops listing an audience, the Minter deletes
 // the grants of that ServiceAccount that its policy, checked as Mint checks
 // it, no longer allows, and the spoke refuses their tokens about 10 s

@@ -31,10 +31,18 @@ import (
 )
 
 // AllowedSubjectsAnnotation, on a spoke ServiceAccount, lists the hub
-// usernames that may get tokens for it, separated by commas, such as
-// "system:serviceaccount:argocd:argocd-application-controller". A
-// ServiceAccount without it allows nobody.
+// subjects that may get tokens for it, separated by commas: usernames, such
+// as "system:serviceaccount:argocd:argocd-application-controller", and
+// groups, as GroupSubjectPrefix and the group's name, such as
+// "group:system:serviceaccounts:argocd". A ServiceAccount without it allows
+// nobody.
 const AllowedSubjectsAnnotation = "credbroker.io/allowed-subjects"
+
+// GroupSubjectPrefix marks an entry of AllowedSubjectsAnnotation that names
+// a hub group rather than a username: "group:<name>" allows every hub
+// subject whose groups, as the hub's TokenReview reports them, include
+// <name> exactly. "group:" with an empty name allows nobody.
+const GroupSubjectPrefix = "group:"
 
 // AllowedAudiencesAnnotation, on a spoke ServiceAccount, lists the token
 // audiences a hub subject may ask for, separated by commas, such as
@@ -226,8 +234,8 @@ func New(cfg Config) (*Minter, error) {
 
 // Mint mints a token for the ServiceAccount that req names, or, when it
 // names none, for the single ServiceAccount that allows req's subject. The
-// ServiceAccount must list the subject's username in its
-// AllowedSubjectsAnnotation, and every audience req asks for in its
+// ServiceAccount must list the subject's username, or one of its groups
+// after GroupSubjectPrefix, in its AllowedSubjectsAnnotation, and every audience req asks for in its
 // AllowedAudiencesAnnotation. Errors wrap a sentinel from package errdefs:
 // ErrInvalidArgument for a malformed request, ErrNotFound for a missing
 // ServiceAccount, ErrPermissionDenied when no ServiceAccount allows the
@@ -242,7 +250,7 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 		return nil, err
 	}
 	user := req.GetSubject().GetUsername()
-	sa, err := m.pick(user, req.GetServiceAccount())
+	sa, err := m.pick(user, req.GetSubject().GetGroups(), req.GetServiceAccount())
 	if err == nil {
 		err = allowAudiences(sa, req.GetAudiences())
 	}
@@ -390,8 +398,24 @@ func AllowedSubjects(sa *corev1.ServiceAccount) []string {
 	return annotationList(sa, AllowedSubjectsAnnotation)
 }
 
-func allows(sa *corev1.ServiceAccount, user string) bool {
-	return slices.Contains(AllowedSubjects(sa), user)
+// allows reports whether sa's AllowedSubjectsAnnotation lists the hub
+// subject with username user and groups: an entry equal to user, or
+// GroupSubjectPrefix followed by one of groups. Matches are exact: an entry
+// that starts with GroupSubjectPrefix never matches a username, a plain
+// entry never matches a group, and no character is a wildcard.
+func allows(sa *corev1.ServiceAccount, user string, groups []string) bool {
+	for _, e := range AllowedSubjects(sa) {
+		if group, ok := strings.CutPrefix(e, GroupSubjectPrefix); ok {
+			if group != "" && slices.Contains(groups, group) {
+				return true
+			}
+			continue
+		}
+		if e == user {
+			return true
+		}
+	}
+	return false
 }
 
 // AllowedAudiences returns the audiences that sa's
@@ -473,7 +497,7 @@ func validate(req *credbrokerv1alpha1.MintRequest) error {
 
 // pick returns the ServiceAccount to mint for, applying the policy. The
 // returned object belongs to the informer's cache and must not be modified.
-func (m *Minter) pick(user string, ref *credbrokerv1alpha1.ObjectReference) (*corev1.ServiceAccount, error) {
+func (m *Minter) pick(user string, groups []string, ref *credbrokerv1alpha1.ObjectReference) (*corev1.ServiceAccount, error) {
 	if ref != nil {
 		name := ref.GetNamespace() + "/" + ref.GetName()
 		sa, err := m.sas.ServiceAccounts(ref.GetNamespace()).Get(ref.GetName())
@@ -482,7 +506,7 @@ func (m *Minter) pick(user string, ref *credbrokerv1alpha1.ObjectReference) (*co
 			return nil, fmt.Errorf("spoke ServiceAccount %s: %w", name, errdefs.ErrNotFound)
 		case err != nil:
 			return nil, fmt.Errorf("read spoke ServiceAccount %s from the agent's cache: %v: %w", name, err, errdefs.ErrUnavailable)
-		case !allows(sa, user):
+		case !allows(sa, user, groups):
 			return nil, fmt.Errorf("spoke ServiceAccount %s does not allow hub user %s; a spoke admin must add %s to its %s annotation: %w",
 				name, user, user, AllowedSubjectsAnnotation, errdefs.ErrPermissionDenied)
 		}
@@ -494,7 +518,7 @@ func (m *Minter) pick(user string, ref *credbrokerv1alpha1.ObjectReference) (*co
 	}
 	var matches []*corev1.ServiceAccount
 	for _, sa := range all {
-		if allows(sa, user) {
+		if allows(sa, user, groups) {
 			matches = append(matches, sa)
 		}
 	}

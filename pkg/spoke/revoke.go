@@ -55,7 +55,8 @@ func (m *Minter) enqueue(key types.NamespacedName) {
 // Reconcile revokes, by deleting them, the grants of the spoke
 // ServiceAccount namespace/name that its policy, as the informer's cache
 // has it now, no longer allows: those whose hub user its
-// AllowedSubjectsAnnotation no longer lists, and those with an audience
+// AllowedSubjectsAnnotation no longer lists, by name or by one of the hub
+// groups the grant recorded, and those with an audience
 // its AllowedAudiencesAnnotation no longer lists. It applies the checks Mint
 // applies. It reads that ServiceAccount's grants from GrantCache's index,
 // at no API cost. A ServiceAccount
@@ -109,7 +110,10 @@ func grantAudiences(grant *corev1.Secret) []string {
 // disallowed returns why sa's policy no longer allows grant's token, or ""
 // when it does.
 func disallowed(sa *corev1.ServiceAccount, grant *corev1.Secret) string {
-	if !allows(sa, grant.Annotations[GrantHubUserAnnotation]) {
+	// The groups are those the hub's TokenReview reported when the token was
+	// minted, as the grant recorded them: a grant allowed only by a group
+	// entry is revoked once that entry goes.
+	if !allows(sa, grant.Annotations[GrantHubUserAnnotation], splitGroups(grant.Annotations[GrantHubGroupsAnnotation])) {
 		return "the ServiceAccount no longer allows the hub user"
 	}
 	if allowAudiences(sa, grantAudiences(grant)) != nil {
