@@ -3,6 +3,8 @@ package main
 import (
 	"flag"
 	"fmt"
+	"math"
+	"strconv"
 	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -36,6 +38,8 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
 	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the agent may take to answer the requests in flight before it closes its broker streams; keep it under the pod's terminationGracePeriodSeconds")
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")
+	fs.Func("spoke-qps", "QPS of the agent's spoke client (default 50; client-go's 5 would throttle mints, which cost three requests each)", floatFlag(&cfg.SpokeQPS))
+	fs.IntVar(&cfg.SpokeBurst, "spoke-burst", cfg.SpokeBurst, "burst of the agent's spoke client")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
@@ -78,4 +82,16 @@ func parseFlags(args []string) (agent.Config, error) {
 		return cfg, fmt.Errorf("spoke config: %w", err)
 	}
 	return cfg, cfg.Validate()
+}
+
+// floatFlag parses a finite float32; the whole value must be the number.
+func floatFlag(p *float32) func(string) error {
+	return func(s string) error {
+		f, err := strconv.ParseFloat(s, 32)
+		if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
+			return fmt.Errorf("not a finite number: %q", s)
+		}
+		*p = float32(f)
+		return nil
+	}
 }

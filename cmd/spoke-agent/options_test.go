@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -125,6 +126,41 @@ func TestParseFlagsLimitsAndShutdown(t *testing.T) {
 			assert.Equal(t, tt.wantInFlight, cfg.MaxInFlight)
 			assert.Equal(t, tt.wantGrace, cfg.ShutdownGrace)
 			assert.Equal(t, tt.wantMetrics, cfg.MetricsAddress)
+		})
+	}
+}
+
+// client-go's default 5 QPS would throttle the agent: a mint costs three
+// spoke requests, and a revoke one per grant.
+func TestParseFlagsSpokeQPS(t *testing.T) {
+	required := []string{
+		"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example",
+		"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b", "--kubeconfig", writeKubeconfig(t),
+	}
+	tests := []struct {
+		name      string
+		args      []string
+		wantQPS   float32
+		wantBurst int
+		wantErr   string
+	}{
+		{name: "defaults", wantQPS: 50, wantBurst: 100},
+		{name: "set", args: []string{"--spoke-qps", "20.5", "--spoke-burst", "40"}, wantQPS: 20.5, wantBurst: 40},
+		{name: "not a number", args: []string{"--spoke-qps", "50abc"}, wantErr: "not a finite number"},
+		{name: "infinite", args: []string{"--spoke-qps", "Inf"}, wantErr: "not a finite number"},
+		{name: "zero burst", args: []string{"--spoke-burst", "0"}, wantErr: "spoke QPS and burst must be positive"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(slices.Clone(required), tt.args...))
+			if tt.wantErr != "" {
+				require.Error(t, err)
+				assert.Contains(t, err.Error(), tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.wantQPS, cfg.SpokeQPS)
+			assert.Equal(t, tt.wantBurst, cfg.SpokeBurst)
 		})
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -74,6 +75,12 @@ type Config struct {
 	// create on serviceaccounts/token, list/watch on serviceaccounts, and
 	// create, patch, delete, list and watch on secrets for its grants.
 	Spoke *rest.Config
+	// SpokeQPS and SpokeBurst bound the agent's requests to the spoke API
+	// server. client-go's defaults (5 and 10) would throttle the agent:
+	// every mint costs three requests (create the grant, TokenRequest,
+	// patch the grant), and a revoke one delete per grant.
+	SpokeQPS   float32
+	SpokeBurst int
 	// Namespace limits the ServiceAccounts the agent may mint for, and the
 	// grants it watches; empty means all namespaces.
 	Namespace string
@@ -113,6 +120,8 @@ type Config struct {
 func Default() Config {
 	return Config{
 		MaxExpiration:     time.Hour,
+		SpokeQPS:          50,
+		SpokeBurst:        100,
 		ResolveInterval:   30 * time.Second,
 		MintTimeout:       30 * time.Second,
 		CollectInterval:   spoke.DefaultCollectInterval,
@@ -151,6 +160,8 @@ func (c *Config) Validate() error {
 	}
 	need(c.SPIFFEID.IsZero() || c.SPIFFEID.MemberOf(c.TrustDomain), "the agent's SPIFFE ID %s is not in trust domain %q", c.SPIFFEID, c.TrustDomain)
 	need(c.Spoke != nil, "a spoke client config is required")
+	need(c.SpokeQPS > 0 && !math.IsInf(float64(c.SpokeQPS), 0) && !math.IsNaN(float64(c.SpokeQPS)) && c.SpokeBurst > 0,
+		"the spoke QPS and burst must be positive and finite")
 	if c.Cluster != (types.NamespacedName{}) {
 		need(len(validation.IsDNS1123Label(c.Cluster.Namespace)) == 0 && len(validation.IsDNS1123Subdomain(c.Cluster.Name)) == 0,
 			"the cluster %q is not a ClusterProfile namespace/name", c.Cluster)
@@ -207,6 +218,7 @@ func New(cfg Config) (_ *Agent, err error) {
 
 	spokeConfig := rest.CopyConfig(cfg.Spoke)
 	spokeConfig.UserAgent = "credbroker-spoke-agent/" + Version
+	spokeConfig.QPS, spokeConfig.Burst = cfg.SpokeQPS, cfg.SpokeBurst
 	client, err := kubernetes.NewForConfig(spokeConfig)
 	if err != nil {
 		return nil, fmt.Errorf("agent: spoke client: %w", err)

@@ -514,9 +514,10 @@ func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, r
 
 // A revoke request carries at most maxRevokeIDs credential ids, of at most
 // maxRevokeBytes together, so that the agent's answer, which repeats them,
-// stays well under the broker's 64 KiB message limit.
+// stays well under the broker's 64 KiB message limit, and so that the
+// agent, which deletes one grant per id, answers well within MintTimeout.
 const (
-	maxRevokeIDs   = 256
+	maxRevokeIDs   = 64
 	maxRevokeBytes = 16 << 10
 )
 
