@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -107,21 +106,7 @@ func revokeEveryGrant(ctx context.Context) error {
 	defer cancel()
 	b := deployment.Broker
 	live := b.Grants().Select(grants.Selector{})
-	// A revoke an agent does not answer within the mint timeout stays
-	// pending, and the broker sends it again when the agent reports the
-	// grant; here the suite sends it again itself, a few times.
-	pending := live
-	for attempt := 1; len(pending) > 0 && attempt <= 5 && ctx.Err() == nil; attempt++ {
-		began := time.Now()
-		_, pending = b.Grants().Revoke(ctx, pending, "e2e: the suite ended")
-		fmt.Fprintf(os.Stderr, "e2e: end-of-suite revoke, attempt %d: %s, %d grants still pending\n",
-			attempt, time.Since(began).Round(time.Millisecond), len(pending))
-		pending = slices.DeleteFunc(pending, func(g *pb.Grant) bool {
-			return b.Connected(g.GetCluster().GetNamespace(), g.GetCluster().GetName()) == 0
-		})
-	}
-	// What the registry still lists was not revoked.
-	pending = b.Grants().Select(grants.Selector{})
+	_, pending := b.Grants().Revoke(ctx, live, "e2e: the suite ended")
 	stuck := 0
 	for _, g := range pending {
 		cluster := g.GetCluster()
