@@ -3,6 +3,7 @@ package main
 import (
 	"flag"
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -16,7 +17,7 @@ import (
 // parseFlags turns the command line into a validated agent.Config.
 func parseFlags(args []string) (agent.Config, error) {
 	cfg := agent.Default()
-	var kubeconfig, trustDomain, brokerID, brokers, cluster, spiffeID string
+	var kubeconfig, trustDomain, brokerID, brokers, cluster, spiffeID, advertiseCA string
 	var verbosity int
 	fs := flag.NewFlagSet("spoke-agent", flag.ContinueOnError)
 	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
@@ -36,6 +37,8 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
 	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the agent may take to answer the requests in flight before it closes its broker streams; keep it under the pod's terminationGracePeriodSeconds")
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")
+	fs.StringVar(&cfg.AdvertiseServer, "advertise-server", "", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
+	fs.StringVar(&advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
@@ -72,6 +75,11 @@ func parseFlags(args []string) (agent.Config, error) {
 	if spiffeID != "" {
 		if cfg.SPIFFEID, err = spiffeid.FromString(spiffeID); err != nil {
 			return cfg, fmt.Errorf("--spiffe-id: %w", err)
+		}
+	}
+	if advertiseCA != "" {
+		if cfg.AdvertiseCAData, err = os.ReadFile(advertiseCA); err != nil {
+			return cfg, fmt.Errorf("--advertise-ca-file: %w", err)
 		}
 	}
 	if cfg.Spoke, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
