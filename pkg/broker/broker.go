@@ -74,8 +74,8 @@ type Broker struct {
 	// unless PublishAccessProvider. hubClient serves its Lease.
 	publisher *publish.Publisher
 	hubClient kubernetes.Interface
-	health           *health.Server
-	registry         *prometheus.Registry
+	health    *health.Server
+	registry  *prometheus.Registry
 	// draining is set when Run's context ends; the broker is not ready
 	// from then on.
 	draining atomic.Bool

@@ -21,7 +21,9 @@ type fakeSource struct {
 	live   int
 }
 
-func (f *fakeSource) Advertised(types.NamespacedName) (string, []byte, int) { return f.server, f.ca, f.live }
+func (f *fakeSource) Advertised(types.NamespacedName) (string, []byte, int) {
+	return f.server, f.ca, f.live
+}
 
 // fakeHub applies the body's entry and condition to its ClusterProfile by
 // key, as server-side apply with map lists does, and counts the writes.
