@@ -156,7 +156,7 @@ func TestBinary(t *testing.T) {
 		{
 			name: "denied", args: base, execInfo: execInfo(`{"clusterProfile":{"namespace":"fleet","name":"denied"}}`),
 			wantCode: 1, wantCluster: "fleet/denied",
-			wantStderr: "[credbroker] exchange for cluster fleet/denied: PermissionDenied: " + denied,
+			wantStderr: "[credbroker] exchange for cluster fleet/denied: permission denied: " + denied + "; ",
 		},
 		{
 			// A ClusterProfile status writer pointed an access provider at

@@ -73,7 +73,7 @@ of their ClusterProfile: list to see them, delete to revoke them.`,
 		Args:  noArgs,
 	}
 	grantsCmd.AddCommand(newListCommand(s, now), newRevokeCommand(s))
-	root.AddCommand(grantsCmd)
+	root.AddCommand(grantsCmd, newKubeconfigCommand(s))
 	return root
 }
 
@@ -173,7 +173,7 @@ func call(ctx context.Context, cfg connConfig, stdin io.Reader,
 		st := status.Convert(err)
 		// The broker never echoes a token; this is belt and braces.
 		msg := strings.ReplaceAll(st.Message(), hubToken, "[redacted]")
-		return rpcError{fmt.Errorf("broker %s: %s: %s", cfg.Broker, st.Code(), msg)}
+		return rpcError{fmt.Errorf("broker %s: %s", cfg.Broker, brokerclient.ExplainStatus(st.Code(), msg))}
 	}
 	return nil
 }

@@ -1,5 +1,3 @@
-// Command credbroker lists and revokes the spoke tokens that the credbroker
-// broker handed out, through the broker's Grants service.
 package main
 
 import (

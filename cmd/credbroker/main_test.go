@@ -114,7 +114,7 @@ func TestBinary(t *testing.T) {
 	otherCA := writeCA(t)
 
 	conn := func(caFile, tokenFile string) []string {
-		return []string{"--broker", lis.Addr().String(), "--ca-file", caFile, "--token-file", tokenFile, "--timeout", "10s"}
+		return []string{"--broker-address", lis.Addr().String(), "--ca-file", caFile, "--token-file", tokenFile, "--timeout", "10s"}
 	}
 	for _, tc := range []struct {
 		name        string
@@ -123,6 +123,7 @@ func TestBinary(t *testing.T) {
 		wantCode    int
 		wantOut     []string
 		wantStderr  string
+		wantStderr2 string
 		wantRequest proto.Message
 	}{
 		{
@@ -143,12 +144,12 @@ func TestBinary(t *testing.T) {
 		},
 		{
 			name: "revoke refused", args: append([]string{"grants", "revoke", "--credential-id", "JTI=denied"}, conn(caFile, tokenFile)...),
-			wantCode: exitFailed, wantStderr: "credbroker: broker " + lis.Addr().String() + ": PermissionDenied: hub RBAC does not allow you to delete",
+			wantCode: exitFailed, wantStderr: "credbroker: broker " + lis.Addr().String() + ": permission denied: hub RBAC does not allow you to delete", wantStderr2: "; grant it with a Role like deploy/examples/consumer-rbac.yaml",
 			wantRequest: &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "JTI=denied"}},
 		},
 		{
 			name: "broker not trusted", args: append([]string{"grants", "list"}, conn(otherCA, tokenFile)...),
-			wantCode: exitFailed, wantStderr: "Unavailable",
+			wantCode: exitFailed, wantStderr: "unavailable: ", wantStderr2: "check --broker-address and --ca-file",
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -169,6 +170,8 @@ func TestBinary(t *testing.T) {
 				assert.Contains(t, stdout.String(), want)
 			}
 			assert.Contains(t, stderr.String(), tc.wantStderr)
+			assert.Contains(t, stderr.String(), tc.wantStderr2)
+			assert.Equal(t, 1, strings.Count(stderr.String(), "\n")+boolInt(stderr.Len() == 0), "one line: %q", stderr.String())
 			assert.NotContains(t, stdout.String()+stderr.String(), hubToken)
 			got := fake.received()[before:]
 			if tc.wantRequest == nil {
@@ -179,4 +182,11 @@ func TestBinary(t *testing.T) {
 			assert.True(t, proto.Equal(tc.wantRequest, got[0]), "got %v", got[0])
 		})
 	}
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

@@ -27,11 +27,12 @@ type connOptions struct {
 }
 
 func (o *connOptions) addFlags(fs *pflag.FlagSet) {
-	fs.StringVar(&o.broker, "broker", "", "broker exchange address, host:port (required)")
+	fs.StringVar(&o.broker, "broker-address", "", "broker exchange address, host:port (required); --broker is the same flag")
+	fs.SetNormalizeFunc(brokerAlias)
 	fs.StringVar(&o.caFile, "ca-file", "", "PEM file of the CA certificates that verify the broker's TLS certificate (required)")
 	fs.StringVar(&o.tokenFile, "token-file", "", `file holding a hub ServiceAccount token for the broker's audience, such as the output of `+
 		`"kubectl create token NAME --audience credbroker"; "-" reads it from standard input (required)`)
-	fs.DurationVar(&o.timeout, "timeout", 30*time.Second, "bound on the call, connection included")
+	fs.DurationVar(&o.timeout, "timeout", defaultTimeout, "bound on the call, connection included")
 }
 
 // connConfig is the validated connection to the broker.
@@ -41,14 +42,25 @@ type connConfig struct {
 	// TokenFile is a file name, or stdinName.
 	TokenFile string
 	Timeout   time.Duration
+	// caFile is the name TLS was loaded from.
+	caFile string
+}
+
+// brokerAlias makes --broker, the name the grants commands had first, the
+// same flag as --broker-address, the plugin's name for it.
+func brokerAlias(_ *pflag.FlagSet, name string) pflag.NormalizedName {
+	if name == "broker" {
+		name = "broker-address"
+	}
+	return pflag.NormalizedName(name)
 }
 
 func (o *connOptions) config() (connConfig, error) {
 	var errs []error
 	if o.broker == "" {
-		errs = append(errs, errors.New("--broker is required"))
+		errs = append(errs, errors.New("--broker-address is required"))
 	} else if err := brokerclient.ValidateAddress(o.broker); err != nil {
-		errs = append(errs, fmt.Errorf("--broker: %w", err))
+		errs = append(errs, fmt.Errorf("--broker-address: %w", err))
 	}
 	if o.caFile == "" {
 		errs = append(errs, errors.New("--ca-file is required"))
@@ -67,6 +79,7 @@ func (o *connOptions) config() (connConfig, error) {
 		return connConfig{}, fmt.Errorf("--ca-file: %w", err)
 	}
 	return connConfig{
+		caFile:    o.caFile,
 		Broker:    o.broker,
 		TLS:       &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
 		TokenFile: o.tokenFile,

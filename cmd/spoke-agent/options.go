@@ -4,6 +4,7 @@ import (
 	"flag"
 	"fmt"
 	"math"
+	"os"
 	"strconv"
 	"strings"
 
@@ -18,7 +19,7 @@ import (
 // parseFlags turns the command line into a validated agent.Config.
 func parseFlags(args []string) (agent.Config, error) {
 	cfg := agent.Default()
-	var kubeconfig, trustDomain, brokerID, brokers, cluster, spiffeID string
+	var kubeconfig, trustDomain, brokerID, brokers, cluster, spiffeID, advertiseCA string
 	var verbosity int
 	fs := flag.NewFlagSet("spoke-agent", flag.ContinueOnError)
 	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
@@ -40,6 +41,8 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")
 	fs.Func("spoke-qps", "QPS of the agent's spoke client (default 50; client-go's 5 would throttle mints, which cost three requests each)", floatFlag(&cfg.SpokeQPS))
 	fs.IntVar(&cfg.SpokeBurst, "spoke-burst", cfg.SpokeBurst, "burst of the agent's spoke client")
+	fs.StringVar(&cfg.AdvertiseServer, "advertise-server", "", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
+	fs.StringVar(&advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
@@ -76,6 +79,11 @@ func parseFlags(args []string) (agent.Config, error) {
 	if spiffeID != "" {
 		if cfg.SPIFFEID, err = spiffeid.FromString(spiffeID); err != nil {
 			return cfg, fmt.Errorf("--spiffe-id: %w", err)
+		}
+	}
+	if advertiseCA != "" {
+		if cfg.AdvertiseCAData, err = os.ReadFile(advertiseCA); err != nil {
+			return cfg, fmt.Errorf("--advertise-ca-file: %w", err)
 		}
 	}
 	if cfg.Spoke, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {

@@ -2,11 +2,13 @@ package agent
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
 	"math"
 	"net"
+	"net/url"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -81,6 +83,13 @@ type Config struct {
 	// patch the grant), and a revoke one delete per grant.
 	SpokeQPS   float32
 	SpokeBurst int
+	// AdvertiseServer and AdvertiseCAData, when set, are the spoke API
+	// server's URL as the hub reaches it and the PEM bundle that verifies
+	// it. The agent sends them in its hello; a broker that publishes its
+	// access provider writes them into the ClusterProfile's status. The
+	// agent never guesses them: the in-cluster URL is not the hub's.
+	AdvertiseServer string
+	AdvertiseCAData []byte
 	// Namespace limits the ServiceAccounts the agent may mint for, and the
 	// grants it watches; empty means all namespaces.
 	Namespace string
@@ -149,6 +158,15 @@ func (c *Config) Validate() error {
 		need(err == nil, "broker address %q is not host:port", addr)
 	}
 	need(c.ResolveInterval > 0, "the resolve interval must be positive")
+	if c.AdvertiseServer != "" {
+		u, err := url.Parse(c.AdvertiseServer)
+		need(err == nil && u.Scheme == "https" && u.Host != "", "the advertised server %q is not an https URL", c.AdvertiseServer)
+	}
+	if len(c.AdvertiseCAData) > 0 {
+		pool := x509.NewCertPool()
+		need(c.AdvertiseServer != "", "an advertised CA needs an advertised server")
+		need(pool.AppendCertsFromPEM(c.AdvertiseCAData), "the advertised CA holds no PEM certificate")
+	}
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
 	need(c.ShutdownGrace > 0, "the shutdown grace must be positive")
 	need(c.MaxInFlight > 0, "the in-flight requests per stream must be positive")
@@ -264,7 +282,7 @@ func New(cfg Config) (_ *Agent, err error) {
 	}
 
 	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
-	hello := &pb.Hello{AgentVersion: Version}
+	hello := &pb.Hello{AgentVersion: Version, Server: cfg.AdvertiseServer, CertificateAuthorityData: cfg.AdvertiseCAData}
 	clientConfig := func(addr string) tunnel.ClientConfig {
 		return tunnel.ClientConfig{
 			Address:        addr,

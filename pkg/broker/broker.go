@@ -43,6 +43,7 @@ import (
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/hubkeys"
 	"github.com/credbroker/credbroker/pkg/identity"
+	"github.com/credbroker/credbroker/pkg/publish"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -69,8 +70,12 @@ type Broker struct {
 	tunnel           *tunnel.Server
 	keys             *hubkeys.Keys
 	exchange         *tokenexchange.Service
-	health           *health.Server
-	registry         *prometheus.Registry
+	// publisher keeps the access provider in ClusterProfiles' status; nil
+	// unless PublishAccessProvider. hubClient serves its Lease.
+	publisher *publish.Publisher
+	hubClient kubernetes.Interface
+	health    *health.Server
+	registry  *prometheus.Registry
 	// draining is set when Run's context ends; the broker is not ready
 	// from then on.
 	draining atomic.Bool
@@ -142,6 +147,11 @@ func New(cfg Config) (b *Broker, err error) {
 		MaxStreamsPerCluster: cfg.MaxStreamsPerCluster,
 		Log:                  cfg.Log.WithName("tunnel"),
 		Grants:               b.grants,
+		OnSessionsChange: func(key types.NamespacedName) {
+			if b.publisher != nil {
+				b.publisher.Enqueue(key)
+			}
+		},
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
@@ -157,6 +167,13 @@ func New(cfg Config) (b *Broker, err error) {
 	})
 	// A new bundle may have dropped the CA of a connected agent.
 	b.svid.OnChange(b.tunnel.Reverify)
+
+	if cfg.PublishAccessProvider {
+		b.hubClient = hubClient
+		if b.publisher, err = newPublisher(cfg, b, inventoryClient); err != nil {
+			return nil, fmt.Errorf("broker: %w", err)
+		}
+	}
 
 	if b.keys, err = newIssuerKeys(cfg, hubClient); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
@@ -294,6 +311,10 @@ func (b *Broker) Run(ctx context.Context) error {
 			return err
 		}
 		return fmt.Errorf("broker: ClusterProfile informer did not sync within %s; check the hub connection and that the ClusterProfile CRD is installed", b.cfg.CacheSyncTimeout)
+	}
+
+	if b.publisher != nil {
+		g.Go(func() error { return b.runPublisher(ctx, b.hubClient) })
 	}
 
 	keepaliveParams := keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}

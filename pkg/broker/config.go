@@ -118,6 +118,18 @@ type Config struct {
 	// port faces every consumer.
 	EnableReflection bool
 
+	// PublishAccessProvider makes the replica that holds the Lease
+	// PublishLeaseNamespace/PublishLeaseName keep the AccessProviderName
+	// entry and the CredentialBrokerConnected condition in the status of
+	// every ClusterProfile with a connected agent (package publish).
+	// PublishIdentity names this replica in the Lease (default: a random
+	// name). PublishDisconnectGrace is how long a ClusterProfile has no
+	// agent before its condition turns False.
+	PublishAccessProvider                   bool
+	PublishLeaseNamespace, PublishLeaseName string
+	PublishIdentity                         string
+	PublishDisconnectGrace                  time.Duration
+
 	// Log receives operational logs; Audit receives one line per exchange.
 	Log, Audit logr.Logger
 }
@@ -159,6 +171,8 @@ func Default() Config {
 		RBACDebounceMax:            5 * time.Second,
 		GrantReviewRateLimit:       20,
 		GrantReviewBurst:           20,
+		PublishLeaseName:           "credbroker-publisher",
+		PublishDisconnectGrace:     30 * time.Second,
 	}
 }
 
@@ -202,5 +216,10 @@ func (c *Config) Validate() error {
 	need(c.RBACDebounce > 0 && c.RBACDebounceMax >= c.RBACDebounce,
 		"the RBAC debounce must be positive and at most its maximum (%s, %s)", c.RBACDebounce, c.RBACDebounceMax)
 	need(finite(c.GrantReviewRateLimit) && c.GrantReviewBurst > 0, "the grant review rate limit and burst must be positive and finite")
+	if c.PublishAccessProvider {
+		need(c.PublishLeaseNamespace != "" && c.PublishLeaseName != "", "publishing the access provider needs the namespace and name of its Lease")
+		need(c.AccessProviderName != "", "publishing the access provider needs its name")
+		need(c.PublishDisconnectGrace >= 0, "the publish disconnect grace must not be negative")
+	}
 	return errors.Join(errs...)
 }

@@ -115,7 +115,7 @@ func (p *Provider) Name() string { return Name }
 // GetToken exchanges the hub token in Config.TokenFile for a token on the
 // spoke named by Config.Cluster or, when that is nil, by in.Spec.Cluster.Config
 // (see ParseExecConfig). A failed exchange returns an error that reads
-// "exchange for cluster <ns>/<name>: <gRPC code>: <message>"; errdefs.Code
+// "exchange for cluster <ns>/<name>: <code in words>: <message>; <what to fix>"; errdefs.Code
 // reports its gRPC code and errors.Is matches the errdefs sentinel.
 //
 // The token is returned only when in.Spec.Cluster.Server, where client-go
@@ -228,8 +228,9 @@ func (p *Provider) cluster(in *clientauthenticationv1.ExecCredential) (Reference
 }
 
 // exchangeError turns a failed Exchange into an error that names the
-// cluster, the gRPC code and the message, with the hub token redacted should
-// the message ever carry it. It wraps errdefs.FromCode, so errdefs.Code and
+// cluster and, in one line (brokerclient.ExplainStatus), the code in words,
+// the message and what to fix, with the hub token redacted should the
+// message ever carry it. It wraps errdefs.FromCode, so errdefs.Code and
 // errors.Is with the errdefs sentinels see the broker's code.
 func (p *Provider) exchangeError(cluster Reference, err error, hubToken string) error {
 	st := status.Convert(err)
@@ -238,5 +239,5 @@ func (p *Provider) exchangeError(cluster Reference, err error, hubToken string) 
 	case codes.Unavailable, codes.DeadlineExceeded:
 		msg = fmt.Sprintf("%s (broker %s, timeout %v)", msg, p.cfg.BrokerAddress, p.cfg.Timeout)
 	}
-	return fmt.Errorf("exchange for cluster %s: %s: %w", cluster, st.Code(), errdefs.FromCode(st.Code(), msg))
+	return fmt.Errorf("exchange for cluster %s: %w", cluster, errdefs.FromCode(st.Code(), brokerclient.ExplainStatus(st.Code(), msg)))
 }

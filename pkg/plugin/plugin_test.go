@@ -356,7 +356,7 @@ func TestGetToken(t *testing.T) {
 			respond: permissionDenied,
 			in:      execCredential(prodConfig),
 			want:    &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
-			wantErr: []string{"exchange for cluster fleet/prod-eu-1: PermissionDenied: system:serviceaccount:apps:ci may not use fleet/prod-eu-1"},
+			wantErr: []string{"exchange for cluster fleet/prod-eu-1: permission denied: system:serviceaccount:apps:ci may not use fleet/prod-eu-1; ", "credbroker.io/allowed-subjects"},
 			code:    codes.PermissionDenied,
 			is:      errdefs.ErrPermissionDenied,
 		},
@@ -367,7 +367,7 @@ func TestGetToken(t *testing.T) {
 			},
 			in:      execCredential(prodConfig),
 			want:    &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
-			wantErr: []string{"exchange for cluster fleet/prod-eu-1: Unauthenticated: bad token [redacted]"},
+			wantErr: []string{"exchange for cluster fleet/prod-eu-1: unauthenticated: bad token [redacted]; ", "--token-file"},
 			code:    codes.Unauthenticated,
 		},
 		{
@@ -534,21 +534,21 @@ func TestGetTokenBrokerUnreachable(t *testing.T) {
 			addr:    refused,
 			timeout: 5 * time.Second,
 			code:    codes.Unavailable,
-			wantErr: []string{"exchange for cluster fleet/prod-eu-1: Unavailable:", "connection refused", "timeout 5s"},
+			wantErr: []string{"exchange for cluster fleet/prod-eu-1: unavailable:", "connection refused", "timeout 5s", "check --broker-address and --ca-file"},
 		},
 		{
 			name:    "silent broker",
 			addr:    silent,
 			timeout: 500 * time.Millisecond,
 			code:    codes.DeadlineExceeded,
-			wantErr: []string{"exchange for cluster fleet/prod-eu-1: DeadlineExceeded:", "timeout 500ms"},
+			wantErr: []string{"exchange for cluster fleet/prod-eu-1: deadline exceeded:", "timeout 500ms", "raise --timeout"},
 		},
 		{
 			name:    "untrusted broker certificate",
 			timeout: 5 * time.Second,
 			otherCA: true,
 			code:    codes.Unavailable,
-			wantErr: []string{"exchange for cluster fleet/prod-eu-1: Unavailable:", "certificate"},
+			wantErr: []string{"exchange for cluster fleet/prod-eu-1: unavailable:", "certificate"},
 		},
 	}
 	for _, tt := range tests {

@@ -88,6 +88,10 @@ type ServerConfig struct {
 	// and every update after it. The broker passes its *grants.Registry.
 	// Default: the reports are dropped.
 	Grants GrantRegistry
+	// OnSessionsChange, when set, is called with a cluster's key after a
+	// stream of it was admitted or ended, off the registry's lock; it must
+	// not block.
+	OnSessionsChange func(types.NamespacedName)
 }
 
 // GrantRegistry keeps the grants the agents report (package grants).
@@ -151,6 +155,7 @@ type session struct {
 	agent    spiffeid.ID
 	instance string              // the agent's instanceHeader; empty when it sent none
 	chain    []*x509.Certificate // the agent's SVID, leaf first
+	hello    *pb.Hello           // server and CA the agent advertised
 	cluster  ClusterRef
 	out      chan *pb.BrokerFrame
 	ctx      context.Context
@@ -203,7 +208,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	sess := &session{
-		agent: id, instance: instanceOf(ctx), chain: chain, cluster: cluster,
+		agent: id, instance: instanceOf(ctx), chain: chain, cluster: cluster, hello: hello,
 		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
 		pending: map[string]chan *pb.AgentFrame{},
 	}
@@ -214,7 +219,15 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		log.Info("agent refused", "reason", err.Error())
 		return errdefs.ToStatus(err).Err()
 	}
-	defer s.remove(sess)
+	defer func() {
+		s.remove(sess)
+		if s.cfg.OnSessionsChange != nil {
+			s.cfg.OnSessionsChange(cluster.NamespacedName)
+		}
+	}()
+	if s.cfg.OnSessionsChange != nil {
+		s.cfg.OnSessionsChange(cluster.NamespacedName)
+	}
 	// Headers tell the agent it was admitted.
 	if err := stream.SendHeader(metadata.Pairs(admittedHeader, cluster.String(), admittedUIDHeader, string(cluster.UID))); err != nil {
 		return err
@@ -434,6 +447,19 @@ func instanceOf(ctx context.Context) string {
 
 // Connected reports how many live sessions serve cluster.
 func (s *Server) Connected(cluster ClusterRef) int { return len(s.live(cluster)) }
+
+// Advertised returns the spoke API server URL and CA that the newest live
+// session of cluster advertised in its hello, with the number of live
+// sessions; server is empty when none advertised one.
+func (s *Server) Advertised(cluster ClusterRef) (server string, caData []byte, live int) {
+	list := s.live(cluster)
+	for i := len(list) - 1; i >= 0; i-- {
+		if h := list[i].hello; h.GetServer() != "" {
+			return h.GetServer(), h.GetCertificateAuthorityData(), len(list)
+		}
+	}
+	return "", nil, len(list)
+}
 
 // Revalidate re-resolves the agent of every session of the named cluster and
 // closes those that no longer map to the ClusterProfile they were admitted

@@ -204,6 +204,10 @@ func (d *Deployment) ClusterProfileAccess(spoke *Cluster) *Access {
 	return spoke.Access(plugin.Name, ext)
 }
 
+// BrokerConfig returns the config the deployment's brokers run with, for a
+// test that starts a broker of its own.
+func (d *Deployment) BrokerConfig() broker.Config { return d.brokerCfg }
+
 // AgentID is the SPIFFE ID of the agent of the ClusterProfile fleet/<name>.
 func AgentID(name string) string {
 	return "spiffe://" + TrustDomain + "/clusterprofile/" + FleetNamespace + "/" + name
@@ -278,6 +282,9 @@ type AgentOptions struct {
 	// CollectInterval is the agent's --grant-collect-interval. Zero: the
 	// default.
 	CollectInterval time.Duration
+	// Tune, when set, changes the agent's config before it starts, such as
+	// its advertised server or its broker addresses.
+	Tune func(*agent.Config)
 	// Clock times the agent's grant expiry. Nil: the real clock.
 	Clock clock.WithTickerAndDelayedExecution
 	// SPIFFEEndpointSocket, when set, is the agent's SPIFFE Workload API
@@ -354,6 +361,9 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	cfg.Namespace, cfg.Clock = opts.Namespace, opts.Clock
 	if opts.CollectInterval != 0 {
 		cfg.CollectInterval = opts.CollectInterval
+	}
+	if opts.Tune != nil {
+		opts.Tune(&cfg)
 	}
 	a, err := agent.New(cfg)
 	if err != nil {

@@ -1,0 +1,90 @@
+// Package examples_test checks the example manifests against the formats of
+// the programs that read them.
+package examples_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/yaml"
+)
+
+// argoClusterConfig mirrors the json tags of Argo CD's ClusterConfig
+// (pkg/apis/application/v1alpha1, the "config" key of a cluster Secret), as
+// Argo CD documents them in its declarative setup.
+type argoClusterConfig struct {
+	Username           string                  `json:"username,omitempty"`
+	Password           string                  `json:"password,omitempty"`
+	BearerToken        string                  `json:"bearerToken,omitempty"`
+	TLSClientConfig    argoTLSClientConfig     `json:"tlsClientConfig"`
+	AWSAuthConfig      *json.RawMessage        `json:"awsAuthConfig,omitempty"`
+	ExecProviderConfig *argoExecProviderConfig `json:"execProviderConfig,omitempty"`
+	DisableCompression bool                    `json:"disableCompression,omitempty"`
+	ProxyURL           string                  `json:"proxyUrl,omitempty"`
+}
+
+type argoTLSClientConfig struct {
+	Insecure   bool   `json:"insecure"`
+	ServerName string `json:"serverName,omitempty"`
+	CertData   []byte `json:"certData,omitempty"`
+	KeyData    []byte `json:"keyData,omitempty"`
+	CAData     []byte `json:"caData,omitempty"`
+}
+
+type argoExecProviderConfig struct {
+	Command     string            `json:"command,omitempty"`
+	Args        []string          `json:"args,omitempty"`
+	Env         map[string]string `json:"env,omitempty"`
+	APIVersion  string            `json:"apiVersion,omitempty"`
+	InstallHint string            `json:"installHint,omitempty"`
+}
+
+// The Argo CD cluster Secret is a cluster Secret, its config holds only
+// fields Argo CD knows, it runs credbroker-plugin with the plugin's flags,
+// verifies the spoke, and holds no token or key.
+func TestArgoCDClusterSecret(t *testing.T) {
+	raw, err := os.ReadFile("argocd-cluster-secret.yaml")
+	require.NoError(t, err)
+	var secret corev1.Secret
+	require.NoError(t, yaml.UnmarshalStrict(raw, &secret))
+	assert.Equal(t, "Secret", secret.Kind)
+	assert.Equal(t, "cluster", secret.Labels["argocd.argoproj.io/secret-type"])
+	assert.Empty(t, secret.Data, "stringData only")
+	for _, key := range []string{"name", "server", "config"} {
+		assert.NotEmpty(t, secret.StringData[key], key)
+	}
+	assert.True(t, strings.HasPrefix(secret.StringData["server"], "https://"))
+
+	dec := json.NewDecoder(strings.NewReader(secret.StringData["config"]))
+	dec.DisallowUnknownFields() // a misspelt field Argo CD would ignore
+	var cfg argoClusterConfig
+	require.NoError(t, dec.Decode(&cfg))
+
+	assert.Empty(t, cfg.BearerToken, "no token")
+	assert.Empty(t, cfg.Username+cfg.Password, "no password")
+	assert.Empty(t, cfg.TLSClientConfig.KeyData, "no client key")
+	assert.Empty(t, cfg.TLSClientConfig.CertData, "no client certificate")
+	assert.Nil(t, cfg.AWSAuthConfig)
+	assert.False(t, cfg.TLSClientConfig.Insecure, "the spoke is verified")
+	assert.NotEmpty(t, cfg.TLSClientConfig.CAData, "the spoke is verified with its CA")
+
+	exec := cfg.ExecProviderConfig
+	require.NotNil(t, exec)
+	assert.Equal(t, "credbroker-plugin", exec.Command)
+	assert.Equal(t, "client.authentication.k8s.io/v1", exec.APIVersion)
+	assert.NotEmpty(t, exec.InstallHint)
+	args := strings.Join(exec.Args, " ")
+	for _, flag := range []string{"--broker-address=", "--ca-file=", "--token-file=", "--cluster="} {
+		assert.Contains(t, args, flag)
+	}
+	for k, v := range exec.Env {
+		assert.NotContains(t, strings.ToLower(k+v), "token=", "no token in the environment")
+	}
+	assert.False(t, bytes.Contains(raw, []byte("eyJ")), "no JWT anywhere in the file")
+}

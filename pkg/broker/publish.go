@@ -1,0 +1,122 @@
+package broker
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
+
+	"github.com/credbroker/credbroker/pkg/publish"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+)
+
+// fieldManager owns the broker's entry and condition in ClusterProfiles'
+// status.
+const fieldManager = "credbroker-broker"
+
+// tunnelSource reports the agents of a ClusterProfile from the tunnel.
+type tunnelSource struct{ b *Broker }
+
+func (s tunnelSource) Advertised(key types.NamespacedName) (string, []byte, int) {
+	cp, err := s.b.profiles.Get(key.Namespace, key.Name)
+	if err != nil {
+		return "", nil, 0
+	}
+	return s.b.tunnel.Advertised(tunnel.ClusterRef{NamespacedName: key, UID: cp.UID})
+}
+
+// newPublisher builds the publisher of the access provider, and hooks it to
+// the ClusterProfile informer; the tunnel calls it when agents come and go.
+func newPublisher(cfg Config, b *Broker, client inventory.Interface) (*publish.Publisher, error) {
+	p, err := publish.New(publish.Config{
+		ProviderName: cfg.AccessProviderName,
+		Source:       tunnelSource{b},
+		Get: func(key types.NamespacedName) (*v1alpha1.ClusterProfile, error) {
+			cp, err := b.profiles.Get(key.Namespace, key.Name)
+			if err != nil {
+				return nil, nil //nolint:nilerr // gone: nothing to publish
+			}
+			return cp, nil
+		},
+		Apply: func(ctx context.Context, key types.NamespacedName, body []byte) error {
+			force := true
+			_, err := client.ApisV1alpha1().ClusterProfiles(key.Namespace).Patch(ctx, key.Name, types.ApplyPatchType, body,
+				metav1.PatchOptions{FieldManager: fieldManager, Force: &force}, "status")
+			if apierrors.IsNotFound(err) {
+				return nil
+			}
+			return err
+		},
+		DisconnectGrace: cfg.PublishDisconnectGrace,
+		Log:             cfg.Log.WithName("publish"),
+	})
+	if err != nil {
+		return nil, err
+	}
+	_, err = b.informers.Apis().V1alpha1().ClusterProfiles().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { enqueueProfile(p, obj) },
+		UpdateFunc: func(_, obj any) { enqueueProfile(p, obj) },
+	})
+	return p, err
+}
+
+func enqueueProfile(p *publish.Publisher, obj any) {
+	if cp, ok := obj.(*v1alpha1.ClusterProfile); ok {
+		p.Enqueue(types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name})
+	}
+}
+
+// runPublisher publishes while this replica holds the Lease, and campaigns
+// again when it loses it, until ctx ends.
+func (b *Broker) runPublisher(ctx context.Context, hub kubernetes.Interface) error {
+	id := b.cfg.PublishIdentity
+	if id == "" {
+		var r [8]byte
+		_, _ = rand.Read(r[:])
+		id = "credbroker-broker-" + hex.EncodeToString(r[:])
+	}
+	lock := &resourcelock.LeaseLock{
+		LeaseMeta:  metav1.ObjectMeta{Namespace: b.cfg.PublishLeaseNamespace, Name: b.cfg.PublishLeaseName},
+		Client:     hub.CoordinationV1(),
+		LockConfig: resourcelock.ResourceLockConfig{Identity: id},
+	}
+	elector, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
+		Lock:            lock,
+		LeaseDuration:   15 * time.Second,
+		RenewDeadline:   10 * time.Second,
+		RetryPeriod:     2 * time.Second,
+		ReleaseOnCancel: true,
+		Name:            b.cfg.PublishLeaseName,
+		Callbacks: leaderelection.LeaderCallbacks{
+			OnStartedLeading: func(ctx context.Context) {
+				b.log.Info("publishing access providers", "identity", id)
+				var all []types.NamespacedName
+				for _, obj := range b.informers.Apis().V1alpha1().ClusterProfiles().Informer().GetStore().List() {
+					if cp, ok := obj.(*v1alpha1.ClusterProfile); ok {
+						all = append(all, types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name})
+					}
+				}
+				b.publisher.Run(ctx, all)
+			},
+			OnStoppedLeading: func() { b.log.Info("stopped publishing access providers", "identity", id) },
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("broker: publisher lease: %w", err)
+	}
+	for ctx.Err() == nil {
+		elector.Run(ctx)
+	}
+	return nil
+}

@@ -1,0 +1,185 @@
+package publish
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	clocktesting "k8s.io/utils/clock/testing"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+)
+
+type fakeSource struct {
+	server string
+	ca     []byte
+	live   int
+}
+
+func (f *fakeSource) Advertised(types.NamespacedName) (string, []byte, int) {
+	return f.server, f.ca, f.live
+}
+
+// fakeHub applies the body's entry and condition to its ClusterProfile by
+// key, as server-side apply with map lists does, and counts the writes.
+type fakeHub struct {
+	cp     *v1alpha1.ClusterProfile
+	writes int
+}
+
+func (h *fakeHub) apply(_ context.Context, _ types.NamespacedName, body []byte) error {
+	h.writes++
+	var b applyBody
+	if err := json.Unmarshal(body, &b); err != nil {
+		return err
+	}
+	for _, e := range b.Status.AccessProviders {
+		h.cp.Status.AccessProviders = upsert(h.cp.Status.AccessProviders, e, func(x v1alpha1.AccessProvider) bool { return x.Name == e.Name })
+	}
+	for _, c := range b.Status.Conditions {
+		h.cp.Status.Conditions = upsert(h.cp.Status.Conditions, c, func(x metav1.Condition) bool { return x.Type == c.Type })
+	}
+	return nil
+}
+
+func upsert[T any](list []T, v T, same func(T) bool) []T {
+	for i := range list {
+		if same(list[i]) {
+			list[i] = v
+			return list
+		}
+	}
+	return append(list, v)
+}
+
+var key = types.NamespacedName{Namespace: "fleet", Name: "prod"}
+
+func newFixture(t *testing.T) (*Publisher, *fakeSource, *fakeHub, *clocktesting.FakeClock) {
+	t.Helper()
+	src := &fakeSource{}
+	hub := &fakeHub{cp: &v1alpha1.ClusterProfile{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name, Generation: 1}}}
+	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	p, err := New(Config{
+		ProviderName: "credbroker", Source: src, Clock: clk, DisconnectGrace: 30 * time.Second,
+		Get:   func(types.NamespacedName) (*v1alpha1.ClusterProfile, error) { return hub.cp.DeepCopy(), nil },
+		Apply: hub.apply,
+	})
+	require.NoError(t, err)
+	return p, src, hub, clk
+}
+
+func TestReconcileWritesOnlyOnChange(t *testing.T) {
+	ctx := context.Background()
+	p, src, hub, clk := newFixture(t)
+
+	_, err := p.Reconcile(ctx, key)
+	require.NoError(t, err)
+	assert.Zero(t, hub.writes, "a ClusterProfile that never had an agent is left alone")
+
+	src.server, src.ca, src.live = "https://spoke:6443", []byte("ca"), 2
+	for range 3 {
+		_, err = p.Reconcile(ctx, key)
+		require.NoError(t, err)
+	}
+	assert.Equal(t, 1, hub.writes, "one write for one change")
+	require.Len(t, hub.cp.Status.AccessProviders, 1)
+	assert.Equal(t, "https://spoke:6443", hub.cp.Status.AccessProviders[0].Cluster.Server)
+
+	src.live = 1 // fewer streams is no change to publish
+	_, err = p.Reconcile(ctx, key)
+	require.NoError(t, err)
+	assert.Equal(t, 1, hub.writes)
+
+	src.server = "https://spoke-new:6443"
+	_, err = p.Reconcile(ctx, key)
+	require.NoError(t, err)
+	assert.Equal(t, 2, hub.writes, "a new server is published")
+
+	// The agent goes: nothing within the grace, then False once.
+	src.server, src.ca, src.live = "", nil, 0
+	after, err := p.Reconcile(ctx, key)
+	require.NoError(t, err)
+	assert.Equal(t, 30*time.Second, after)
+	assert.Equal(t, 2, hub.writes, "no write within the grace")
+	clk.Step(30 * time.Second)
+	for range 3 {
+		after, err = p.Reconcile(ctx, key)
+		require.NoError(t, err)
+		assert.Zero(t, after)
+	}
+	assert.Equal(t, 3, hub.writes)
+	require.Len(t, hub.cp.Status.Conditions, 1)
+	assert.Equal(t, metav1.ConditionFalse, hub.cp.Status.Conditions[0].Status)
+	assert.Equal(t, ReasonNoAgentConnected, hub.cp.Status.Conditions[0].Reason)
+	assert.Equal(t, "https://spoke-new:6443", hub.cp.Status.AccessProviders[0].Cluster.Server, "the last entry stays")
+}
+
+func TestReconcileAgentBackWithinGraceWritesNothing(t *testing.T) {
+	ctx := context.Background()
+	p, src, hub, clk := newFixture(t)
+	src.server, src.live = "https://spoke:6443", 1
+	_, err := p.Reconcile(ctx, key)
+	require.NoError(t, err)
+	src.live = 0
+	_, err = p.Reconcile(ctx, key)
+	require.NoError(t, err)
+	clk.Step(10 * time.Second)
+	src.live = 1
+	_, err = p.Reconcile(ctx, key)
+	require.NoError(t, err)
+	clk.Step(time.Minute)
+	_, err = p.Reconcile(ctx, key)
+	require.NoError(t, err)
+	assert.Equal(t, 1, hub.writes)
+}
+
+// countingLimiter is a rate limiter that counts the requests it paces.
+type countingLimiter struct {
+	mu           sync.Mutex
+	when, forget int
+}
+
+func (c *countingLimiter) When(types.NamespacedName) time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.when++
+	return 0
+}
+
+func (c *countingLimiter) Forget(types.NamespacedName) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.forget++
+}
+
+func (c *countingLimiter) NumRequeues(types.NamespacedName) int { return 0 }
+
+func (c *countingLimiter) counts() (int, int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.when, c.forget
+}
+
+func TestRunPacesEveryEnqueueThroughTheLimiter(t *testing.T) {
+	p, src, hub, _ := newFixture(t)
+	lim := &countingLimiter{}
+	p.cfg.RateLimiter = lim
+	src.server, src.live = "https://spoke:6443", 1
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); p.Run(ctx, []types.NamespacedName{key}) }()
+	require.Eventually(t, func() bool { _, f := lim.counts(); return f >= 1 }, 10*time.Second, time.Millisecond)
+	for range 50 {
+		p.Enqueue(key)
+	}
+	cancel()
+	<-done
+	when, _ := lim.counts()
+	assert.GreaterOrEqual(t, when, 2, "every add goes through the rate limiter")
+	assert.Equal(t, 1, hub.writes, "a burst of events for an unchanged ClusterProfile writes once")
+}

@@ -1,0 +1,171 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+	"sigs.k8s.io/cluster-inventory-api/pkg/access"
+
+	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/broker"
+	"github.com/credbroker/credbroker/pkg/plugin"
+	"github.com/credbroker/credbroker/pkg/publish"
+	"github.com/credbroker/credbroker/test/framework"
+)
+
+// The broker, with --publish-access-provider, writes its access provider
+// into a ClusterProfile whose status starts empty, from what the agent
+// advertises; pkg/access then builds a working spoke client from it alone.
+// The cluster manager's own entry and condition survive every write, and
+// the broker's condition turns False when the agent goes.
+func TestBrokerPublishesAccessProvider(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[0]
+	name := uniqueName(t, "published")
+	profiles := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace)
+
+	// The cluster manager's status: another provider and another condition.
+	cp, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, nil)
+	require.NoError(t, err)
+	require.Empty(t, cp.Status.AccessProviders)
+	other := v1alpha1.AccessProvider{Name: "cluster-manager", Cluster: clientcmdv1.Cluster{Server: "https://manager.example:6443"}}
+	cp.Status.AccessProviders = []v1alpha1.AccessProvider{other}
+	cp.Status.Conditions = []metav1.Condition{{
+		Type: "ControlPlaneHealthy", Status: metav1.ConditionTrue, Reason: "Healthy", Message: "written by the cluster manager",
+		LastTransitionTime: metav1.Now(),
+	}}
+	_, err = profiles.UpdateStatus(ctx, cp, metav1.UpdateOptions{FieldManager: "cluster-manager"})
+	require.NoError(t, err)
+
+	// A broker that publishes.
+	cfg := deployment.BrokerConfig()
+	cfg.PublishAccessProvider = true
+	cfg.PublishLeaseNamespace, cfg.PublishLeaseName = "default", name
+	cfg.PublishDisconnectGrace = time.Second
+	b, err := broker.New(cfg)
+	require.NoError(t, err)
+	bctx, stopBroker := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- b.Run(bctx) }()
+	t.Cleanup(func() { stopBroker(); require.NoError(t, <-done) })
+
+	stopAgent, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{
+		ID: framework.AgentID(name), Cluster: framework.FleetNamespace + "/" + name,
+		Tune: func(c *agent.Config) {
+			// Also to the deployment's replicas, through which the
+			// framework revokes the agent's grants when it stops.
+			c.BrokerAddresses = append(c.BrokerAddresses, b.AgentAddr())
+			c.AdvertiseServer, c.AdvertiseCAData = spoke.Server, spoke.CAData
+		},
+	})
+	require.NoError(t, err)
+	agentStopped := false
+	t.Cleanup(func() {
+		if !agentStopped {
+			stopAgent()
+		}
+	})
+
+	get := func() *v1alpha1.ClusterProfile {
+		cp, err := profiles.Get(ctx, name, metav1.GetOptions{})
+		require.NoError(t, err)
+		return cp
+	}
+	var published *v1alpha1.ClusterProfile
+	require.Eventually(t, func() bool {
+		published = get()
+		c := findCondition(published, publish.ConditionType)
+		return findProvider(published, plugin.Name) != nil && c != nil && c.Status == metav1.ConditionTrue
+	}, 30*time.Second, 100*time.Millisecond, "the broker publishes its access provider")
+	entry := findProvider(published, plugin.Name)
+	assert.Equal(t, spoke.Server, entry.Cluster.Server)
+	assert.Equal(t, spoke.CAData, entry.Cluster.CertificateAuthorityData)
+	require.Len(t, entry.Cluster.Extensions, 1)
+	assert.Equal(t, publish.ExecExtensionName, entry.Cluster.Extensions[0].Name)
+	assert.JSONEq(t, `{"clusterProfile":{"namespace":"`+framework.FleetNamespace+`","name":"`+name+`"}}`, string(entry.Cluster.Extensions[0].Extension.Raw))
+	assertManagerEntriesSurvive(t, published, other)
+
+	// A consumer with nothing but a provider file naming the plugin.
+	c := newConsumer(t, "credbroker", name)
+	ns := optIn(t, spoke, "reader", c.username())
+	require.NoError(t, spoke.Grant(ctx, "", framework.ServiceAccountSubject(ns, "reader"), []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"list"}},
+	}))
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	require.NoError(t, os.WriteFile(tokenFile, []byte(c.token), 0o600))
+	raw, err := json.Marshal(access.Config{Providers: []access.Provider{{
+		Name: plugin.Name,
+		ExecConfig: &clientcmdapi.ExecConfig{
+			APIVersion: "client.authentication.k8s.io/v1", Command: pluginBin, ProvideClusterInfo: true,
+			Args: []string{"--broker-address", b.ExchangeAddr(), "--ca-file", deployment.CAFile, "--token-file", tokenFile},
+		},
+	}}})
+	require.NoError(t, err)
+	providerFile := filepath.Join(dir, "providers.json")
+	require.NoError(t, os.WriteFile(providerFile, raw, 0o600))
+	loaded, err := access.NewFromFile(providerFile)
+	require.NoError(t, err)
+	restConfig, err := loaded.BuildConfigFromCP(published)
+	require.NoError(t, err)
+	client, err := kubernetes.NewForConfig(restConfig)
+	require.NoError(t, err)
+	nsList, err := client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
+	require.NoError(t, err)
+	assert.NotEmpty(t, nsList.Items)
+
+	// The agent goes: the condition turns False; the rest stays.
+	stopAgent()
+	agentStopped = true
+	var gone *v1alpha1.ClusterProfile
+	require.Eventually(t, func() bool {
+		gone = get()
+		c := findCondition(gone, publish.ConditionType)
+		return c != nil && c.Status == metav1.ConditionFalse
+	}, 30*time.Second, 100*time.Millisecond, "the condition turns False when the agent goes")
+	assert.Equal(t, publish.ReasonNoAgentConnected, findCondition(gone, publish.ConditionType).Reason)
+	assertManagerEntriesSurvive(t, gone, other)
+	assert.NotNil(t, findProvider(gone, plugin.Name), "the last server and CA stay; the condition says they do not work now")
+}
+
+func assertManagerEntriesSurvive(t *testing.T, cp *v1alpha1.ClusterProfile, other v1alpha1.AccessProvider) {
+	t.Helper()
+	got := findProvider(cp, other.Name)
+	if assert.NotNil(t, got, "the cluster manager's access provider survives") {
+		assert.Equal(t, other.Cluster.Server, got.Cluster.Server)
+	}
+	c := findCondition(cp, "ControlPlaneHealthy")
+	if assert.NotNil(t, c, "the cluster manager's condition survives") {
+		assert.Equal(t, "written by the cluster manager", c.Message)
+	}
+}
+
+func findProvider(cp *v1alpha1.ClusterProfile, name string) *v1alpha1.AccessProvider {
+	for i := range cp.Status.AccessProviders {
+		if cp.Status.AccessProviders[i].Name == name {
+			return &cp.Status.AccessProviders[i]
+		}
+	}
+	return nil
+}
+
+func findCondition(cp *v1alpha1.ClusterProfile, typ string) *metav1.Condition {
+	for i := range cp.Status.Conditions {
+		if cp.Status.Conditions[i].Type == typ {
+			return &cp.Status.Conditions[i]
+		}
+	}
+	return nil
+}
