@@ -154,3 +154,18 @@ func (bearer) RequireTransportSecurity() bool { return true }
 // String and GoString keep the token out of any formatted output.
 func (bearer) String() string   { return "bearer([redacted])" }
 func (bearer) GoString() string { return "bearer([redacted])" }
+
+// ValidateRequest checks what a client asks of every exchange: audiences
+// that are neither empty nor padded with spaces, and a lifetime that is not
+// negative (zero lets the broker choose).
+func ValidateRequest(audiences []string, expirationSeconds int64) error {
+	for _, a := range audiences {
+		if a == "" || strings.TrimSpace(a) != a {
+			return fmt.Errorf("audience %q is empty or has surrounding spaces", a)
+		}
+	}
+	if expirationSeconds < 0 {
+		return fmt.Errorf("expiration seconds %d is negative", expirationSeconds)
+	}
+	return nil
+}

@@ -90,15 +90,10 @@ func New(cfg Config) (*Provider, error) {
 		sa := *cfg.ServiceAccount
 		cfg.ServiceAccount = &sa
 	}
-	for _, a := range cfg.Audiences {
-		if a == "" || strings.TrimSpace(a) != a {
-			return nil, fmt.Errorf("audience %q is empty or has surrounding spaces", a)
-		}
+	if err := brokerclient.ValidateRequest(cfg.Audiences, cfg.ExpirationSeconds); err != nil {
+		return nil, err
 	}
 	cfg.Audiences = slices.Clone(cfg.Audiences)
-	if cfg.ExpirationSeconds < 0 {
-		return nil, fmt.Errorf("expiration seconds %d is negative", cfg.ExpirationSeconds)
-	}
 	switch {
 	case cfg.Timeout < 0:
 		return nil, fmt.Errorf("timeout %v is negative", cfg.Timeout)
