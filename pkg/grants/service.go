@@ -88,26 +88,46 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 
 // List implements Grants.List.
 func (s *Service) List(ctx context.Context, req *pb.ListGrantsRequest) (*pb.ListGrantsResponse, error) {
-	start := s.cfg.Clock.Now()
 	rec := &auditRecord{method: "list", selector: req.GetSelector()}
-	resp, err := s.list(ctx, req, rec)
+	return serve(ctx, s, rec, func(user hubauth.User, sel Selector) (*pb.ListGrantsResponse, error) {
+		return s.list(ctx, user, sel, rec)
+	})
+}
+
+// Revoke implements Grants.Revoke.
+func (s *Service) Revoke(ctx context.Context, req *pb.RevokeGrantsRequest) (*pb.RevokeGrantsResponse, error) {
+	rec := &auditRecord{method: "revoke", selector: req.GetSelector(), reason: req.GetReason()}
+	return serve(ctx, s, rec, func(user hubauth.User, sel Selector) (*pb.RevokeGrantsResponse, error) {
+		return s.revoke(ctx, user, sel, req.GetReason(), rec)
+	})
+}
+
+// serve authenticates the caller, parses rec's selector, calls do, writes
+// rec's audit line, and returns do's answer or its error as a gRPC status.
+func serve[T any](ctx context.Context, s *Service, rec *auditRecord, do func(hubauth.User, Selector) (T, error)) (T, error) {
+	start := s.cfg.Clock.Now()
+	resp, err := func() (T, error) {
+		var none T
+		user, err := s.cfg.Authenticator.Authenticate(ctx)
+		if err != nil {
+			return none, err
+		}
+		rec.user = &user
+		sel, err := parseSelector(rec.selector)
+		if err != nil {
+			return none, err
+		}
+		return do(user, sel)
+	}()
 	s.audit(rec, err, s.cfg.Clock.Since(start))
 	if err != nil {
-		return nil, errdefs.ToStatus(err).Err()
+		var none T
+		return none, errdefs.ToStatus(err).Err()
 	}
 	return resp, nil
 }
 
-func (s *Service) list(ctx context.Context, req *pb.ListGrantsRequest, rec *auditRecord) (*pb.ListGrantsResponse, error) {
-	user, err := s.cfg.Authenticator.Authenticate(ctx)
-	if err != nil {
-		return nil, err
-	}
-	rec.user = &user
-	sel, err := parseSelector(req.GetSelector())
-	if err != nil {
-		return nil, err
-	}
+func (s *Service) list(ctx context.Context, user hubauth.User, sel Selector, rec *auditRecord) (*pb.ListGrantsResponse, error) {
 	matched := s.cfg.Grants.Select(sel)
 	allowed, err := s.review(ctx, user, VerbList, others(user, matched))
 	if err != nil {
@@ -123,33 +143,12 @@ func (s *Service) list(ctx context.Context, req *pb.ListGrantsRequest, rec *audi
 	return &pb.ListGrantsResponse{Grants: out}, nil
 }
 
-// Revoke implements Grants.Revoke.
-func (s *Service) Revoke(ctx context.Context, req *pb.RevokeGrantsRequest) (*pb.RevokeGrantsResponse, error) {
-	start := s.cfg.Clock.Now()
-	rec := &auditRecord{method: "revoke", selector: req.GetSelector(), reason: req.GetReason()}
-	resp, err := s.revoke(ctx, req, rec)
-	s.audit(rec, err, s.cfg.Clock.Since(start))
-	if err != nil {
-		return nil, errdefs.ToStatus(err).Err()
-	}
-	return resp, nil
-}
-
-func (s *Service) revoke(ctx context.Context, req *pb.RevokeGrantsRequest, rec *auditRecord) (*pb.RevokeGrantsResponse, error) {
-	user, err := s.cfg.Authenticator.Authenticate(ctx)
-	if err != nil {
-		return nil, err
-	}
-	rec.user = &user
-	sel, err := parseSelector(req.GetSelector())
-	if err != nil {
-		return nil, err
-	}
+func (s *Service) revoke(ctx context.Context, user hubauth.User, sel Selector, requestedReason string, rec *auditRecord) (*pb.RevokeGrantsResponse, error) {
 	if sel.IsZero() {
 		return nil, fmt.Errorf("a revoke must select grants by credential id, username or cluster; "+
 			"to revoke every grant of a cluster, name the cluster: %w", errdefs.ErrInvalidArgument)
 	}
-	reason, err := parseReason(req.GetReason(), user)
+	reason, err := parseReason(requestedReason, user)
 	if err != nil {
 		return nil, err
 	}
