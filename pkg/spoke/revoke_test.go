@@ -303,6 +303,8 @@ func TestRunSweepRevokesWhatPolicyNoLongerAllows(t *testing.T) {
 	m, err := New(Config{Tokens: &fakeTokens{}, Grants: grants, GrantCache: grants.cache, Clock: clk, ServiceAccounts: sal})
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
+	// startRun sees the sweep begin; its deletes may still be under way.
+	require.Eventually(t, func() bool { return len(grants.Deleted()) >= 3 }, 5*time.Second, time.Millisecond, "the first sweep revoked too little")
 	assert.ElementsMatch(t, []string{"apps/argocd-default", "apps/flux-sts", "apps/expired"}, grants.Deleted())
 	assert.Equal(t, []string{"apps/db-password", "apps/flux-vault", "apps/no-sa", "apps/other-sa", "apps/sa-deleted", "tools/other-ns"}, grants.Keys())
 	assert.Equal(t, 1, grants.Lists(), "one read of the cache per sweep")
