@@ -121,6 +121,12 @@ type Config struct {
 	// MaxInFlight bounds the concurrent mints and revokes of one broker
 	// stream.
 	MaxInFlight int
+	// KeepaliveTime is how long a broker connection may be silent before
+	// the agent pings the broker, and KeepaliveTimeout how long it then
+	// waits for the answer before it reconnects: their sum bounds how long
+	// a partition without a TCP reset goes unnoticed. The broker refuses
+	// pings more often than every 5s.
+	KeepaliveTime, KeepaliveTimeout time.Duration
 
 	Log logr.Logger
 }
@@ -141,6 +147,8 @@ func Default() Config {
 		MetricsAddress:    ":8080",
 		ShutdownGrace:     15 * time.Second,
 		MaxInFlight:       64,
+		KeepaliveTime:     10 * time.Second,
+		KeepaliveTimeout:  5 * time.Second,
 	}
 }
 
@@ -170,6 +178,8 @@ func (c *Config) Validate() error {
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
 	need(c.ShutdownGrace > 0, "the shutdown grace must be positive")
 	need(c.MaxInFlight > 0, "the in-flight requests per stream must be positive")
+	need(c.KeepaliveTime >= 5*time.Second, "the keepalive time (%s) must be at least 5s, which the broker enforces", c.KeepaliveTime)
+	need(c.KeepaliveTimeout >= time.Second, "the keepalive timeout (%s) must be at least 1s", c.KeepaliveTimeout)
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
@@ -285,19 +295,21 @@ func New(cfg Config) (_ *Agent, err error) {
 	hello := &pb.Hello{AgentVersion: Version, Server: cfg.AdvertiseServer, CertificateAuthorityData: cfg.AdvertiseCAData}
 	clientConfig := func(addr string) tunnel.ClientConfig {
 		return tunnel.ClientConfig{
-			Address:        addr,
-			Credentials:    creds,
-			Minter:         instrumented{minter},
-			Grants:         minter,
-			Hello:          hello,
-			Cluster:        clusterString(cfg.Cluster),
-			MintTimeout:    cfg.MintTimeout,
-			MaxInFlight:    cfg.MaxInFlight,
-			DrainTimeout:   cfg.ShutdownGrace,
-			Serving:        a.countServing,
-			InitialBackoff: cfg.InitialBackoff,
-			MaxBackoff:     cfg.MaxBackoff,
-			Log:            cfg.Log.WithName("tunnel"),
+			Address:          addr,
+			Credentials:      creds,
+			Minter:           instrumented{minter},
+			Grants:           minter,
+			Hello:            hello,
+			Cluster:          clusterString(cfg.Cluster),
+			MintTimeout:      cfg.MintTimeout,
+			MaxInFlight:      cfg.MaxInFlight,
+			Keepalive:        cfg.KeepaliveTime,
+			KeepaliveTimeout: cfg.KeepaliveTimeout,
+			DrainTimeout:     cfg.ShutdownGrace,
+			Serving:          a.countServing,
+			InitialBackoff:   cfg.InitialBackoff,
+			MaxBackoff:       cfg.MaxBackoff,
+			Log:              cfg.Log.WithName("tunnel"),
 		}
 	}
 	a.clients = map[*tunnel.Client]struct{}{}

@@ -263,6 +263,10 @@ func (b *Broker) Connected(namespace, name string) int {
 	return b.tunnel.Connected(tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID})
 }
 
+// PendingAgentRequests reports how many mints and revokes wait for an
+// agent's answer.
+func (b *Broker) PendingAgentRequests() int { return b.tunnel.Pending() }
+
 // Grants is the broker's registry of the live grants its agents report, and
 // of the tokens it revoked.
 func (b *Broker) Grants() *grants.Registry { return b.grants }
@@ -331,9 +335,15 @@ func (b *Broker) Run(ctx context.Context) error {
 	// Agent connections are renewed now and then, so that each handshake
 	// is made again with the SVIDs and the bundle of the day; a stream also
 	// ends when the agent's SVID expires (pkg/tunnel).
-	agentKeepalive := keepaliveParams
-	agentKeepalive.MaxConnectionAge = b.cfg.AgentMaxConnectionAge
-	agentKeepalive.MaxConnectionAgeGrace = b.cfg.AgentMaxConnectionAgeGrace
+	// They are pinged soon after they fall silent, so that a partition
+	// without a TCP reset ends the stream in AgentKeepaliveTime +
+	// AgentKeepaliveTimeout, and its mints in flight move to another stream.
+	agentKeepalive := keepalive.ServerParameters{
+		Time:                  b.cfg.AgentKeepaliveTime,
+		Timeout:               b.cfg.AgentKeepaliveTimeout,
+		MaxConnectionAge:      b.cfg.AgentMaxConnectionAge,
+		MaxConnectionAgeGrace: b.cfg.AgentMaxConnectionAgeGrace,
+	}
 	agents := b.grpcServer(identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain), agentKeepalive)
 	pb.RegisterAgentTunnelServer(agents, b.tunnel)
 
@@ -369,7 +379,7 @@ func (b *Broker) grpcServer(creds credentials.TransportCredentials, params keepa
 	s := grpc.NewServer(
 		grpc.Creds(creds),
 		grpc.KeepaliveParams(params),
-		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 		grpc.MaxRecvMsgSize(64<<10),
 		grpc.MaxHeaderListSize(64<<10),
 		grpc.MaxConcurrentStreams(b.cfg.MaxConcurrentStreams),

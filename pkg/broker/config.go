@@ -74,6 +74,13 @@ type Config struct {
 	// with current SVIDs and bundle; the agent reconnects.
 	// AgentMaxConnectionAgeGrace then lets mints in flight finish.
 	AgentMaxConnectionAge, AgentMaxConnectionAgeGrace time.Duration
+	// AgentKeepaliveTime is how long an agent connection may be silent
+	// before the broker pings it, and AgentKeepaliveTimeout how long the
+	// broker then waits for the answer before it closes the connection.
+	// Their sum bounds how long a partition without a TCP reset goes
+	// unnoticed; keep it under MintTimeout, so that the mints in flight on
+	// a partitioned stream move to another of the cluster's streams.
+	AgentKeepaliveTime, AgentKeepaliveTimeout time.Duration
 	// AccessProviderName is the ClusterProfile access provider whose server
 	// and CA are returned to consumers; others are used when it is absent.
 	AccessProviderName string
@@ -154,6 +161,8 @@ func Default() Config {
 		MintTimeout:                10 * time.Second,
 		AgentMaxConnectionAge:      time.Hour,
 		AgentMaxConnectionAgeGrace: 30 * time.Second,
+		AgentKeepaliveTime:         5 * time.Second,
+		AgentKeepaliveTimeout:      3 * time.Second,
 		AccessProviderName:         "credbroker",
 		AuthnTTL:                   10 * time.Second,
 		AllowTTL:                   10 * time.Second,
@@ -204,6 +213,8 @@ func (c *Config) Validate() error {
 	need(c.MaxStreamsPerCluster > 0, "the agent streams per cluster must be positive")
 	need(c.MaxConcurrentStreams > 0, "the concurrent streams per connection must be positive")
 	need(c.AgentMaxConnectionAge > 0, "the agent connection age must be positive")
+	need(c.AgentKeepaliveTime >= time.Second && c.AgentKeepaliveTimeout >= time.Second,
+		"the agent keepalive time (%s) and timeout (%s) must be at least 1s", c.AgentKeepaliveTime, c.AgentKeepaliveTimeout)
 	need(c.AgentMaxConnectionAgeGrace >= c.MintTimeout, "the agent connection age grace (%s) must be at least the mint timeout (%s), so that mints in flight finish",
 		c.AgentMaxConnectionAgeGrace, c.MintTimeout)
 	need(c.DenyTTL <= c.AllowTTL, "denials must not be cached longer than approvals (%s > %s)", c.DenyTTL, c.AllowTTL)

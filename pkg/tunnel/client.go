@@ -77,9 +77,12 @@ type ClientConfig struct {
 	// MaxBackoff, and each wait is jittered by up to half its length.
 	// Defaults 500ms and 30s.
 	InitialBackoff, MaxBackoff time.Duration
-	// Keepalive is the interval of HTTP/2 pings on an idle connection.
-	// Default 30s.
-	Keepalive time.Duration
+	// Keepalive is how long the connection may be silent before the
+	// client pings the broker, and KeepaliveTimeout how long it then waits
+	// for the answer before it closes the connection and reconnects. Their
+	// sum bounds how long a partition without a TCP reset goes unnoticed.
+	// Defaults 10s and 5s; the broker refuses pings more often than every 5s.
+	Keepalive, KeepaliveTimeout time.Duration
 	// DrainTimeout bounds how long a stream that is leaving (Run's context
 	// ended, or Rotate replaced the stream) waits for its requests in
 	// flight. Default 15s.
@@ -132,7 +135,10 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 		cfg.MaxBackoff = max(30*time.Second, cfg.InitialBackoff)
 	}
 	if cfg.Keepalive <= 0 {
-		cfg.Keepalive = 30 * time.Second
+		cfg.Keepalive = 10 * time.Second
+	}
+	if cfg.KeepaliveTimeout <= 0 {
+		cfg.KeepaliveTimeout = 5 * time.Second
 	}
 	if cfg.DrainTimeout <= 0 {
 		cfg.DrainTimeout = 15 * time.Second
@@ -171,7 +177,7 @@ func (c *Client) Run(ctx context.Context) error {
 		grpc.WithTransportCredentials(c.cfg.Credentials),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{
 			Time:                c.cfg.Keepalive,
-			Timeout:             10 * time.Second,
+			Timeout:             c.cfg.KeepaliveTimeout,
 			PermitWithoutStream: true,
 		}),
 	}, c.cfg.DialOptions...)

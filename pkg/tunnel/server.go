@@ -119,6 +119,8 @@ type Server struct {
 
 	cfg  ServerConfig
 	next atomic.Uint64 // round robin over a cluster's sessions
+	// pending counts the mints and revokes waiting for an agent's answer.
+	pending atomic.Int64
 
 	mu       sync.RWMutex
 	sessions map[types.NamespacedName][]*session
@@ -445,6 +447,9 @@ func instanceOf(ctx context.Context) string {
 	return v[0]
 }
 
+// Pending reports how many mints and revokes wait for an agent's answer.
+func (s *Server) Pending() int { return int(s.pending.Load()) }
+
 // Connected reports how many live sessions serve cluster.
 func (s *Server) Connected(cluster ClusterRef) int { return len(s.live(cluster)) }
 
@@ -585,6 +590,8 @@ func call[T any](s *Server, ctx context.Context, cluster ClusterRef, req *pb.Bro
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
 	defer cancel()
+	s.pending.Add(1)
+	defer s.pending.Add(-1)
 	start := time.Now()
 	var (
 		f   *pb.AgentFrame

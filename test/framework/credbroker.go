@@ -304,13 +304,7 @@ type AgentOptions struct {
 // StartAgentWith is StartAgent with options.
 func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts AgentOptions) (stop func(), err error) {
 	id := opts.ID
-	if err := spoke.EnsureNamespace(ctx, AgentNamespace); err != nil {
-		return nil, err
-	}
-	if _, err := spoke.CreateServiceAccount(ctx, AgentNamespace, AgentServiceAccount, nil); err != nil && !apierrors.IsAlreadyExists(err) {
-		return nil, err
-	}
-	if err := spoke.Grant(ctx, "", ServiceAccountSubject(AgentNamespace, AgentServiceAccount), AgentRules()); err != nil {
+	if err := d.ensureAgentAccount(ctx, spoke); err != nil {
 		return nil, err
 	}
 	tok, err := spoke.Token(ctx, AgentNamespace, AgentServiceAccount, nil, time.Hour)
@@ -403,6 +397,18 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 		stopAgent()
 		return nil, fmt.Errorf("framework: agent %s on %s was not admitted: %w", id, spoke.Name, ctx.Err())
 	}
+}
+
+// ensureAgentAccount creates the agent's ServiceAccount on spoke, with the
+// permissions of AgentRules, unless it exists.
+func (d *Deployment) ensureAgentAccount(ctx context.Context, spoke *Cluster) error {
+	if err := spoke.EnsureNamespace(ctx, AgentNamespace); err != nil {
+		return err
+	}
+	if _, err := spoke.CreateServiceAccount(ctx, AgentNamespace, AgentServiceAccount, nil); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	return spoke.Grant(ctx, "", ServiceAccountSubject(AgentNamespace, AgentServiceAccount), AgentRules())
 }
 
 // revokeGrants revokes the grants of the ClusterProfile whose default agent

@@ -1,0 +1,160 @@
+package faults
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr/funcr"
+	"k8s.io/client-go/rest"
+
+	"github.com/credbroker/credbroker/internal/faultproxy"
+	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/broker"
+	"github.com/credbroker/credbroker/test/framework"
+)
+
+// The environment every fault test shares:
+//   - the broker reaches the hub through hubProxy;
+//   - spoke-1 has two agents, both reaching their spoke through spokeProxy;
+//     agent A reaches the broker through agentProxy, agent B directly;
+//   - spoke-2 has one agent whose spoke answers TokenRequests after
+//     slowSpoke, while it is non-zero.
+var (
+	env        *framework.Env
+	deployment *framework.Deployment
+	spoke1     *framework.Cluster
+	spoke2     *framework.Cluster
+	hubProxy   *faultproxy.Proxy
+	spokeProxy *faultproxy.Proxy
+	agentProxy *faultproxy.Proxy
+	slowSpoke  atomic.Int64 // a time.Duration
+	// agentBin and brokerBin are the shipped binaries, built from this tree.
+	agentBin, brokerBin string
+
+	mintTimeout = 10 * time.Second
+	// Keepalives of the agent-broker path: a silent partition ends the
+	// stream within keepaliveTime+keepaliveTimeout on the broker's side.
+	keepaliveTime, keepaliveTimeout = 2 * time.Second, 2 * time.Second
+	// The broker's decision caches, short enough that a test sees them
+	// expire.
+	decisionTTL = 4 * time.Second
+)
+
+func TestMain(m *testing.M) { os.Exit(run(m)) }
+
+func run(m *testing.M) int {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	dir, err := os.MkdirTemp("", "credbroker-faults-")
+	if err != nil {
+		return fail(err)
+	}
+	defer os.RemoveAll(dir)
+
+	agentBin, brokerBin = filepath.Join(dir, "spoke-agent"), filepath.Join(dir, "broker")
+	build := exec.CommandContext(ctx, "go", "build", "-o", dir+"/",
+		"github.com/credbroker/credbroker/cmd/spoke-agent", "github.com/credbroker/credbroker/cmd/broker")
+	if out, err := build.CombinedOutput(); err != nil {
+		return fail(fmt.Errorf("build the binaries: %w\n%s", err, out))
+	}
+
+	if env, err = framework.Start(ctx, framework.Options{Spokes: 2}); err != nil {
+		return fail(err)
+	}
+	defer env.Stop()
+	spoke1, spoke2 = env.Spokes[0], env.Spokes[1]
+
+	if hubProxy, err = proxyTo(env.Hub.Server); err != nil {
+		return fail(err)
+	}
+	defer hubProxy.Close()
+	if spokeProxy, err = proxyTo(spoke1.Server); err != nil {
+		return fail(err)
+	}
+	defer spokeProxy.Close()
+
+	logger := funcr.New(func(prefix, args string) {
+		if os.Getenv("FAULTS_LOGS") != "" {
+			fmt.Fprintln(os.Stderr, prefix, args)
+		}
+	}, funcr.Options{})
+	if deployment, err = framework.StartDeployment(ctx, env, framework.DeploymentOptions{
+		Dir: dir, Log: logger, Audit: logger.WithName("audit"), MintTimeout: mintTimeout,
+		Tune: func(c *broker.Config) {
+			c.Hub = rest.CopyConfig(c.Hub)
+			c.Hub.Host = "https://" + hubProxy.Addr()
+			c.AgentKeepaliveTime, c.AgentKeepaliveTimeout = keepaliveTime, keepaliveTimeout
+			c.AuthnTTL, c.AllowTTL = decisionTTL, decisionTTL
+			c.RateLimit, c.RateBurst = 1e6, 1e6
+		},
+	}); err != nil {
+		return fail(err)
+	}
+	defer deployment.Stop()
+	if agentProxy, err = faultproxy.New(deployment.Broker.AgentAddr()); err != nil {
+		return fail(err)
+	}
+	defer agentProxy.Close()
+
+	viaSpokeProxy := func(c *agent.Config) {
+		c.Spoke = rest.CopyConfig(c.Spoke)
+		c.Spoke.Host = "https://" + spokeProxy.Addr()
+		c.KeepaliveTime, c.KeepaliveTimeout = 5*time.Second, keepaliveTimeout
+	}
+	agents := []struct {
+		spoke *framework.Cluster
+		tune  func(*agent.Config)
+	}{
+		{spoke1, func(c *agent.Config) { viaSpokeProxy(c); c.BrokerAddresses = []string{agentProxy.Addr()} }},
+		{spoke1, viaSpokeProxy},
+		{spoke2, func(c *agent.Config) { c.Spoke = rest.CopyConfig(c.Spoke); c.Spoke.Wrap(slowTokenRequests) }},
+	}
+	for _, a := range agents {
+		if _, err := deployment.StartAgentWith(ctx, a.spoke, framework.AgentOptions{
+			ID: framework.AgentID(a.spoke.Name), Tune: a.tune,
+		}); err != nil {
+			return fail(err)
+		}
+	}
+	return m.Run()
+}
+
+// proxyTo starts a fault proxy in front of an https URL.
+func proxyTo(server string) (*faultproxy.Proxy, error) {
+	u, err := url.Parse(server)
+	if err != nil {
+		return nil, err
+	}
+	return faultproxy.New(u.Host)
+}
+
+// slowTokenRequests delays every TokenRequest by slowSpoke.
+func slowTokenRequests(rt http.RoundTripper) http.RoundTripper {
+	return roundTripperFunc(func(r *http.Request) (*http.Response, error) {
+		if d := time.Duration(slowSpoke.Load()); d > 0 && r.Method == http.MethodPost {
+			select {
+			case <-time.After(d):
+			case <-r.Context().Done():
+				return nil, r.Context().Err()
+			}
+		}
+		return rt.RoundTrip(r)
+	})
+}
+
+type roundTripperFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripperFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+func fail(err error) int {
+	fmt.Fprintln(os.Stderr, "faults: setup failed:", err)
+	return 1
+}
