@@ -563,12 +563,8 @@ func (p *process) stop() error {
 		<-p.done
 		return fmt.Errorf("%s did not stop within 10s of SIGTERM", p.name)
 	}
-	var exit *exec.ExitError
-	if errors.As(p.err, &exit) && exit.Sys().(syscall.WaitStatus).Signaled() {
-		return fmt.Errorf("%s: %w", p.name, p.err)
-	}
-	if p.err != nil && !errors.As(p.err, &exit) {
-		return fmt.Errorf("%s: %w", p.name, p.err)
+	if p.err != nil {
+		return fmt.Errorf("%s ended with %w after SIGTERM", p.name, p.err)
 	}
 	return nil
 }
