@@ -66,5 +66,5 @@ bench: testbin ## Benchmark the exchange against a direct TokenRequest on the sa
 	$(ASSETS) $(GO) test -run '^$$' -bench . $(BENCH_FLAGS) ./test/e2e/...
 
 .PHONY: demo
-demo: testbin build ## Start a hub, a spoke, the broker and an agent; get a spoke token as a consumer and use it.
-	$(ASSETS) $(GO) run ./test/demo --plugin $(BIN)/credbroker-plugin --cli $(BIN)/credbroker
+demo: testbin build ## Start a hub, two spokes, bin/broker and a bin/spoke-agent each; list namespaces on both as a consumer, three ways.
+	$(ASSETS) $(GO) run ./test/demo --plugin=$(BIN)/credbroker-plugin --cli=$(BIN)/credbroker --broker=$(BIN)/broker --agent=$(BIN)/spoke-agent

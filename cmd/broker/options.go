@@ -45,7 +45,7 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.DurationVar(&cfg.AllowTTL, "authz-allow-ttl", cfg.AllowTTL, "how long an allowed SubjectAccessReview is reused")
 	fs.DurationVar(&cfg.DenyTTL, "authz-deny-ttl", cfg.DenyTTL, "how long a denied SubjectAccessReview or failed TokenReview is reused")
 	fs.Float64Var(&cfg.RateLimit, "rate-limit", cfg.RateLimit, "mints and hub reviews per second allowed per consumer (answers from the cache are free)")
-	fs.IntVar(&cfg.RateBurst, "rate-burst", cfg.RateBurst, "burst of mints and hub reviews allowed per consumer")
+	fs.IntVar(&cfg.RateBurst, "rate-burst", cfg.RateBurst, "burst of mints and hub reviews allowed per consumer: a consumer's start with N ClusterProfiles costs 2N (a SubjectAccessReview and a mint each)")
 	fs.Float64Var(&cfg.ReviewRateLimit, "review-rate-limit", cfg.ReviewRateLimit, "TokenReviews per second of tokens not in the cache, all callers together")
 	fs.IntVar(&cfg.ReviewBurst, "review-burst", cfg.ReviewBurst, "burst of TokenReviews of tokens not in the cache")
 	fs.BoolVar(&cfg.PublishAccessProvider, "publish-access-provider", cfg.PublishAccessProvider, "keep the --access-provider entry (server and CA that the agent advertises, and the exec extension) and the CredentialBrokerConnected condition in the status of every ClusterProfile with a connected agent; needs patch on clusterprofiles/status and a Lease (deploy/components/publish-access-provider)")

@@ -87,7 +87,9 @@ type Config struct {
 	// AuthnTTL, AllowTTL and DenyTTL bound the decision caches.
 	AuthnTTL, AllowTTL, DenyTTL time.Duration
 	// RateLimit and RateBurst limit, per consumer, the mints and hub reviews
-	// its exchanges cause; answers from the caches do not count.
+	// its exchanges cause; answers from the caches do not count. The
+	// default burst (2000) lets a consumer start with 1,000 ClusterProfiles,
+	// a SubjectAccessReview and a mint each, without waiting.
 	RateLimit float64
 	RateBurst int
 	// ReviewRateLimit and ReviewBurst limit TokenReviews of new tokens, for
@@ -168,7 +170,7 @@ func Default() Config {
 		AllowTTL:                   10 * time.Second,
 		DenyTTL:                    2 * time.Second,
 		RateLimit:                  20,
-		RateBurst:                  40,
+		RateBurst:                  2000,
 		ReviewRateLimit:            100,
 		ReviewBurst:                200,
 		PeerReviewRateLimit:        10,

@@ -46,7 +46,8 @@ func ValidateAddress(addr string) error {
 // ResourceExhausted is not retried: gRPC's retry policy would retry after
 // its own backoff, before the wait the broker asks for (the "retry-after"
 // trailer, errdefs.RetryAfterKey), and spend the consumer's budget again.
-// The refusal reaches the caller, whose message names the wait.
+// The refusal reaches the caller, whose message names the wait; pkg/client
+// waits that long and asks again (client.Config.MaxRetryWait).
 const serviceConfig = `{
   "loadBalancingConfig": [{"round_robin": {}}],
   "methodConfig": [{

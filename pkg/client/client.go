@@ -6,12 +6,15 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
@@ -24,6 +27,10 @@ import (
 
 // DefaultTimeout bounds one exchange when Config.Timeout is zero.
 const DefaultTimeout = 30 * time.Second
+
+// DefaultMaxRetryWait bounds, when Config.MaxRetryWait is zero, how long
+// one token fetch waits in all as the broker's retry-after tells it.
+const DefaultMaxRetryWait = 2 * time.Minute
 
 // Reference names a namespaced object.
 type Reference struct {
@@ -59,6 +66,13 @@ type Config struct {
 	Clock clock.PassiveClock
 	// UserAgent is sent to the broker; empty means "credbroker-client".
 	UserAgent string
+	// MaxRetryWait bounds how long one token fetch waits, in all, when the
+	// broker refuses it with ResourceExhausted and a retry-after trailer
+	// (its per-consumer rate limit): the fetch waits as told, plus up to a
+	// fifth more so that refused callers do not all come back at once, and
+	// asks again, while the wait fits in MaxRetryWait and the context.
+	// Zero means DefaultMaxRetryWait; negative never waits.
+	MaxRetryWait time.Duration
 }
 
 // Client gets spoke tokens from the broker for the ClusterProfiles its
@@ -72,6 +86,9 @@ type Client struct {
 
 	mu      sync.Mutex
 	sources map[Reference]*spokeSource
+
+	// sleep waits as the broker's retry-after tells; tests replace it.
+	sleep func(context.Context, time.Duration) error
 }
 
 // New validates cfg and returns a Client. It connects to the broker
@@ -107,12 +124,27 @@ func New(cfg Config) (*Client, error) {
 	if cfg.UserAgent == "" {
 		cfg.UserAgent = "credbroker-client"
 	}
+	if cfg.MaxRetryWait == 0 {
+		cfg.MaxRetryWait = DefaultMaxRetryWait
+	}
 	cfg.TLS = cfg.TLS.Clone()
 	conn, err := brokerclient.Dial(cfg.Address, creds, cfg.UserAgent)
 	if err != nil {
 		return nil, err
 	}
-	return &Client{cfg: cfg, conn: conn, x: pb.NewTokenExchangeClient(conn), sources: map[Reference]*spokeSource{}}, nil
+	return &Client{cfg: cfg, conn: conn, x: pb.NewTokenExchangeClient(conn), sources: map[Reference]*spokeSource{}, sleep: sleep}, nil
+}
+
+// sleep waits for d or until ctx ends.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }
 
 // Close closes the connection to the broker. rest.Configs built before
@@ -215,11 +247,38 @@ func (s *spokeSource) invalidate(v string) {
 	}
 }
 
-// exchange asks the broker for a token for ref.
+// exchange asks the broker for a token for ref. When the broker's rate
+// limit refuses it with a retry-after, it waits as told and asks again, for
+// MaxRetryWait in all.
 func (c *Client) exchange(ctx context.Context, ref Reference) (*spokeToken, error) {
+	var waited time.Duration
+	for {
+		t, wait, err := c.exchangeOnce(ctx, ref)
+		if err == nil || wait <= 0 {
+			return t, err
+		}
+		// Up to a fifth more, so that callers refused together spread out.
+		wait += rand.N(wait/5 + 1)
+		if waited+wait > c.cfg.MaxRetryWait {
+			return nil, err
+		}
+		if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) < wait {
+			return nil, err
+		}
+		if serr := c.sleep(ctx, wait); serr != nil {
+			return nil, err
+		}
+		waited += wait
+	}
+}
+
+// exchangeOnce asks the broker for a token for ref, once. A refusal by the
+// broker's rate limit comes with the wait that its retry-after trailer
+// tells.
+func (c *Client) exchangeOnce(ctx context.Context, ref Reference) (*spokeToken, time.Duration, error) {
 	hubToken, err := c.cfg.TokenSource.Token(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("exchange for cluster %s: hub token: %w", ref, err)
+		return nil, 0, fmt.Errorf("exchange for cluster %s: hub token: %w", ref, err)
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.Timeout)
 	defer cancel()
@@ -232,12 +291,25 @@ func (c *Client) exchange(ctx context.Context, ref Reference) (*spokeToken, erro
 		req.ServiceAccount = &pb.ObjectReference{Namespace: sa.Namespace, Name: sa.Name}
 	}
 	fetched := c.cfg.Clock.Now()
-	resp, err := c.x.Exchange(ctx, req, grpc.PerRPCCredentials(brokerclient.Bearer(hubToken)))
+	var trailer metadata.MD
+	resp, err := c.x.Exchange(ctx, req, grpc.PerRPCCredentials(brokerclient.Bearer(hubToken)), grpc.Trailer(&trailer))
 	if err != nil {
 		st := status.Convert(err)
 		msg := strings.ReplaceAll(st.Message(), hubToken, "[redacted]")
-		return nil, fmt.Errorf("exchange for cluster %s: %s: %w", ref, st.Code(), errdefs.FromCode(st.Code(), msg))
+		err := fmt.Errorf("exchange for cluster %s: %s: %w", ref, st.Code(), errdefs.FromCode(st.Code(), msg))
+		if st.Code() == codes.ResourceExhausted && c.cfg.MaxRetryWait > 0 {
+			if wait, ok := errdefs.ParseRetryAfter(trailer); ok {
+				return nil, wait, err
+			}
+		}
+		return nil, 0, err
 	}
+	t, err := answerToken(ref, resp, fetched)
+	return t, 0, err
+}
+
+// answerToken checks the broker's answer and keeps what the cache needs.
+func answerToken(ref Reference, resp *pb.ExchangeResponse, fetched time.Time) (*spokeToken, error) {
 	switch {
 	case resp.GetToken() == "":
 		return nil, fmt.Errorf("exchange for cluster %s: broker returned no token", ref)

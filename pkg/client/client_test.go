@@ -1,6 +1,7 @@
 package client_test
 
 import (
+	"context"
 	"crypto/tls"
 	"encoding/base64"
 	"fmt"
@@ -285,4 +286,64 @@ func TestFileTokenSourceRereadsRotatedToken(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), name)
 	assert.NotContains(t, err.Error(), third)
+}
+
+// A fetch refused by the broker's rate limit waits as the retry-after
+// trailer tells (plus at most a fifth), and asks again, for MaxRetryWait in
+// all; a refusal without a trailer, or one that would wait longer, is the
+// caller's at once.
+func TestWaitsAsTheBrokerTells(t *testing.T) {
+	tests := []struct {
+		name         string
+		maxRetryWait time.Duration
+		refuse       []int
+		wantErr      bool
+		wantWaits    []time.Duration // each at least this, at most a fifth more
+	}{
+		{name: "one refusal", refuse: []int{1}, wantWaits: []time.Duration{time.Second}},
+		{name: "two refusals", refuse: []int{2, 3}, wantWaits: []time.Duration{2 * time.Second, 3 * time.Second}},
+		{name: "no trailer", refuse: []int{0}, wantErr: true},
+		{name: "longer than the bound", maxRetryWait: 10 * time.Second, refuse: []int{4, 4, 4}, wantErr: true,
+			wantWaits: []time.Duration{4 * time.Second, 4 * time.Second}},
+		{name: "never waits", maxRetryWait: -1, refuse: []int{1}, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clk := clocktesting.NewFakeClock(epoch)
+			b, err := startFakeBroker(clk, time.Hour)
+			require.NoError(t, err)
+			t.Cleanup(b.Close)
+			c, err := client.New(client.Config{
+				Address:      b.Address,
+				TLS:          &tls.Config{RootCAs: b.Roots, MinVersion: tls.VersionTLS12},
+				TokenSource:  client.StaticTokenSource("hub-token"),
+				Clock:        clk,
+				MaxRetryWait: tt.maxRetryWait,
+			})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = c.Close() })
+			var waits []time.Duration
+			client.SetSleep(c, func(_ context.Context, d time.Duration) error {
+				waits = append(waits, d)
+				return nil
+			})
+			b.Refuse(tt.refuse...)
+
+			_, err = c.RESTConfigFor(t.Context(), "fleet", "spoke")
+			if tt.wantErr {
+				require.Error(t, err)
+				assert.ErrorIs(t, err, errdefs.ErrResourceExhausted)
+				assert.Zero(t, b.Exchanges())
+			} else {
+				require.NoError(t, err)
+				assert.Equal(t, 1, b.Exchanges())
+				assert.Equal(t, len(tt.refuse), b.Refused())
+			}
+			require.Len(t, waits, len(tt.wantWaits))
+			for i, want := range tt.wantWaits {
+				assert.GreaterOrEqual(t, waits[i], want)
+				assert.LessOrEqual(t, waits[i], want+want/5)
+			}
+		})
+	}
 }

@@ -29,6 +29,13 @@
 // rotates the file, after its reread interval, and once the token it holds
 // is past its exp claim.
 //
+// A fetch that the broker's per-consumer rate limit refuses
+// (ResourceExhausted with a "retry-after" trailer) waits as told, plus up to
+// a fifth more so that callers refused together spread out, and asks again,
+// for Config.MaxRetryWait in all (2 minutes by default): a controller that
+// starts with more ClusterProfiles than the broker's burst allows is slowed
+// down, not failed.
+//
 // Errors name the ClusterProfile and the broker's gRPC code (errdefs.Code,
 // errors.Is with the errdefs sentinels); they never hold a token.
 package client

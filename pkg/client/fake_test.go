@@ -46,6 +46,10 @@ type fakeBroker struct {
 	exchanges int
 	hubTokens []string
 	server    *string // when set, answered instead of the spoke's URL
+	// refusals are the next answers: ResourceExhausted, with a retry-after
+	// trailer of that many seconds when positive, and none when zero.
+	refusals []int
+	refused  int
 }
 
 func startFakeBroker(clk clock.PassiveClock, lifetime time.Duration) (*fakeBroker, error) {
@@ -103,6 +107,15 @@ func (b *fakeBroker) Exchange(ctx context.Context, req *pb.ExchangeRequest) (*pb
 	if req.GetCluster().GetName() == "missing" {
 		return nil, status.Error(codes.NotFound, "ClusterProfile fleet/missing not found")
 	}
+	if len(b.refusals) > 0 {
+		secs := b.refusals[0]
+		b.refusals = b.refusals[1:]
+		b.refused++
+		if secs > 0 {
+			_ = grpc.SetTrailer(ctx, metadata.Pairs("retry-after", fmt.Sprint(secs)))
+		}
+		return nil, status.Error(codes.ResourceExhausted, "rate limited")
+	}
 	b.exchanges++
 	server := b.Spoke.URL
 	if b.server != nil {
@@ -121,6 +134,21 @@ func (b *fakeBroker) Exchanges() int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.exchanges
+}
+
+// Refuse makes the next exchanges ResourceExhausted, one for each of secs:
+// with a retry-after trailer of that many seconds, or none for 0.
+func (b *fakeBroker) Refuse(secs ...int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.refusals = append(b.refusals, secs...)
+}
+
+// Refused counts the exchanges refused so far.
+func (b *fakeBroker) Refused() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.refused
 }
 
 func (b *fakeBroker) AnswerServer(s string) {

@@ -119,7 +119,9 @@ type Config struct {
 	// from the decision caches). Answers served from the caches do not
 	// count. A consumer over the limit is refused with ResourceExhausted
 	// and a retry-after trailer (errdefs.RetryAfterKey). Calls of
-	// Authenticate count one each. Defaults 20/s and 40.
+	// Authenticate count one each. Defaults 20/s and 2000: a consumer's
+	// start with 1,000 ClusterProfiles (1,000 SubjectAccessReviews and
+	// 1,000 mints) fits the burst.
 	RateLimit rate.Limit
 	RateBurst int
 	// HMACKey keys the authentication cache. Default: 32 random bytes.
@@ -165,7 +167,7 @@ func New(cfg Config) (*Service, error) {
 	setDefault(&cfg.PeerReviewBurst, 20)
 	setDefault(&cfg.CacheSize, 10000)
 	setDefault(&cfg.RateLimit, 20)
-	setDefault(&cfg.RateBurst, 40)
+	setDefault(&cfg.RateBurst, 2000)
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -10,6 +11,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -22,8 +25,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/go-logr/logr"
-	"github.com/go-logr/logr/funcr"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
@@ -35,9 +36,14 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 	"sigs.k8s.io/cluster-inventory-api/pkg/access"
 
+	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/pkg/client"
 	"github.com/credbroker/credbroker/pkg/plugin"
 	"github.com/credbroker/credbroker/pkg/spoke"
 	"github.com/credbroker/credbroker/pkg/token"
@@ -48,7 +54,7 @@ import (
 // Who the story is about.
 const (
 	// hubAudience is the audience of the consumer's hub token: the broker's
-	// default Audience, which a projected volume would ask for.
+	// default --audience, which a projected volume would ask for.
 	hubAudience = "credbroker"
 
 	consumerNamespace = "argocd"
@@ -60,20 +66,33 @@ const (
 	spokeNamespace = "team-a"
 	spokeAccount   = "deployer"
 
+	// systemNamespace holds the broker's ServiceAccount on the hub and the
+	// agent's on each spoke, as deploy/ does.
+	systemNamespace = "credbroker-system"
+	brokerAccount   = "broker"
+	agentAccount    = "credbroker-agent"
+	// publishLease is the Lease of deploy/components/publish-access-provider.
+	publishLease = "credbroker-publisher"
+	// connectedCondition is the condition the broker keeps on each
+	// ClusterProfile it publishes.
+	connectedCondition = "CredentialBrokerConnected"
+
+	spokes = 2
 	indent = "      "
 )
-
-// spokeName is the name of the only spoke.
-var spokeName = framework.SpokeName(1)
 
 // errUsage is returned by parseFlags once the flag package has reported the
 // problem.
 var errUsage = errors.New("usage")
 
 type config struct {
-	// plugin and cli are the absolute paths of the credbroker-plugin and
-	// credbroker binaries.
-	plugin, cli string
+	// plugin, cli, broker and agent are the absolute paths of the
+	// credbroker-plugin, credbroker, broker and spoke-agent binaries;
+	// kubectl is the one hack/testbin.sh builds.
+	plugin, cli, broker, agent, kubectl string
+	// deploy is the repository's deploy/ folder, whose RBAC the broker and
+	// the agents get.
+	deploy string
 	// keep waits for Ctrl-C after the story instead of exiting.
 	keep bool
 	// out receives the story.
@@ -118,7 +137,10 @@ func parseFlags(args []string) (config, error) {
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	fs.StringVar(&cfg.plugin, "plugin", "", "`path` of the credbroker-plugin binary (required; \"make build\" writes bin/credbroker-plugin)")
 	fs.StringVar(&cfg.cli, "cli", "", "`path` of the credbroker binary (required; \"make build\" writes bin/credbroker)")
-	fs.BoolVar(&cfg.keep, "keep", false, "after the story, keep the hub, the spoke, the broker and the agent running until Ctrl-C, and print kubeconfigs to look around")
+	fs.StringVar(&cfg.broker, "broker", "", "`path` of the broker binary (required; \"make build\" writes bin/broker)")
+	fs.StringVar(&cfg.agent, "agent", "", "`path` of the spoke-agent binary (required; \"make build\" writes bin/spoke-agent)")
+	fs.StringVar(&cfg.deploy, "deploy", "deploy", "`folder` of the repository's deploy manifests, whose RBAC the broker and the agents get")
+	fs.BoolVar(&cfg.keep, "keep", false, "after the story, keep the hub, the spokes, the broker and the agents running until Ctrl-C, and print kubeconfigs to look around")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return cfg, err
@@ -129,11 +151,24 @@ func parseFlags(args []string) (config, error) {
 		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	var err error
-	if cfg.plugin, err = executable("--plugin", cfg.plugin, "bin/credbroker-plugin"); err != nil {
-		return cfg, err
+	for _, b := range []struct {
+		flag, built string
+		path        *string
+	}{
+		{"--plugin", "bin/credbroker-plugin", &cfg.plugin},
+		{"--cli", "bin/credbroker", &cfg.cli},
+		{"--broker", "bin/broker", &cfg.broker},
+		{"--agent", "bin/spoke-agent", &cfg.agent},
+	} {
+		if *b.path, err = executable(b.flag, *b.path, b.built); err != nil {
+			return cfg, err
+		}
 	}
-	if cfg.cli, err = executable("--cli", cfg.cli, "bin/credbroker"); err != nil {
-		return cfg, err
+	if cfg.deploy, err = filepath.Abs(cfg.deploy); err != nil {
+		return cfg, fmt.Errorf("--deploy: %w", err)
+	}
+	if _, err := os.Stat(filepath.Join(cfg.deploy, "hub", "rbac.yaml")); err != nil {
+		return cfg, fmt.Errorf("--deploy: %w (run the demo from the repository's root, or name its deploy folder)", err)
 	}
 	return cfg, nil
 }
@@ -163,11 +198,15 @@ type demo struct {
 	config
 	dir string // temporary; removed on exit
 
-	env        *framework.Env
-	hub, spoke *framework.Cluster
-	deployment *framework.Deployment
-	logs       lines // the broker's and the agent's logs
-	audit      lines // the broker's audit lines, one JSON object each
+	env    *framework.Env
+	hub    *framework.Cluster
+	spokes []*framework.Cluster
+	ca     *testpki.CA
+	caFile string // the CA that verifies the broker's exchange port
+
+	exchangeAddr, agentAddr string
+	procs                   []*process
+	logs                    lines // every line the broker and the agents wrote
 
 	hubToken, hubTokenFile string
 	providerFile           string
@@ -178,6 +217,9 @@ type demo struct {
 // run tells the story, then cleans up whatever it started, however it ends:
 // when ctx ends, it says so at once and cleans up.
 func run(ctx context.Context, cfg config) (err error) {
+	if cfg.kubectl, err = framework.Kubectl(); err != nil {
+		return err
+	}
 	dir, err := os.MkdirTemp("", "credbroker-demo-")
 	if err != nil {
 		return err
@@ -199,15 +241,17 @@ func run(ctx context.Context, cfg config) (err error) {
 		title string
 		do    func(context.Context) error
 	}{
-		{"starting hub and spoke API servers (etcd + kube-apiserver each)", d.startClusters},
-		{"starting the broker against the hub", d.startBroker},
-		{fmt.Sprintf("starting the agent on %s; it dials out to the broker", spokeName), d.startAgent},
-		{fmt.Sprintf("on the hub: the consumer %s/%s, allowed to ask for %s", consumerNamespace, consumerName, spokeName), d.createConsumer},
-		{fmt.Sprintf("on %s: %s/%s, which opts in to that consumer", spokeName, spokeNamespace, spokeAccount), d.createSpokeAccount},
+		{"starting a hub and two spokes (etcd + kube-apiserver each)", d.startClusters},
+		{"starting the broker against the hub: bin/broker, with the RBAC of deploy/hub and --publish-access-provider", d.startBroker},
+		{"starting an agent on each spoke: bin/spoke-agent, which dials out to the broker and advertises its spoke", d.startAgents},
+		{fmt.Sprintf("on the hub: the consumer %s/%s, allowed to ask for both spokes", consumerNamespace, consumerName), d.createConsumer},
 		{fmt.Sprintf("minting the consumer's hub token for audience %q, as a projected volume would", hubAudience), d.mintHubToken},
-		{fmt.Sprintf("the consumer uses %s through credbroker-plugin", spokeName), d.useSpoke},
+		{fmt.Sprintf("on each spoke: %s/%s, which opts in to that consumer", spokeNamespace, spokeAccount), d.createSpokeAccounts},
+		{"the consumer lists namespaces through cluster-inventory-api's pkg/access and credbroker-plugin", d.useAccess},
+		{"the consumer lists namespaces through the Go client, pkg/client", d.useGoClient},
+		{"a person lists namespaces with kubectl and a kubeconfig from `credbroker kubeconfig`", d.useKubectl},
 		{"a hub ServiceAccount without RBAC asks too", d.showRefusal},
-		{fmt.Sprintf("the admin of %s traces a request to the consumer, and the consumer's token is revoked", spokeName), d.traceAndRevoke},
+		{fmt.Sprintf("the admin of %s traces a request to the consumer, and the consumer's token is revoked", d.firstSpokeName()), d.traceAndRevoke},
 		{"what the hub keeps", d.showHubState},
 	}
 	began := time.Now()
@@ -219,8 +263,8 @@ func run(ctx context.Context, cfg config) (err error) {
 		}
 		d.say("done in %s", round(time.Since(stepBegan)))
 	}
-	fmt.Fprintf(d.out, "the story took %s: the consumer used %s with a token minted there, and the hub never held it.\n",
-		round(time.Since(began)), d.spoke.Name)
+	fmt.Fprintf(d.out, "the story took %s: the consumer used both spokes with tokens minted there, and the hub never held one.\n",
+		round(time.Since(began)))
 
 	if d.keep {
 		return d.keepRunning(ctx)
@@ -228,68 +272,347 @@ func run(ctx context.Context, cfg config) (err error) {
 	return nil
 }
 
-// 1. Two clusters, each with its own etcd, CA and service account issuer.
+func (d *demo) firstSpokeName() string { return framework.SpokeName(1) }
+
+// 1. Three clusters, each with its own etcd, CA and service account issuer.
 func (d *demo) startClusters(ctx context.Context) error {
-	env, err := framework.Start(ctx, framework.Options{Spokes: 1})
+	env, err := framework.Start(ctx, framework.Options{Spokes: spokes})
 	if err != nil {
 		return err // names `make testbin` when the binaries are missing
 	}
-	d.env, d.hub, d.spoke = env, env.Hub, env.Spokes[0]
+	d.env, d.hub, d.spokes = env, env.Hub, env.Spokes
 	for _, c := range env.Clusters() {
 		d.say("%-8s %s  service account issuer %s", c.Name, c.Server, c.Issuer)
 	}
 	return nil
 }
 
-// 2. The broker, and the ClusterProfile that tells consumers how to reach
-// the spoke.
+// 2. The broker, a process with the flags a user would pass, as the hub
+// ServiceAccount that deploy/hub creates and with exactly its RBAC; and a
+// ClusterProfile per spoke, with no access provider: the broker publishes
+// them once the agents connect.
 func (d *demo) startBroker(ctx context.Context) error {
 	pki := filepath.Join(d.dir, "pki")
 	if err := os.Mkdir(pki, 0o700); err != nil {
 		return err
 	}
-	dep, err := framework.StartDeployment(ctx, d.env, framework.DeploymentOptions{
-		Dir:   pki,
-		Log:   d.logs.logger(),
-		Audit: d.audit.jsonLogger(),
-	})
+	ca, err := testpki.NewCA(framework.TrustDomain)
 	if err != nil {
 		return err
 	}
-	d.deployment = dep
-	d.say("TokenExchange, for consumers (TLS)     %s", dep.Broker.ExchangeAddr())
-	d.say("AgentTunnel, for agents (SPIFFE mTLS)  %s", dep.Broker.AgentAddr())
-	d.say("trust domain                           %s", framework.TrustDomain)
+	d.ca = ca
+	if d.caFile, err = ca.WriteBundle(pki); err != nil {
+		return err
+	}
+	tlsCert, tlsKey, err := ca.WriteServing(pki, "127.0.0.1", "localhost")
+	if err != nil {
+		return err
+	}
+	svidCert, svidKey, err := ca.WriteSVID(pki, framework.BrokerID())
+	if err != nil {
+		return err
+	}
 
-	cp, err := dep.ClusterProfile(ctx, d.spoke)
+	// deploy/hub's ServiceAccount and RBAC, with the publishing
+	// component's, applied with kubectl as an admin would.
+	if err := d.hub.EnsureNamespace(ctx, systemNamespace); err != nil {
+		return err
+	}
+	files := []string{filepath.Join(d.deploy, "hub", "rbac.yaml"), filepath.Join(d.deploy, "components", "publish-access-provider", "rbac.yaml")}
+	if err := d.kubectlApply(ctx, d.hub, files...); err != nil {
+		return err
+	}
+	kubeconfig, err := d.serviceAccountKubeconfig(ctx, d.hub, systemNamespace, brokerAccount)
 	if err != nil {
 		return err
 	}
-	for _, p := range cp.Status.AccessProviders {
-		d.say("ClusterProfile %s/%s on the hub, access provider %q:", cp.Namespace, cp.Name, p.Name)
-		d.say("  server %s, CA %d bytes of PEM", p.Cluster.Server, len(p.Cluster.CertificateAuthorityData))
-		for _, ext := range p.Cluster.Extensions {
-			d.say("  extension %s: %s", ext.Name, ext.Extension.Raw)
+	d.say("hub ServiceAccount %s/%s with the RBAC of deploy/hub/rbac.yaml and deploy/components/publish-access-provider/rbac.yaml", systemNamespace, brokerAccount)
+
+	for _, s := range d.spokes {
+		if _, err := d.hub.CreateClusterProfile(ctx, framework.FleetNamespace, s.Name, nil); err != nil {
+			return err
 		}
 	}
-	d.say("  and no credential for it")
+	d.say("ClusterProfiles %s/%s and %s/%s on the hub, with no access provider and no credential",
+		framework.FleetNamespace, d.spokes[0].Name, framework.FleetNamespace, d.spokes[1].Name)
+
+	addrs, err := freeAddrs(3)
+	if err != nil {
+		return err
+	}
+	d.exchangeAddr, d.agentAddr = addrs[0], addrs[1]
+	args := []string{
+		"--kubeconfig=" + kubeconfig,
+		"--exchange-address=" + d.exchangeAddr,
+		"--agent-address=" + d.agentAddr,
+		"--metrics-address=" + addrs[2],
+		"--tls-cert-file=" + tlsCert, "--tls-key-file=" + tlsKey,
+		"--svid-cert-file=" + svidCert, "--svid-key-file=" + svidKey, "--trust-bundle-file=" + d.caFile,
+		"--trust-domain=" + framework.TrustDomain,
+		"--publish-access-provider=true",
+		"--publish-lease-namespace=" + systemNamespace,
+		"--publish-identity=broker-0",
+		"--shutdown-grace=2s", "--shutdown-delay=0s",
+	}
+	d.say("$ broker %s", strings.Join(d.short(args), " "))
+	if err := d.start(ctx, "broker", d.broker, args); err != nil {
+		return err
+	}
+	if err := waitReady(ctx, "broker", "http://"+addrs[2]+"/readyz"); err != nil {
+		return err
+	}
+	d.say("ready: TokenExchange for consumers (TLS) on %s, AgentTunnel for agents (SPIFFE mTLS) on %s", d.exchangeAddr, d.agentAddr)
 	return nil
 }
 
-// 3. The agent: the only thing on the spoke that can mint tokens for others.
-func (d *demo) startAgent(ctx context.Context) error {
-	id := framework.AgentID(d.spoke.Name)
-	d.say("identity on %s: ServiceAccount %s/%s, allowed to", d.spoke.Name, framework.AgentNamespace, framework.AgentServiceAccount)
-	for _, rule := range framework.AgentRules() {
-		d.say("  %s", describeRule(rule))
+// 3. The agents: on each spoke, the only thing that can mint tokens for
+// others, as the ServiceAccount that deploy/spoke creates.
+func (d *demo) startAgents(ctx context.Context) error {
+	for _, s := range d.spokes {
+		if err := s.EnsureNamespace(ctx, systemNamespace); err != nil {
+			return err
+		}
+		if err := d.kubectlApply(ctx, s, filepath.Join(d.deploy, "spoke", "rbac.yaml")); err != nil {
+			return err
+		}
+		kubeconfig, err := d.serviceAccountKubeconfig(ctx, s, systemNamespace, agentAccount)
+		if err != nil {
+			return err
+		}
+		dir := filepath.Join(d.dir, "agent-"+s.Name)
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			return err
+		}
+		id := framework.AgentID(s.Name)
+		cert, key, err := d.ca.WriteSVID(dir, id)
+		if err != nil {
+			return err
+		}
+		// What the hub should use to reach this spoke: the agent reports it,
+		// and never guesses it.
+		advertisedCA := filepath.Join(dir, "spoke-ca.crt")
+		if err := os.WriteFile(advertisedCA, s.CAData, 0o600); err != nil {
+			return err
+		}
+		addrs, err := freeAddrs(1)
+		if err != nil {
+			return err
+		}
+		args := []string{
+			"--kubeconfig=" + kubeconfig,
+			"--broker-address=" + d.agentAddr,
+			"--trust-domain=" + framework.TrustDomain,
+			"--svid-cert-file=" + cert, "--svid-key-file=" + key, "--trust-bundle-file=" + d.caFile,
+			"--cluster=" + framework.FleetNamespace + "/" + s.Name,
+			"--advertise-server=" + s.Server,
+			"--advertise-ca-file=" + advertisedCA,
+			"--metrics-address=" + addrs[0],
+			"--shutdown-grace=2s",
+		}
+		d.say("%s: ServiceAccount %s/%s with the RBAC of deploy/spoke/rbac.yaml; SVID %s", s.Name, systemNamespace, agentAccount, id)
+		d.say("  $ spoke-agent %s", strings.Join(d.short(args), " "))
+		if err := d.start(ctx, "agent "+s.Name, d.agent, args); err != nil {
+			return err
+		}
 	}
-	d.say("identity towards the broker: SVID %s", id)
-	if _, err := d.deployment.StartAgent(ctx, d.spoke, id); err != nil {
+	// The broker publishes each spoke's access provider once its agent is
+	// connected.
+	for _, s := range d.spokes {
+		cp, err := d.waitPublished(ctx, s)
+		if err != nil {
+			return err
+		}
+		for _, p := range cp.Status.AccessProviders {
+			d.say("ClusterProfile %s/%s: the broker published access provider %q: server %s, CA %d bytes of PEM",
+				cp.Namespace, cp.Name, p.Name, p.Cluster.Server, len(p.Cluster.CertificateAuthorityData))
+			for _, ext := range p.Cluster.Extensions {
+				d.say("  extension %s: %s", ext.Name, ext.Extension.Raw)
+			}
+		}
+		for _, c := range cp.Status.Conditions {
+			if c.Type == connectedCondition {
+				d.say("  condition %s=%s (%s)", c.Type, c.Status, c.Reason)
+			}
+		}
+	}
+	return nil
+}
+
+// waitPublished waits until the broker has published spoke's access
+// provider and says its agent is connected.
+func (d *demo) waitPublished(ctx context.Context, s *framework.Cluster) (*v1alpha1.ClusterProfile, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	profiles := d.hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace)
+	for {
+		cp, err := profiles.Get(ctx, s.Name, metav1.GetOptions{})
+		if err == nil && published(cp, s.Server) {
+			return cp, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("the broker did not publish the access provider of %s in 30s (last error: %v); its log:\n%s",
+				s.Name, err, strings.Join(d.logs.all(), "\n"))
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+func published(cp *v1alpha1.ClusterProfile, server string) bool {
+	ok := false
+	for _, p := range cp.Status.AccessProviders {
+		ok = ok || (p.Name == plugin.Name && p.Cluster.Server == server)
+	}
+	for _, c := range cp.Status.Conditions {
+		if c.Type == connectedCondition {
+			return ok && c.Status == metav1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// kubectlApply applies manifest files to c with kubectl, as its admin.
+func (d *demo) kubectlApply(ctx context.Context, c *framework.Cluster, files ...string) error {
+	kubeconfig, err := c.WriteKubeconfig(d.dir)
+	if err != nil {
 		return err
 	}
-	d.say("the broker admitted it: %d agent stream serves ClusterProfile %s/%s",
-		d.deployment.Broker.Connected(framework.FleetNamespace, d.spoke.Name), framework.FleetNamespace, d.spoke.Name)
+	args := []string{"--kubeconfig=" + kubeconfig, "apply", "--namespace=" + systemNamespace}
+	for _, f := range files {
+		args = append(args, "--filename="+f)
+	}
+	if out, err := exec.CommandContext(ctx, d.kubectl, args...).CombinedOutput(); err != nil {
+		return fmt.Errorf("kubectl apply on %s: %w\n%s", c.Name, err, out)
+	}
 	return nil
+}
+
+// serviceAccountKubeconfig writes a kubeconfig for c that authenticates as
+// the ServiceAccount namespace/name with a token of an hour, as a pod's
+// would, and returns its path.
+func (d *demo) serviceAccountKubeconfig(ctx context.Context, c *framework.Cluster, namespace, name string) (string, error) {
+	tok, err := c.Token(ctx, namespace, name, nil, time.Hour)
+	if err != nil {
+		return "", err
+	}
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters[c.Name] = &clientcmdapi.Cluster{Server: c.Server, CertificateAuthorityData: c.CAData}
+	cfg.AuthInfos[name] = &clientcmdapi.AuthInfo{Token: tok}
+	cfg.Contexts[c.Name] = &clientcmdapi.Context{Cluster: c.Name, AuthInfo: name}
+	cfg.CurrentContext = c.Name
+	path := filepath.Join(d.dir, c.Name+"-"+name+".kubeconfig")
+	return path, clientcmd.WriteToFile(*cfg, path)
+}
+
+// short shortens the demo's temporary folder in arguments, for display.
+func (d *demo) short(args []string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = strings.ReplaceAll(a, d.dir, "$DEMO")
+	}
+	return out
+}
+
+// process is a binary the demo started; its output goes to the demo's
+// logs.
+type process struct {
+	name string
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error
+}
+
+// start runs bin with args until cleanUp.
+func (d *demo) start(ctx context.Context, name, bin string, args []string) error {
+	cmd := exec.Command(bin, args...)
+	out, err := cmd.StderrPipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stdout = cmd.Stderr
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &process{name: name, cmd: cmd, done: make(chan struct{})}
+	d.procs = append(d.procs, p)
+	go func() {
+		sc := bufio.NewScanner(out)
+		sc.Buffer(make([]byte, 64*1024), 1024*1024)
+		for sc.Scan() {
+			d.logs.add(name + ": " + sc.Text())
+		}
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	select {
+	case <-p.done:
+		return fmt.Errorf("%s stopped at once (%v); its output:\n%s", name, p.err, strings.Join(d.logs.all(), "\n"))
+	case <-time.After(50 * time.Millisecond):
+		return ctx.Err()
+	}
+}
+
+// stop sends SIGTERM and waits for the process to drain and end, or kills
+// it after 10s.
+func (p *process) stop() error {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+		return fmt.Errorf("%s did not stop within 10s of SIGTERM", p.name)
+	}
+	if p.err != nil {
+		return fmt.Errorf("%s ended with %w after SIGTERM", p.name, p.err)
+	}
+	return nil
+}
+
+// freeAddrs returns n loopback addresses with ports free now.
+func freeAddrs(n int) ([]string, error) {
+	var addrs []string
+	var ls []net.Listener
+	defer func() {
+		for _, l := range ls {
+			_ = l.Close()
+		}
+	}()
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		ls = append(ls, l)
+		addrs = append(addrs, l.Addr().String())
+	}
+	return addrs, nil
+}
+
+// waitReady polls url until it answers 200, for 30s.
+func waitReady(ctx context.Context, name, url string) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	var last string
+	for {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+			_ = resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			last = fmt.Sprintf("%s: %s", resp.Status, body)
+		} else {
+			last = err.Error()
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s is not ready at %s after 30s (last answer: %s)", name, url, last)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
 }
 
 // 4. The hub decides who may ask for a spoke: RBAC on clusterprofiles/token.
@@ -297,48 +620,18 @@ func (d *demo) createConsumer(ctx context.Context) error {
 	if _, err := d.hub.CreateServiceAccount(ctx, consumerNamespace, consumerName, nil); err != nil {
 		return err
 	}
-	if err := d.hub.GrantClusterProfileToken(ctx, framework.FleetNamespace, d.spoke.Name, consumerNamespace, consumerName); err != nil {
-		return err
+	for _, s := range d.spokes {
+		if err := d.hub.GrantClusterProfileToken(ctx, framework.FleetNamespace, s.Name, consumerNamespace, consumerName); err != nil {
+			return err
+		}
+		d.say("Role and RoleBinding in namespace %s: %s",
+			framework.FleetNamespace, describeRule(framework.ClusterProfileTokenRule(s.Name)))
 	}
 	d.say("ServiceAccount %s/%s, user %s", consumerNamespace, consumerName, consumerUser())
-	d.say("Role and RoleBinding in namespace %s: %s",
-		framework.FleetNamespace, describeRule(framework.ClusterProfileTokenRule(d.spoke.Name)))
 	return nil
 }
 
-// 5. The spoke decides what the consumer gets: a ServiceAccount that opts
-// in, with the spoke's own RBAC.
-func (d *demo) createSpokeAccount(ctx context.Context) error {
-	// The consumer may name the spoke API server's own audience (its
-	// issuer), which the timings below ask for; without the audiences
-	// annotation it could get only a token for the default audiences,
-	// requested by naming none.
-	annotations := map[string]string{
-		spoke.AllowedSubjectsAnnotation:  consumerUser(),
-		spoke.AllowedAudiencesAnnotation: d.spoke.Issuer,
-	}
-	sa, err := d.spoke.CreateServiceAccount(ctx, spokeNamespace, spokeAccount, annotations)
-	if err != nil {
-		return err
-	}
-	// The agent reads the annotation from its informer; wait until it has.
-	if err := d.deployment.WaitForServiceAccount(ctx, d.spoke, sa); err != nil {
-		return err
-	}
-	rules := []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"list"}}}
-	if err := d.spoke.Grant(ctx, "", framework.ServiceAccountSubject(spokeNamespace, spokeAccount), rules); err != nil {
-		return err
-	}
-	d.say("ServiceAccount %s/%s", spokeNamespace, spokeAccount)
-	d.say("  annotation %s=%s", spoke.AllowedSubjectsAnnotation, consumerUser())
-	d.say("  annotation %s=%s", spoke.AllowedAudiencesAnnotation, d.spoke.Issuer)
-	for _, rule := range rules {
-		d.say("  ClusterRole and ClusterRoleBinding: %s", describeRule(rule))
-	}
-	return nil
-}
-
-// 6. What the kubelet would put in the consumer pod: a hub token bound to
+// 5. What the kubelet would put in the consumer pod: a hub token bound to
 // the broker's audience.
 func (d *demo) mintHubToken(ctx context.Context) error {
 	tok, err := d.hub.Token(ctx, consumerNamespace, consumerName, []string{hubAudience}, time.Hour)
@@ -353,74 +646,157 @@ func (d *demo) mintHubToken(ctx context.Context) error {
 	d.say("hub token %s, audience %q, expires in %d min", token.Fingerprint(tok), hubAudience, int(time.Until(expiry).Round(time.Minute).Minutes()))
 	d.say("written to %s", d.hubTokenFile)
 
-	review, err := d.spoke.ReviewToken(ctx, tok, nil)
-	if err != nil {
-		return err
+	for _, s := range d.spokes {
+		review, err := s.ReviewToken(ctx, tok, nil)
+		if err != nil {
+			return err
+		}
+		if review.Authenticated {
+			return fmt.Errorf("%s accepted the hub token", s.Name)
+		}
 	}
-	if review.Authenticated {
-		return fmt.Errorf("%s accepted the hub token", d.spoke.Name)
-	}
-	d.say("%s rejects it (TokenReview: authenticated=%t): it is good for the broker only", d.spoke.Name, review.Authenticated)
+	d.say("both spokes reject it (TokenReview: authenticated=false): it is good for the broker only")
 	return nil
 }
 
-// 7. The consumer's side: a provider file, the ClusterProfile, and client-go.
-func (d *demo) useSpoke(ctx context.Context) error {
+// 6. The spoke decides what the consumer gets: a ServiceAccount that opts
+// in, with the spoke's own RBAC.
+func (d *demo) createSpokeAccounts(ctx context.Context) error {
+	if err := d.dialBroker(ctx); err != nil {
+		return err
+	}
+	rules := []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"list"}}}
+	for _, s := range d.spokes {
+		// The consumer may name the spoke API server's own audience (its
+		// issuer), which the timings below ask for; without the audiences
+		// annotation it could get only a token for the default audiences,
+		// requested by naming none.
+		annotations := map[string]string{
+			spoke.AllowedSubjectsAnnotation:  consumerUser(),
+			spoke.AllowedAudiencesAnnotation: s.Issuer,
+		}
+		if _, err := s.CreateServiceAccount(ctx, spokeNamespace, spokeAccount, annotations); err != nil {
+			return err
+		}
+		if err := s.Grant(ctx, "", framework.ServiceAccountSubject(spokeNamespace, spokeAccount), rules); err != nil {
+			return err
+		}
+		d.say("%s: ServiceAccount %s/%s", s.Name, spokeNamespace, spokeAccount)
+		d.say("  annotation %s=%s", spoke.AllowedSubjectsAnnotation, consumerUser())
+		d.say("  annotation %s=%s", spoke.AllowedAudiencesAnnotation, s.Issuer)
+		for _, rule := range rules {
+			d.say("  ClusterRole and ClusterRoleBinding: %s", describeRule(rule))
+		}
+	}
+	// The agents read the annotation from their informers: wait until an
+	// exchange for each spoke succeeds.
+	for _, s := range d.spokes {
+		if err := d.waitServed(ctx, s); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// waitServed waits until the broker answers the consumer a token for s.
+func (d *demo) waitServed(ctx context.Context, s *framework.Cluster) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for {
+		_, err := d.exchange.Exchange(withBearer(ctx, d.hubToken), &pb.ExchangeRequest{Cluster: clusterRef(s)})
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the broker does not serve %s after 30s: %w", s.Name, err)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// 7. A hub controller that uses cluster-inventory-api: a provider file, the
+// ClusterProfile as the broker published it, and client-go.
+func (d *demo) useAccess(ctx context.Context) error {
 	providers, err := d.writeProviderFile()
 	if err != nil {
 		return err
 	}
-	cp, err := d.deployment.ClusterProfile(ctx, d.spoke)
-	if err != nil {
-		return err
+	for i, s := range d.spokes {
+		cp, err := d.hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Get(ctx, s.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		restConfig, err := providers.BuildConfigFromCP(cp)
+		if err != nil {
+			return err
+		}
+		if restConfig.ExecProvider == nil {
+			return fmt.Errorf("access.BuildConfigFromCP(%s/%s) set no exec plugin", cp.Namespace, cp.Name)
+		}
+		d.say("access.BuildConfigFromCP(%s/%s): host %s, exec %s, no token in it",
+			cp.Namespace, cp.Name, restConfig.Host, filepath.Base(restConfig.ExecProvider.Command))
+		began := time.Now()
+		if err := d.listNamespaces(ctx, s, restConfig); err != nil {
+			return err
+		}
+		d.say("  (%s for the first request, running the plugin and the exchange included)", round(time.Since(began)))
+		if i == 0 {
+			if err := d.whoAmI(ctx, s, restConfig); err != nil {
+				return err
+			}
+		}
 	}
-	restConfig, err := providers.BuildConfigFromCP(cp)
-	if err != nil {
-		return err
-	}
-	if restConfig.ExecProvider == nil {
-		return fmt.Errorf("access.BuildConfigFromCP(%s/%s) set no exec plugin", cp.Namespace, cp.Name)
-	}
-	d.say("access.BuildConfigFromCP(%s/%s): host %s, exec %s, no token in it",
-		cp.Namespace, cp.Name, restConfig.Host, filepath.Base(restConfig.ExecProvider.Command))
-	client, err := kubernetes.NewForConfig(restConfig)
-	if err != nil {
-		return err
-	}
+	return d.timeExchanges(ctx, d.spokes[0])
+}
 
-	began := time.Now()
-	list, err := client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
+// listNamespaces lists the namespaces of s through restConfig and says
+// which.
+func (d *demo) listNamespaces(ctx context.Context, s *framework.Cluster, restConfig *rest.Config) error {
+	cs, err := kubernetes.NewForConfig(restConfig)
 	if err != nil {
 		return err
 	}
-	took := time.Since(began)
+	list, err := cs.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list namespaces on %s: %w", s.Name, err)
+	}
 	names := make([]string, 0, len(list.Items))
 	for _, ns := range list.Items {
 		names = append(names, ns.Name)
 	}
-	d.say("namespaces on %s: %s", d.spoke.Name, strings.Join(names, ", "))
-	d.say("  (%s for the first request, running the plugin and the exchange included)", round(took))
+	d.say("namespaces on %s: %s", s.Name, strings.Join(names, ", "))
+	return nil
+}
 
-	self, err := client.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+// whoAmI checks that s authenticates the consumer as the spoke
+// ServiceAccount that opted in.
+func (d *demo) whoAmI(ctx context.Context, s *framework.Cluster, restConfig *rest.Config) error {
+	cs, err := kubernetes.NewForConfig(restConfig)
+	if err != nil {
+		return err
+	}
+	self, err := cs.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
 	if err != nil {
 		return err
 	}
 	want, _ := framework.ServiceAccountUser(spokeNamespace, spokeAccount)
 	if got := self.Status.UserInfo.Username; got != want {
-		return fmt.Errorf("the spoke authenticated the consumer as %q, want %q", got, want)
+		return fmt.Errorf("%s authenticated the consumer as %q, want %q", s.Name, got, want)
 	}
-	d.say("authenticated on the spoke as %s", self.Status.UserInfo.Username)
-
-	return d.timeExchanges(ctx)
+	d.say("  authenticated on %s as %s", s.Name, self.Status.UserInfo.Username)
+	return nil
 }
 
 // writeProviderFile writes the cluster-inventory-api provider file that a
 // consumer ships: which exec plugin serves the access provider "credbroker".
+// Everything else (server, CA, which ClusterProfile) comes from the
+// ClusterProfile that the broker published.
 func (d *demo) writeProviderFile() (*access.Config, error) {
 	args := []string{
-		"--broker-address", d.deployment.Broker.ExchangeAddr(),
-		"--ca-file", d.deployment.CAFile,
-		"--token-file", d.hubTokenFile,
+		"--broker-address=" + d.exchangeAddr,
+		"--ca-file=" + d.caFile,
+		"--token-file=" + d.hubTokenFile,
 	}
 	providers := access.Config{Providers: []access.Provider{{
 		Name: plugin.Name,
@@ -440,7 +816,7 @@ func (d *demo) writeProviderFile() (*access.Config, error) {
 		return nil, err
 	}
 	d.say("provider file %s: provider %q runs", d.providerFile, plugin.Name)
-	d.say("  %s %s", d.plugin, strings.Join(args, " "))
+	d.say("  %s %s", d.plugin, strings.Join(d.short(args), " "))
 	return access.NewFromFile(d.providerFile)
 }
 
@@ -448,14 +824,11 @@ func (d *demo) writeProviderFile() (*access.Config, error) {
 // the agent, the same exchange again (from the broker's cache), and a direct
 // TokenRequest on the spoke. It is a display, not a benchmark: see `make
 // bench` for that.
-func (d *demo) timeExchanges(ctx context.Context) error {
-	if err := d.dialBroker(ctx); err != nil {
-		return err
-	}
+func (d *demo) timeExchanges(ctx context.Context, s *framework.Cluster) error {
 	// The plugin asked for the spoke's default audiences; naming them makes a
 	// new cache key, so the first call below is minted on the spoke.
-	audiences := []string{d.spoke.Issuer}
-	req := &pb.ExchangeRequest{Cluster: d.clusterRef(), Audiences: audiences}
+	audiences := []string{s.Issuer}
+	req := &pb.ExchangeRequest{Cluster: clusterRef(s), Audiences: audiences}
 	call := func() (*pb.ExchangeResponse, error) { return d.exchange.Exchange(withBearer(ctx, d.hubToken), req) }
 
 	cold, coldTook, err := timed(call)
@@ -467,7 +840,7 @@ func (d *demo) timeExchanges(ctx context.Context) error {
 		return fmt.Errorf("exchange: %w", err)
 	}
 	_, directTook, err := timed(func() (string, error) {
-		return d.spoke.Token(ctx, spokeNamespace, spokeAccount, audiences, time.Hour)
+		return s.Token(ctx, spokeNamespace, spokeAccount, audiences, time.Hour)
 	})
 	if err != nil {
 		return err
@@ -480,13 +853,86 @@ func (d *demo) timeExchanges(ctx context.Context) error {
 	sa := cold.GetServiceAccount()
 	d.say("timings, one call each over warm connections (a display, not a benchmark):")
 	d.say("  %-9s exchange, cold: a new audience, so the agent mints on %s (%s/%s, %s)",
-		round(coldTook), d.spoke.Name, sa.GetNamespace(), sa.GetName(), cold.GetCredentialId())
+		round(coldTook), s.Name, sa.GetNamespace(), sa.GetName(), cold.GetCredentialId())
 	d.say("  %-9s exchange, cached: %s, from the broker's cache", round(cachedTook), same)
-	d.say("  %-9s TokenRequest directly on %s, as its admin", round(directTook), d.spoke.Name)
+	d.say("  %-9s TokenRequest directly on %s, as its admin", round(directTook), s.Name)
 	return nil
 }
 
-// 8. A valid hub token is not enough: the hub's RBAC must allow the spoke.
+// 8. A hub controller in Go: no plugin, no provider file; the broker
+// answers the server and CA with the token.
+func (d *demo) useGoClient(ctx context.Context) error {
+	roots := x509.NewCertPool()
+	pem, err := os.ReadFile(d.caFile)
+	if err != nil {
+		return err
+	}
+	roots.AppendCertsFromPEM(pem)
+	source, err := client.NewFileTokenSource(d.hubTokenFile, 0, nil)
+	if err != nil {
+		return err
+	}
+	gc, err := client.New(client.Config{
+		Address:     d.exchangeAddr,
+		TLS:         &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
+		TokenSource: source,
+	})
+	if err != nil {
+		return err
+	}
+	defer gc.Close()
+	d.say("client.New(client.Config{Address: %q, TLS: <the broker's CA>, TokenSource: client.NewFileTokenSource(%q, …)})",
+		d.exchangeAddr, d.short([]string{d.hubTokenFile})[0])
+	for _, s := range d.spokes {
+		restConfig, err := gc.RESTConfigFor(ctx, framework.FleetNamespace, s.Name)
+		if err != nil {
+			return err
+		}
+		d.say("RESTConfigFor(ctx, %q, %q): host %s, bearer token in the config: %t",
+			framework.FleetNamespace, s.Name, restConfig.Host, restConfig.BearerToken != "")
+		if err := d.listNamespaces(ctx, s, restConfig); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// 9. A person, or a script: a kubeconfig that runs credbroker-plugin, and
+// the kubectl of the API servers' version.
+func (d *demo) useKubectl(ctx context.Context) error {
+	for _, s := range d.spokes {
+		kubeconfig := filepath.Join(d.dir, s.Name+"-consumer.kubeconfig")
+		args := []string{"kubeconfig", "--cluster=" + framework.FleetNamespace + "/" + s.Name,
+			"--broker-address=" + d.exchangeAddr, "--ca-file=" + d.caFile, "--token-file=" + d.hubTokenFile,
+			"--plugin-path=" + d.plugin, "--output=" + kubeconfig}
+		d.say("$ credbroker %s", strings.Join(d.short(args), " "))
+		if out, err := exec.CommandContext(ctx, d.cli, args...).CombinedOutput(); err != nil {
+			return fmt.Errorf("credbroker kubeconfig: %w\n%s", err, out)
+		}
+		cfg, err := clientcmd.LoadFromFile(kubeconfig)
+		if err != nil {
+			return err
+		}
+		cur := cfg.Contexts[cfg.CurrentContext]
+		if cur == nil || cfg.Clusters[cur.Cluster] == nil || cfg.AuthInfos[cur.AuthInfo] == nil || cfg.AuthInfos[cur.AuthInfo].Exec == nil {
+			return fmt.Errorf("credbroker kubeconfig wrote no current context with an exec user to %s", kubeconfig)
+		}
+		if cfg.AuthInfos[cur.AuthInfo].Token != "" {
+			return fmt.Errorf("credbroker kubeconfig wrote a token into %s", kubeconfig)
+		}
+		d.say("  server %s, user execs %s, no token in it", cfg.Clusters[cur.Cluster].Server, filepath.Base(cfg.AuthInfos[cur.AuthInfo].Exec.Command))
+		kargs := []string{"--kubeconfig=" + kubeconfig, "get", "namespaces", "--output=name"}
+		d.say("$ kubectl %s", strings.Join(d.short(kargs), " "))
+		out, err := exec.CommandContext(ctx, d.kubectl, kargs...).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("kubectl get namespaces on %s: %w\n%s", s.Name, err, out)
+		}
+		d.say("  %s", strings.Join(strings.Fields(string(out)), " "))
+	}
+	return nil
+}
+
+// 10. A valid hub token is not enough: the hub's RBAC must allow the spoke.
 func (d *demo) showRefusal(ctx context.Context) error {
 	if _, err := d.hub.CreateServiceAccount(ctx, consumerNamespace, outsiderName, nil); err != nil {
 		return err
@@ -497,7 +943,7 @@ func (d *demo) showRefusal(ctx context.Context) error {
 	}
 	d.say("ServiceAccount %s/%s: a valid hub token %s for %q, no RBAC for clusterprofiles/token",
 		consumerNamespace, outsiderName, token.Fingerprint(tok), hubAudience)
-	_, err = d.exchange.Exchange(withBearer(ctx, tok), &pb.ExchangeRequest{Cluster: d.clusterRef()})
+	_, err = d.exchange.Exchange(withBearer(ctx, tok), &pb.ExchangeRequest{Cluster: clusterRef(d.spokes[0])})
 	st := status.Convert(err)
 	if st.Code() != codes.PermissionDenied {
 		return fmt.Errorf("exchange without RBAC: got %s (%q), want PermissionDenied", st.Code(), st.Message())
@@ -507,16 +953,17 @@ func (d *demo) showRefusal(ctx context.Context) error {
 	return nil
 }
 
-// 9. Any request the spoke audited names its hub consumer, and a revoke
+// 11. Any request the spoke audited names its hub consumer, and a revoke
 // reaches a token already in the consumer's hands.
 func (d *demo) traceAndRevoke(ctx context.Context) error {
-	resp, err := d.exchange.Exchange(withBearer(ctx, d.hubToken), &pb.ExchangeRequest{Cluster: d.clusterRef()})
+	s := d.spokes[0]
+	resp, err := d.exchange.Exchange(withBearer(ctx, d.hubToken), &pb.ExchangeRequest{Cluster: clusterRef(s)})
 	if err != nil {
 		return fmt.Errorf("exchange: %w", err)
 	}
 	tok := resp.GetToken()
 	selfReview := func() error {
-		client, err := kubernetes.NewForConfig(d.spoke.TokenConfig(tok))
+		client, err := kubernetes.NewForConfig(s.TokenConfig(tok))
 		if err != nil {
 			return err
 		}
@@ -531,7 +978,7 @@ func (d *demo) traceAndRevoke(ctx context.Context) error {
 	// credential id; the grant with that id names the consumer.
 	var audited string
 	for deadline := time.Now().Add(10 * time.Second); audited == "" && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		events, err := d.spoke.AuditEvents(func(ev framework.AuditEvent) bool {
+		events, err := s.AuditEvents(func(ev framework.AuditEvent) bool {
 			return slices.Contains(ev.User.Extra[framework.CredentialIDExtra], resp.GetCredentialId())
 		})
 		if err != nil {
@@ -548,7 +995,7 @@ func (d *demo) traceAndRevoke(ctx context.Context) error {
 	}
 	jti, _ := strings.CutPrefix(audited, "JTI=")
 	selector := spoke.GrantJTILabel + "=" + jti
-	grants, err := d.spoke.Client.CoreV1().Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: selector})
+	grants, err := s.Client.CoreV1().Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: selector})
 	if err != nil {
 		return err
 	}
@@ -560,9 +1007,9 @@ func (d *demo) traceAndRevoke(ctx context.Context) error {
 		selector, g.Namespace, g.Name, g.Annotations[spoke.GrantHubUserAnnotation], g.Annotations[spoke.GrantClusterProfileAnnotation])
 
 	// The consumer revokes its own token with the people's CLI.
-	args := []string{"grants", "revoke", "--broker", d.deployment.Broker.ExchangeAddr(), "--ca-file", d.deployment.CAFile,
-		"--token-file", d.hubTokenFile, "--credential-id", audited, "--reason", "demo: the token leaked"}
-	d.say("$ credbroker %s", strings.Join(quoted(args), " "))
+	args := []string{"grants", "revoke", "--broker-address=" + d.exchangeAddr, "--ca-file=" + d.caFile,
+		"--token-file=" + d.hubTokenFile, "--credential-id=" + audited, "--reason=demo: the token leaked"}
+	d.say("$ credbroker %s", strings.Join(quoted(d.short(args)), " "))
 	revoked := time.Now()
 	out, err := exec.CommandContext(ctx, d.cli, args...).CombinedOutput()
 	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
@@ -601,36 +1048,42 @@ func quoted(args []string) []string {
 	return out
 }
 
-// 10. The hub stores no spoke token, and the broker logs none.
+// 12. The hub stores no spoke token, and the broker and the agents log
+// none.
 func (d *demo) showHubState(ctx context.Context) error {
 	secrets, err := d.hub.Client.CoreV1().Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return err
 	}
+	issuers := map[string]bool{}
+	for _, s := range d.spokes {
+		issuers[s.Issuer] = true
+	}
 	holding := 0
 	for _, s := range secrets.Items {
 		for _, v := range s.Data {
-			if slices.Contains(jwtIssuers(v), d.spoke.Issuer) {
+			if slices.ContainsFunc(jwtIssuers(v), func(iss string) bool { return issuers[iss] }) {
 				holding++
 				break
 			}
 		}
 	}
-	d.say("Secrets on the hub, all namespaces: %d; holding a %s token: %d", len(secrets.Items), d.spoke.Name, holding)
+	d.say("Secrets on the hub, all namespaces: %d; holding a spoke token: %d", len(secrets.Items), holding)
 	if holding > 0 {
-		return fmt.Errorf("%d hub Secrets hold a %s token", holding, d.spoke.Name)
+		return fmt.Errorf("%d hub Secrets hold a spoke token", holding)
 	}
 
-	audit := d.audit.all()
+	logs := d.logs.all()
 	d.say("the broker's audit log, one line per call:")
-	for _, line := range audit {
-		d.say("  %s", describeAudit(line))
+	for _, line := range logs {
+		if rec, ok := auditRecord(line); ok {
+			d.say("  %s", describeAudit(rec))
+		}
 	}
-	logs := append(d.logs.all(), audit...)
 	tokens := len(jwtIssuers([]byte(strings.Join(logs, "\n"))))
 	d.say("broker and agent logs: %d lines, %d tokens in them", len(logs), tokens)
 	if tokens > 0 {
-		return fmt.Errorf("the broker's or the agent's logs hold %d tokens", tokens)
+		return fmt.Errorf("the broker's or the agents' logs hold %d tokens", tokens)
 	}
 	return nil
 }
@@ -641,16 +1094,18 @@ func (d *demo) keepRunning(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	spokeConfig, err := d.spoke.WriteKubeconfig(d.dir)
-	if err != nil {
-		return err
-	}
 	fmt.Fprintln(d.out, "--keep: everything stays up until Ctrl-C. Admin kubeconfigs:")
 	d.say("%-8s %s", d.hub.Name, hubConfig)
-	d.say("%-8s %s", d.spoke.Name, spokeConfig)
+	for _, s := range d.spokes {
+		spokeConfig, err := s.WriteKubeconfig(d.dir)
+		if err != nil {
+			return err
+		}
+		d.say("%-8s %s", s.Name, spokeConfig)
+		d.say("  the consumer's: %s", filepath.Join(d.dir, s.Name+"-consumer.kubeconfig"))
+	}
 	d.say("for example:")
-	d.say("  kubectl --kubeconfig %s get clusterprofile -n %s %s -o yaml", hubConfig, framework.FleetNamespace, d.spoke.Name)
-	d.say("  kubectl --kubeconfig %s get serviceaccount -n %s %s -o yaml", spokeConfig, spokeNamespace, spokeAccount)
+	d.say("  %s --kubeconfig %s get clusterprofile -n %s %s -o yaml", d.kubectl, hubConfig, framework.FleetNamespace, d.spokes[0].Name)
 	d.say("the consumer's provider file: %s", d.providerFile)
 	<-ctx.Done()
 	return nil
@@ -662,12 +1117,13 @@ func (d *demo) cleanUp() error {
 	var errs []error
 	if d.env != nil {
 		began := time.Now()
-		fmt.Fprintln(d.out, "stopping the broker and the agent, then the API servers…")
+		fmt.Fprintln(d.out, "stopping the agents and the broker (SIGTERM), then the API servers…")
 		if d.conn != nil {
 			errs = append(errs, d.conn.Close())
 		}
-		if d.deployment != nil {
-			errs = append(errs, d.deployment.Stop())
+		// The agents first, then the broker, as a fleet would scale down.
+		for _, p := range slices.Backward(d.procs) {
+			errs = append(errs, p.stop())
 		}
 		errs = append(errs, d.env.Stop())
 		d.say("done in %s", round(time.Since(began)))
@@ -680,15 +1136,15 @@ func (d *demo) cleanUp() error {
 // deployment's CA, and waits until the connection is ready, so that timings
 // leave the TLS handshake out.
 func (d *demo) dialBroker(ctx context.Context) error {
-	pem, err := os.ReadFile(d.deployment.CAFile)
+	pem, err := os.ReadFile(d.caFile)
 	if err != nil {
 		return err
 	}
 	pool := x509.NewCertPool()
 	if !pool.AppendCertsFromPEM(pem) {
-		return fmt.Errorf("no certificate in %s", d.deployment.CAFile)
+		return fmt.Errorf("no certificate in %s", d.caFile)
 	}
-	addr := d.deployment.Broker.ExchangeAddr()
+	addr := d.exchangeAddr
 	conn, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12})))
 	if err != nil {
@@ -707,8 +1163,8 @@ func (d *demo) dialBroker(ctx context.Context) error {
 	return nil
 }
 
-func (d *demo) clusterRef() *pb.ObjectReference {
-	return &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: d.spoke.Name}
+func clusterRef(s *framework.Cluster) *pb.ObjectReference {
+	return &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: s.Name}
 }
 
 // say prints one indented line under the current step.
@@ -757,41 +1213,65 @@ func describeRule(r rbacv1.PolicyRule) string {
 	return s
 }
 
-// describeAudit shortens one of the broker's JSON audit lines.
-func describeAudit(line string) string {
-	var rec struct {
-		Msg, Code, User, Cluster, ServiceAccount, CredentialID, Latency string
-		Method                                                          string
-		Revoked                                                         []string
-		CacheHit                                                        bool
+// klogLine matches a line of the broker's text log: severity and time,
+// pid, source, the quoted message, then key=value pairs.
+var (
+	klogLine = regexp.MustCompile(`^broker: [IWE]\d{4} [\d:.]+\s+\d+ \S+\] ("(?:[^"\\]|\\.)*") (.*)$`)
+	klogPair = regexp.MustCompile(`(\w+)=("(?:[^"\\]|\\.)*"|\[[^\]]*\]|\S+)`)
+)
+
+// auditRecord reads one of the broker's audit lines ("exchange" or
+// "grants", logger "audit") into its key/value pairs.
+func auditRecord(line string) (map[string]string, bool) {
+	m := klogLine.FindStringSubmatch(line)
+	if m == nil {
+		return nil, false
 	}
-	if err := json.Unmarshal([]byte(line), &rec); err != nil {
-		return line
+	msg, err := strconv.Unquote(m[1])
+	if err != nil || (msg != "exchange" && msg != "grants") {
+		return nil, false
 	}
-	outcome := "refused"
-	switch {
-	case rec.Msg == "grants":
-		// The Grants API's line: the call and what it revoked.
-		outcome = "grants " + rec.Method
-		if len(rec.Revoked) > 0 {
-			outcome += ", revoked " + strings.Join(rec.Revoked, ", ")
+	rec := map[string]string{"msg": msg}
+	for _, kv := range klogPair.FindAllStringSubmatch(m[2], -1) {
+		v := kv[2]
+		if u, err := strconv.Unquote(v); err == nil {
+			v = u
 		}
-		rec.Cluster = "broker"
-	case rec.Code != codes.OK.String():
-	case rec.CacheHit:
-		outcome = "cached " + rec.CredentialID
+		rec[kv[1]] = v
+	}
+	if rec["logger"] != "audit" {
+		return nil, false
+	}
+	return rec, true
+}
+
+// describeAudit shortens one of the broker's audit lines.
+func describeAudit(rec map[string]string) string {
+	outcome := "refused"
+	cluster := rec["cluster"]
+	switch {
+	case rec["msg"] == "grants":
+		// The Grants API's line: the call and what it revoked.
+		outcome = "grants " + rec["method"]
+		if r := strings.Trim(rec["revoked"], "[]"); r != "" {
+			outcome += ", revoked " + strings.ReplaceAll(r, `"`, "")
+		}
+		cluster = "broker"
+	case rec["code"] != codes.OK.String():
+	case rec["cacheHit"] == "true":
+		outcome = "cached " + rec["credentialID"]
 	default:
-		outcome = "minted " + rec.CredentialID
+		outcome = "minted " + rec["credentialID"]
 	}
-	to := rec.Cluster
-	if rec.ServiceAccount != "" {
-		to += " as " + rec.ServiceAccount
+	to := cluster
+	if sa := rec["serviceAccount"]; sa != "" {
+		to += " as " + sa
 	}
-	latency := rec.Latency
+	latency := rec["latency"]
 	if d, err := time.ParseDuration(latency); err == nil {
 		latency = round(d).String()
 	}
-	return fmt.Sprintf("%-16s %-9s %s → %s: %s", rec.Code, latency, rec.User, to, outcome)
+	return fmt.Sprintf("%-16s %-9s %s → %s: %s", rec["code"], latency, rec["user"], to, outcome)
 }
 
 // jwtPattern matches a JWS compact serialization whose header and payload
@@ -815,7 +1295,7 @@ func jwtIssuers(data []byte) []string {
 	return issuers
 }
 
-// lines collects log lines from the broker and the agent.
+// lines collects log lines from the broker and the agents.
 type lines struct {
 	mu sync.Mutex
 	l  []string
@@ -831,12 +1311,4 @@ func (b *lines) all() []string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return slices.Clone(b.l)
-}
-
-func (b *lines) logger() logr.Logger {
-	return funcr.New(func(prefix, args string) { b.add(prefix + " " + args) }, funcr.Options{})
-}
-
-func (b *lines) jsonLogger() logr.Logger {
-	return funcr.NewJSON(func(obj string) { b.add(obj) }, funcr.Options{})
 }

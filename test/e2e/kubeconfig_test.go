@@ -16,17 +16,13 @@ import (
 	"github.com/credbroker/credbroker/test/framework"
 )
 
-// kubectlBin is the kubectl the kubeconfig test runs: $KUBECTL, else the
-// one on PATH.
+// kubectlBin is the kubectl the kubeconfig test runs: the one that
+// hack/testbin.sh builds into $KUBEBUILDER_ASSETS, of the API servers'
+// version, never one from PATH.
 func kubectlBin(t *testing.T) string {
 	t.Helper()
-	if k := os.Getenv("KUBECTL"); k != "" {
-		return k
-	}
-	k, err := exec.LookPath("kubectl")
-	if err != nil {
-		t.Skip("kubectl is neither in $KUBECTL nor on PATH")
-	}
+	k, err := framework.Kubectl()
+	require.NoError(t, err)
 	return k
 }
 

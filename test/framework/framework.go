@@ -451,3 +451,18 @@ func (t *tailBuffer) context() string {
 	}
 	return "\nlast output of etcd and kube-apiserver:\n" + s
 }
+
+// Kubectl returns the path of the kubectl that hack/testbin.sh builds beside
+// kube-apiserver, in $KUBEBUILDER_ASSETS, or an error that says how to get
+// it. kubectl on PATH is never used: its version is not the API servers'.
+func Kubectl() (string, error) {
+	dir := os.Getenv(AssetsEnv)
+	if dir == "" {
+		return "", fmt.Errorf("framework: kubectl: %w", ErrMissingAssets)
+	}
+	path := filepath.Join(dir, "kubectl")
+	if _, err := os.Stat(path); err != nil {
+		return "", fmt.Errorf("framework: kubectl is not in %s=%s (hack/testbin.sh builds it; run \"make testbin\"): %w", AssetsEnv, dir, err)
+	}
+	return path, nil
+}

@@ -1,0 +1,144 @@
+package e2e
+
+import (
+	"context"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+
+	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/broker"
+	"github.com/credbroker/credbroker/pkg/plugin"
+	"github.com/credbroker/credbroker/pkg/publish"
+	"github.com/credbroker/credbroker/test/framework"
+)
+
+// statusWrites counts the PATCH requests a broker sends to
+// clusterprofiles/status.
+type statusWrites struct {
+	next  http.RoundTripper
+	count atomic.Int32
+}
+
+func (w *statusWrites) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.Method == http.MethodPatch && strings.Contains(req.URL.Path, "/clusterprofiles/") && strings.HasSuffix(req.URL.Path, "/status") {
+		w.count.Add(1)
+	}
+	return w.next.RoundTrip(req)
+}
+
+// Two publishing replicas share a Lease: only its holder writes
+// ClusterProfile status. When the holder stops, the Lease moves to the
+// other replica, the published entry stays as it was (no write is needed),
+// and the new holder is the one that writes the next change.
+func TestOnlyTheLeaseHolderPublishes(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[0]
+	name := uniqueName(t, "replicas")
+	profiles := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace)
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, nil)
+	require.NoError(t, err)
+
+	type replica struct {
+		b      *broker.Broker
+		writes *statusWrites
+		stop   func()
+	}
+	replicas := map[string]*replica{}
+	for _, id := range []string{"replica-a", "replica-b"} {
+		writes := &statusWrites{}
+		cfg := deployment.BrokerConfig()
+		cfg.Hub = rest.CopyConfig(cfg.Hub)
+		cfg.Hub.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { writes.next = rt; return writes }
+		cfg.PublishAccessProvider = true
+		cfg.PublishLeaseNamespace, cfg.PublishLeaseName, cfg.PublishIdentity = "default", name, id
+		cfg.PublishDisconnectGrace = time.Second
+		b, err := broker.New(cfg)
+		require.NoError(t, err)
+		bctx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- b.Run(bctx) }()
+		stopped := false
+		r := &replica{b: b, writes: writes, stop: func() {
+			if !stopped {
+				stopped = true
+				cancel()
+				require.NoError(t, <-done)
+			}
+		}}
+		t.Cleanup(r.stop)
+		replicas[id] = r
+	}
+
+	stopAgent, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{
+		ID: framework.AgentID(name), Cluster: framework.FleetNamespace + "/" + name,
+		Tune: func(c *agent.Config) {
+			for _, r := range replicas {
+				c.BrokerAddresses = append(c.BrokerAddresses, r.b.AgentAddr())
+			}
+			c.AdvertiseServer, c.AdvertiseCAData = spoke.Server, spoke.CAData
+		},
+	})
+	require.NoError(t, err)
+	agentStopped := false
+	t.Cleanup(func() {
+		if !agentStopped {
+			stopAgent()
+		}
+	})
+
+	get := func() *v1alpha1.ClusterProfile {
+		cp, err := profiles.Get(ctx, name, metav1.GetOptions{})
+		require.NoError(t, err)
+		return cp
+	}
+	connected := func(cp *v1alpha1.ClusterProfile, want metav1.ConditionStatus) bool {
+		c := findCondition(cp, publish.ConditionType)
+		return findProvider(cp, plugin.Name) != nil && c != nil && c.Status == want
+	}
+	holder := func() string {
+		lease, err := env.Hub.Client.CoordinationV1().Leases("default").Get(ctx, name, metav1.GetOptions{})
+		if err != nil || lease.Spec.HolderIdentity == nil {
+			return ""
+		}
+		return *lease.Spec.HolderIdentity
+	}
+	require.Eventually(t, func() bool { return connected(get(), metav1.ConditionTrue) }, 30*time.Second, 100*time.Millisecond,
+		"the replicas publish the access provider")
+	published := get()
+
+	leader := holder()
+	require.Contains(t, replicas, leader)
+	follower := "replica-a"
+	if leader == follower {
+		follower = "replica-b"
+	}
+	assert.Positive(t, replicas[leader].writes.count.Load(), "the Lease holder wrote nothing")
+	assert.Zero(t, replicas[follower].writes.count.Load(), "the replica without the Lease wrote status")
+
+	// The holder stops (it releases the Lease on the way out).
+	replicas[leader].stop()
+	require.Eventually(t, func() bool { return holder() == follower }, 30*time.Second, 100*time.Millisecond,
+		"the Lease moves to the other replica")
+	// The entry stays: the new holder finds nothing to change.
+	time.Sleep(time.Second)
+	now := get()
+	assert.True(t, connected(now, metav1.ConditionTrue))
+	assert.Equal(t, findProvider(published, plugin.Name), findProvider(now, plugin.Name))
+	assert.Equal(t, published.ResourceVersion, now.ResourceVersion, "the new holder rewrote an unchanged status")
+
+	// The next change is the new holder's to write.
+	stopAgent()
+	agentStopped = true
+	require.Eventually(t, func() bool { return connected(get(), metav1.ConditionFalse) }, 30*time.Second, 100*time.Millisecond,
+		"the new holder turns the condition False when the agent goes")
+	assert.Positive(t, replicas[follower].writes.count.Load(), "the new Lease holder wrote nothing")
+}

@@ -1,0 +1,233 @@
+// Command fleetagents simulates the agents of a fleet in one process, for the
+// start-up test of test/e2e (TestFleetStartsAllAtOnce): one agent per SVID
+// in --svid-dir, each on its own SPIFFE mTLS connection to the broker, as
+// a real agent holds. The agents answer every mint with a made-up token,
+// shaped like a spoke ServiceAccount token, without a spoke API server: what
+// the test puts under load is the broker (its rate limit, its caches and its
+// agent streams), not TokenRequest.
+//
+// It runs outside the race-enabled test binary because a thousand gRPC
+// connections, with both of their ends in one process, would exceed the race
+// detector's limit of 8,128 live goroutines.
+//
+// Files: --svid-dir holds <name>.crt and <name>.key pairs. Once every agent
+// is admitted it prints "admitted <n>" on stdout; it stops when stdin closes
+// and then prints "mints <n>", the mints it answered.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/credbroker/credbroker/pkg/identity"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "fleetagents:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	var address, dir, bundleFile, trustDomain string
+	var timeout time.Duration
+	flag.StringVar(&address, "broker-address", "", "the broker's AgentTunnel address, host:port")
+	flag.StringVar(&dir, "svid-dir", "", "folder of <name>.crt and <name>.key SVID pairs, one agent each")
+	flag.StringVar(&bundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain")
+	flag.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of the broker and the agents")
+	flag.DurationVar(&timeout, "admit-timeout", 2*time.Minute, "how long the agents may take to be admitted")
+	flag.Parse()
+
+	td, err := spiffeid.TrustDomainFromString(trustDomain)
+	if err != nil {
+		return err
+	}
+	bundlePEM, err := os.ReadFile(bundleFile)
+	if err != nil {
+		return err
+	}
+	bundle, err := x509bundle.Parse(td, bundlePEM)
+	if err != nil {
+		return err
+	}
+	certs, err := filepath.Glob(filepath.Join(dir, "*.crt"))
+	if err != nil {
+		return err
+	}
+	if len(certs) == 0 {
+		return fmt.Errorf("no SVID in %s", dir)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		// The test closes stdin to stop the fleet.
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		cancel()
+	}()
+
+	var mints atomic.Int64
+	var wg sync.WaitGroup
+	admitted := make(chan error, len(certs))
+	// Handshakes at most 64 at a time, as a fleet's agents would not all
+	// start in one millisecond either.
+	sem := make(chan struct{}, 64)
+	for _, certFile := range certs {
+		certPEM, err := os.ReadFile(certFile)
+		if err != nil {
+			return err
+		}
+		keyPEM, err := os.ReadFile(strings.TrimSuffix(certFile, ".crt") + ".key")
+		if err != nil {
+			return err
+		}
+		svid, err := x509svid.Parse(certPEM, keyPEM)
+		if err != nil {
+			return fmt.Errorf("%s: %w", certFile, err)
+		}
+		creds := identity.ClientCredentials(svid, bundle, spiffeid.RequireFromPath(td, "/broker"))
+		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(creds))
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		client := pb.NewAgentTunnelClient(conn)
+		wg.Go(func() {
+			sem <- struct{}{}
+			stream, err := admitWithin(ctx, client, timeout)
+			<-sem
+			admitted <- err
+			if err != nil {
+				return
+			}
+			serve(stream, &mints)
+		})
+	}
+	deadline := time.After(timeout)
+	for range certs {
+		select {
+		case err := <-admitted:
+			if err != nil {
+				return fmt.Errorf("an agent was not admitted: %w", err)
+			}
+		case <-deadline:
+			return errors.New("the agents were not admitted in time")
+		}
+	}
+	fmt.Printf("admitted %d\n", len(certs))
+	<-ctx.Done()
+	wg.Wait()
+	fmt.Printf("mints %d\n", mints.Load())
+	return nil
+}
+
+// admitWithin opens a stream and retries until the broker admits it (its
+// informer may not know the ClusterProfile yet).
+func admitWithin(ctx context.Context, client pb.AgentTunnelClient, timeout time.Duration) (grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		stream, err := admit(ctx, client)
+		if err == nil {
+			return stream, nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return nil, err
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// admit opens a stream, sends the hello and waits for the admission header.
+func admit(ctx context.Context, client pb.AgentTunnelClient) (grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], error) {
+	sctx, cancel := context.WithCancel(ctx)
+	stream, err := client.Connect(sctx)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{AgentVersion: "fleetagents"}}}); err != nil {
+		cancel()
+		return nil, err
+	}
+	md, err := stream.Header()
+	if err != nil || len(md.Get("credbroker-cluster")) == 0 {
+		cancel()
+		return nil, errors.Join(err, errors.New("not admitted"))
+	}
+	context.AfterFunc(ctx, cancel)
+	return stream, nil
+}
+
+// serve answers mint requests until the stream ends. Sends are serialized;
+// answers are made at once.
+func serve(stream grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], mints *atomic.Int64) {
+	for {
+		f, err := stream.Recv()
+		if err != nil {
+			return
+		}
+		req := f.GetMintRequest()
+		if req == nil {
+			continue // revokes and the rest: nothing was bound, nothing to do
+		}
+		mints.Add(1)
+		out := answer(req)
+		out.CorrelationId = f.GetCorrelationId()
+		if err := stream.Send(out); err != nil {
+			return
+		}
+	}
+}
+
+// answer is what an honest agent would answer: a token for the requested
+// ServiceAccount (or fleet-sa/default), with the requested audiences (or the
+// spoke's default), living the requested time.
+func answer(req *pb.MintRequest) *pb.AgentFrame {
+	ns, name := "fleet-sa", "default"
+	if sa := req.GetServiceAccount(); sa != nil {
+		ns, name = sa.GetNamespace(), sa.GetName()
+	}
+	aud := req.GetAudiences()
+	if len(aud) == 0 {
+		aud = []string{"https://kubernetes.default.svc"}
+	}
+	now := time.Now()
+	exp := now.Add(time.Duration(req.GetExpirationSeconds()) * time.Second).Truncate(time.Second)
+	jti := make([]byte, 16)
+	_, _ = rand.Read(jti)
+	payload, _ := json.Marshal(map[string]any{
+		"iss": "https://simulated.example", "sub": "system:serviceaccount:" + ns + ":" + name, "aud": aud,
+		"exp": exp.Unix(), "iat": now.Unix(), "nbf": now.Unix(), "jti": hex.EncodeToString(jti),
+		"kubernetes.io": map[string]any{"namespace": ns, "serviceaccount": map[string]any{"name": name, "uid": "0"}},
+	})
+	sig := make([]byte, 64)
+	_, _ = rand.Read(sig)
+	enc := base64.RawURLEncoding.EncodeToString
+	tok := enc([]byte(`{"alg":"RS256","kid":"simulated"}`)) + "." + enc(payload) + "." + enc(sig)
+	return &pb.AgentFrame{Body: &pb.AgentFrame_MintResponse{MintResponse: &pb.MintResponse{
+		Token:          tok,
+		ExpirationTime: timestamppb.New(exp),
+		ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: name},
+	}}}
+}
