@@ -21,17 +21,17 @@ var binaries = []string{"broker", "spoke-agent", "credbroker-plugin", "credbroke
 // foreign are flags the docs mention that belong to other tools, each with
 // the tool: a --flag in the docs that is neither ours nor listed here fails.
 var foreign = map[string]string{
-	"cert":                        "kubectl create secret tls",
-	"key":                         "kubectl create secret tls",
-	"from-file":                   "kubectl create secret generic",
-	"dry-run":                     "kubectl create",
-	"audience":                    "kubectl create token (also ours)",
-	"duration":                    "kubectl create token",
+	"cert":                         "kubectl create secret tls",
+	"key":                          "kubectl create secret tls",
+	"from-file":                    "kubectl create secret generic",
+	"dry-run":                      "kubectl create",
+	"audience":                     "kubectl create token (also ours)",
+	"duration":                     "kubectl create token",
 	"clusterprofile-provider-file": "cluster-inventory-api consumers (their flag, pointing at a provider file)",
-	"server-side":                 "kubectl apply",
-	"context":                     "kubectl",
-	"namespace":                   "kubectl (also ours)",
-	"update":                      "go test in test/monitoring",
+	"server-side":                  "kubectl apply",
+	"context":                      "kubectl",
+	"namespace":                    "kubectl (also ours)",
+	"update":                       "go test in test/monitoring",
 }
 
 // aliases are flag names our binaries accept but do not list in --help.
