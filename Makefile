@@ -56,6 +56,7 @@ spire: ## Build spire-server and spire-agent for the tests into the version-keye
 .PHONY: test
 test: testbin spire ## Run every test, integration and e2e included, with -race, on real API servers.
 	$(ASSETS) $(SPIRE_BIN) $(GO) test $(TEST_FLAGS) ./...
+	cd test/monitoring && $(GO) test $(TEST_FLAGS) -count=1 ./...
 
 .PHONY: e2e
 e2e: testbin spire ## Run only the end-to-end tests (one hub, two spokes).

@@ -15,7 +15,6 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/sync/errgroup"
@@ -214,6 +213,7 @@ type Agent struct {
 
 	metricsLis net.Listener
 	registry   *prometheus.Registry
+	metrics    *agentMetrics
 	// serving counts the broker streams that serve: admitted, and neither
 	// draining nor leaving.
 	serving atomic.Int64
@@ -244,6 +244,10 @@ func New(cfg Config) (_ *Agent, err error) {
 		}
 	}()
 
+	if a.registry, a.metrics, err = newAgentRegistry(a.svid, cfg.BrokerAddresses); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+
 	spokeConfig := rest.CopyConfig(cfg.Spoke)
 	spokeConfig.UserAgent = "credbroker-spoke-agent/" + Version
 	spokeConfig.QPS, spokeConfig.Burst = cfg.SpokeQPS, cfg.SpokeBurst
@@ -259,7 +263,7 @@ func New(cfg Config) (_ *Agent, err error) {
 	a.grants = spoke.NewGrantInformer(client, cfg.Namespace)
 	a.synced = []cache.InformerSynced{sas.Informer().HasSynced, a.grants.HasSynced}
 	minter, err := spoke.New(spoke.Config{
-		Tokens:            spoke.NewTokenCreator(client),
+		Tokens:            countedTokens{spoke.NewTokenCreator(client), a.metrics},
 		ServiceAccounts:   sas.Lister(),
 		Grants:            spoke.NewGrantStore(client, cfg.Namespace),
 		GrantCache:        a.grants.GetIndexer(),
@@ -293,11 +297,11 @@ func New(cfg Config) (_ *Agent, err error) {
 
 	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
 	hello := &pb.Hello{AgentVersion: Version, Server: cfg.AdvertiseServer, CertificateAuthorityData: cfg.AdvertiseCAData}
-	clientConfig := func(addr string) tunnel.ClientConfig {
+	clientConfig := func(target, addr string) tunnel.ClientConfig {
 		return tunnel.ClientConfig{
 			Address:          addr,
 			Credentials:      creds,
-			Minter:           instrumented{minter},
+			Minter:           instrumented{minter, a.metrics},
 			Grants:           minter,
 			Hello:            hello,
 			Cluster:          clusterString(cfg.Cluster),
@@ -306,7 +310,7 @@ func New(cfg Config) (_ *Agent, err error) {
 			Keepalive:        cfg.KeepaliveTime,
 			KeepaliveTimeout: cfg.KeepaliveTimeout,
 			DrainTimeout:     cfg.ShutdownGrace,
-			Serving:          a.countServing,
+			Serving:          func(up bool) { a.countServing(target, up) },
 			InitialBackoff:   cfg.InitialBackoff,
 			MaxBackoff:       cfg.MaxBackoff,
 			Log:              cfg.Log.WithName("tunnel"),
@@ -323,8 +327,8 @@ func New(cfg Config) (_ *Agent, err error) {
 			c.Rotate()
 		}
 	})
-	serve := func(ctx context.Context, addr string, connected func()) error {
-		c, err := tunnel.NewClient(clientConfig(addr))
+	serve := func(ctx context.Context, target, addr string, connected func()) error {
+		c, err := tunnel.NewClient(clientConfig(target, addr))
 		if err != nil {
 			return err
 		}
@@ -346,11 +350,12 @@ func New(cfg Config) (_ *Agent, err error) {
 		return c.Run(ctx)
 	}
 	for _, target := range cfg.BrokerAddresses {
-		a.targets = append(a.targets, newFanout(target, cfg.ResolveInterval, net.DefaultResolver.LookupHost, serve, cfg.Log.WithName("brokers")))
+		f := newFanout(target, cfg.ResolveInterval, net.DefaultResolver.LookupHost, func(ctx context.Context, addr string, connected func()) error {
+			return serve(ctx, target, addr, connected)
+		}, cfg.Log.WithName("brokers"))
+		f.onStreams = a.metrics.targetAddresses.WithLabelValues(target).Set
+		a.targets = append(a.targets, f)
 	}
-	a.registry = prometheus.NewRegistry()
-	a.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	a.registry.MustRegister(Collectors()...)
 	if cfg.MetricsAddress != "" {
 		if a.metricsLis, err = net.Listen("tcp", cfg.MetricsAddress); err != nil {
 			return nil, fmt.Errorf("agent: metrics listener: %w", err)

@@ -21,6 +21,9 @@ type fanout struct {
 	// the broker admits it.
 	serve func(ctx context.Context, addr string, connected func()) error
 	log   logr.Logger
+	// onStreams, when set, is told how many streams the target wants (the
+	// addresses it resolves to) after each resolution.
+	onStreams func(float64)
 
 	once      sync.Once
 	connected chan struct{} // closed when the first stream is admitted
@@ -59,6 +62,7 @@ func (f *fanout) Run(ctx context.Context) error {
 	}
 
 	if net.ParseIP(host) != nil {
+		f.report(1)
 		start(f.target)
 		<-ctx.Done()
 		return nil
@@ -86,11 +90,18 @@ func (f *fanout) Run(ctx context.Context) error {
 				}
 			}
 		}
+		f.report(len(running))
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-time.After(f.interval):
 		}
+	}
+}
+
+func (f *fanout) report(n int) {
+	if f.onStreams != nil {
+		f.onStreams(float64(n))
 	}
 }
 

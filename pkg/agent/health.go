@@ -6,44 +6,22 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/internal/probe"
-	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tunnel"
-	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-var (
-	streamsServing = prometheus.NewGauge(prometheus.GaugeOpts{
-		Namespace: "credbroker",
-		Name:      "agent_broker_streams",
-		Help:      "Broker streams of this agent that serve: admitted, and neither draining nor leaving.",
-	})
-	mintDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Namespace: "credbroker",
-		Name:      "agent_token_request_duration_seconds",
-		Help:      "Time the agent took to answer a broker's mint request (policy, grant, TokenRequest), by gRPC code.",
-		Buckets:   prometheus.ExponentialBuckets(0.005, 2, 12),
-	}, []string{"code"})
-)
-
-// Collectors returns the agent's metrics, for the caller to register.
-func Collectors() []prometheus.Collector {
-	return []prometheus.Collector{streamsServing, mintDuration}
-}
-
-// countServing is the tunnel clients' Serving callback.
-func (a *Agent) countServing(up bool) {
-	if up {
-		a.serving.Add(1)
-		streamsServing.Inc()
-	} else {
-		a.serving.Add(-1)
-		streamsServing.Dec()
+// countServing is the Serving callback of the tunnel clients of a broker
+// target.
+func (a *Agent) countServing(target string, up bool) {
+	d := 1
+	if !up {
+		d = -1
 	}
+	a.serving.Add(int64(d))
+	a.metrics.streams.Add(float64(d))
+	a.metrics.targetStreams.WithLabelValues(target).Add(float64(d))
 }
 
 // Ready reports nil while the agent can serve, or why not: at least one
@@ -94,14 +72,4 @@ func (a *Agent) MetricsAddr() string {
 		return ""
 	}
 	return a.metricsLis.Addr().String()
-}
-
-// instrumented times the agent's mints.
-type instrumented struct{ m tunnel.Minter }
-
-func (i instrumented) Mint(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
-	start := time.Now()
-	resp, err := i.m.Mint(ctx, req)
-	mintDuration.WithLabelValues(errdefs.Code(err).String()).Observe(time.Since(start).Seconds())
-	return resp, err
 }

@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	testingclock "k8s.io/utils/clock/testing"
@@ -23,18 +24,22 @@ func TestAgentReadiness(t *testing.T) {
 	require.NoError(t, err)
 	svid, err := identity.NewFileSource(identity.FileSourceConfig{CertFile: cert, KeyFile: key, BundleFile: bundle, TrustDomain: ca.TrustDomain()})
 	require.NoError(t, err)
-	a := &Agent{svid: svid}
+	_, m, err := newAgentRegistry(svid, []string{"broker:8444"})
+	require.NoError(t, err)
+	a := &Agent{svid: svid, metrics: m}
 	clk := testingclock.NewFakeClock(time.Now())
 
 	err = a.ready(clk)
 	require.Error(t, err, "ready without a broker stream")
 	assert.Contains(t, err.Error(), "no broker stream serves")
 
-	a.countServing(true)
-	a.countServing(true)
+	a.countServing("broker:8444", true)
+	a.countServing("broker:8444", true)
 	assert.NoError(t, a.ready(clk))
-	a.countServing(false) // one broker drains
+	a.countServing("broker:8444", false) // one broker drains
 	assert.NoError(t, a.ready(clk), "one serving stream is enough")
+	assert.Equal(t, 1.0, testutil.ToFloat64(m.streams))
+	assert.Equal(t, 1.0, testutil.ToFloat64(m.targetStreams.WithLabelValues("broker:8444")))
 
 	clk.Step(2 * time.Hour)
 	err = a.ready(clk)
@@ -42,6 +47,8 @@ func TestAgentReadiness(t *testing.T) {
 	assert.Contains(t, err.Error(), "expires at")
 	clk.Step(-2 * time.Hour)
 
-	a.countServing(false) // the other broker drains too
+	a.countServing("broker:8444", false) // the other broker drains too
 	assert.Error(t, a.ready(clk))
+	assert.Zero(t, testutil.ToFloat64(m.streams))
+	assert.Zero(t, testutil.ToFloat64(m.targetStreams.WithLabelValues("broker:8444")))
 }

@@ -13,7 +13,6 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/sync/errgroup"
@@ -132,6 +131,14 @@ func New(cfg Config) (b *Broker, err error) {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 
+	// One registry per process: every part registers its own metrics in it.
+	var reviews *hubReviewMetrics
+	if b.registry, reviews, err = newRegistry(b.svid, b.informers.Apis().V1alpha1().ClusterProfiles().Informer()); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
+	tokenReviews := timedTokenReviews{hubClient.AuthenticationV1().TokenReviews(), reviews}
+	accessReviews := timedAccessReviews{hubClient.AuthorizationV1().SubjectAccessReviews(), reviews}
+
 	// The registry revokes through the tunnel server, which feeds it.
 	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{
 		Revoker: tunnelRevoker{b},
@@ -147,6 +154,7 @@ func New(cfg Config) (b *Broker, err error) {
 		MaxStreamsPerCluster: cfg.MaxStreamsPerCluster,
 		Log:                  cfg.Log.WithName("tunnel"),
 		Grants:               b.grants,
+		Registerer:           b.registry,
 		OnSessionsChange: func(key types.NamespacedName) {
 			if b.publisher != nil {
 				b.publisher.Enqueue(key)
@@ -175,13 +183,13 @@ func New(cfg Config) (b *Broker, err error) {
 		}
 	}
 
-	if b.keys, err = newIssuerKeys(cfg, hubClient); err != nil {
+	if b.keys, err = newIssuerKeys(cfg, hubClient, b.registry); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 
 	if b.exchange, err = tokenexchange.New(tokenexchange.Config{
-		TokenReviews:    hubClient.AuthenticationV1().TokenReviews(),
-		AccessReviews:   hubClient.AuthorizationV1().SubjectAccessReviews(),
+		TokenReviews:    tokenReviews,
+		AccessReviews:   accessReviews,
 		Verifier:        b.keys,
 		Clusters:        clusterLookup{profiles: b.profiles, provider: cfg.AccessProviderName},
 		Minter:          b.tunnel,
@@ -197,6 +205,7 @@ func New(cfg Config) (b *Broker, err error) {
 		ReviewBurst:     cfg.ReviewBurst,
 		Log:             cfg.Log.WithName("exchange"),
 		Audit:           cfg.Audit,
+		Registerer:      b.registry,
 
 		PeerReviewRateLimit: rate.Limit(cfg.PeerReviewRateLimit),
 		PeerReviewBurst:     cfg.PeerReviewBurst,
@@ -206,24 +215,19 @@ func New(cfg Config) (b *Broker, err error) {
 
 	if b.grantsAPI, err = grants.NewService(grants.ServiceConfig{
 		Authenticator: b.exchange,
-		AccessReviews: hubClient.AuthorizationV1().SubjectAccessReviews(),
+		AccessReviews: accessReviews,
 		Grants:        b.grants,
 		Log:           cfg.Log.WithName("grants"),
 		Audit:         cfg.Audit,
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
-	if b.triggers, err = newTriggers(cfg, hub, hubClient, b); err != nil {
+	if b.triggers, err = newTriggers(cfg, hub, hubClient, accessReviews, b); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
 
 	b.health = health.NewServer()
 	b.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
-	b.registry = prometheus.NewRegistry()
-	b.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	b.registry.MustRegister(tunnel.Collectors()...)
-	b.registry.MustRegister(tokenexchange.Collectors()...)
-	b.registry.MustRegister(hubkeys.Collectors()...)
 
 	if b.exchangeLis, err = net.Listen("tcp", cfg.ExchangeAddress); err != nil {
 		return nil, fmt.Errorf("broker: exchange listener: %w", err)
@@ -466,13 +470,14 @@ func stopGracefully(s *grpc.Server, grace time.Duration) {
 // which must load now and is read again every FileCheckInterval, or else
 // from the hub's /openid/v1/jwks, fetched first by Run or the first
 // exchange.
-func newIssuerKeys(cfg Config, hub kubernetes.Interface) (*hubkeys.Keys, error) {
+func newIssuerKeys(cfg Config, hub kubernetes.Interface, reg prometheus.Registerer) (*hubkeys.Keys, error) {
 	kc := hubkeys.Config{
 		Fetcher:            hubkeys.FromHub(hub.CoreV1().RESTClient()),
 		Audience:           cfg.Audience,
 		RefreshInterval:    cfg.IssuerKeysRefresh,
 		MinRefreshInterval: cfg.IssuerKeysMinRefresh,
 		Log:                cfg.Log.WithName("hubkeys"),
+		Registerer:         reg,
 	}
 	if cfg.IssuerJWKSFile == "" {
 		return hubkeys.New(kc)
@@ -495,7 +500,7 @@ func newIssuerKeys(cfg Config, hub kubernetes.Interface) (*hubkeys.Keys, error) 
 // newTriggers builds the revocation triggers over b's Registry and
 // ClusterProfile index, with informers of hub RBAC and of hub
 // ServiceAccounts' metadata (not the whole objects, to keep memory small).
-func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, b *Broker) (*grants.Triggers, error) {
+func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, reviews grants.AccessReviewer, b *Broker) (*grants.Triggers, error) {
 	b.rbacInformers = informers.NewSharedInformerFactory(hubClient, cfg.InformerResync)
 	rbac := b.rbacInformers.Rbac().V1()
 	metaClient, err := metadata.NewForConfig(hub)
@@ -517,7 +522,7 @@ func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, b
 	}
 	return grants.NewTriggers(grants.TriggersConfig{
 		Grants:          b.grants,
-		AccessReviews:   hubClient.AuthorizationV1().SubjectAccessReviews(),
+		AccessReviews:   reviews,
 		ClusterProfiles: b.profiles,
 		RBAC: []grants.Informer{
 			rbac.Roles().Informer(), rbac.RoleBindings().Informer(),

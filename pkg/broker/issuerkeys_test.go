@@ -31,20 +31,20 @@ func TestIssuerKeysFromFile(t *testing.T) {
 
 	cfg := Default()
 	cfg.IssuerJWKSFile = good
-	keys, err := newIssuerKeys(cfg, hub)
+	keys, err := newIssuerKeys(cfg, hub, nil)
 	require.NoError(t, err)
 	assert.True(t, keys.Loaded(), "a key file is loaded at once")
 
 	cfg.IssuerJWKSFile = empty
-	_, err = newIssuerKeys(cfg, hub)
+	_, err = newIssuerKeys(cfg, hub, nil)
 	assert.ErrorContains(t, err, "issuer keys in "+empty+": hubkeys: the key set holds no RSA or EC signing key (of 0 keys)")
 
 	cfg.IssuerJWKSFile = filepath.Join(dir, "missing.json")
-	_, err = newIssuerKeys(cfg, hub)
+	_, err = newIssuerKeys(cfg, hub, nil)
 	assert.ErrorContains(t, err, "no such file or directory")
 
 	cfg.IssuerJWKSFile = ""
-	keys, err = newIssuerKeys(cfg, hub)
+	keys, err = newIssuerKeys(cfg, hub, nil)
 	require.NoError(t, err)
 	assert.False(t, keys.Loaded(), "the hub's keys are fetched when the broker runs")
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/go-jose/go-jose/v4"
 	"github.com/go-jose/go-jose/v4/jwt"
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/singleflight"
 	"k8s.io/utils/clock"
 
@@ -72,14 +73,19 @@ type Config struct {
 	Clock clock.Clock
 	// Log receives key set changes and fetch failures. Default: discard.
 	Log logr.Logger
+	// Registerer receives the metrics (credbroker_hub_token_rejections_total,
+	// credbroker_hub_keys_fetches_total). Nil registers them in a private
+	// registry: counted, exposed nowhere.
+	Registerer prometheus.Registerer
 }
 
 // Keys holds the hub issuer's current key set and verifies tokens against
 // it. It is safe for concurrent use.
 type Keys struct {
-	cfg   Config
-	set   atomic.Pointer[keySet]
-	group singleflight.Group
+	cfg     Config
+	set     atomic.Pointer[keySet]
+	group   singleflight.Group
+	metrics *metrics
 
 	mu        sync.Mutex // guards the fields below
 	lastFetch time.Time  // start of the last fetch, good or bad
@@ -114,7 +120,11 @@ func New(cfg Config) (*Keys, error) {
 	case cfg.MinRefreshInterval > cfg.RefreshInterval:
 		return nil, fmt.Errorf("hubkeys: MinRefreshInterval (%s) must not exceed RefreshInterval (%s)", cfg.MinRefreshInterval, cfg.RefreshInterval)
 	}
-	return &Keys{cfg: cfg}, nil
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	return &Keys{cfg: cfg, metrics: m}, nil
 }
 
 func setDefault(v *time.Duration, def time.Duration) {
@@ -173,9 +183,9 @@ func (k *Keys) Verify(ctx context.Context, raw string) (time.Time, error) {
 	tok, err := jwt.ParseSigned(raw, Algorithms)
 	if err != nil {
 		if _, ok := errors.AsType[*jose.ErrUnexpectedSignatureAlgorithm](err); ok {
-			return time.Time{}, reject(reasonAlgorithm, "the token is not signed with an asymmetric algorithm that a Kubernetes service-account issuer uses (RS256, ES256, …)")
+			return time.Time{}, k.reject(reasonAlgorithm, "the token is not signed with an asymmetric algorithm that a Kubernetes service-account issuer uses (RS256, ES256, …)")
 		}
-		return time.Time{}, reject(reasonMalformed, "the token is not a signed JWT")
+		return time.Time{}, k.reject(reasonMalformed, "the token is not a signed JWT")
 	}
 	kid := tok.Headers[0].KeyID
 
@@ -190,7 +200,7 @@ func (k *Keys) Verify(ctx context.Context, raw string) (time.Time, error) {
 		// A new key of the hub, or a made-up key id: fetch at most every
 		// MinRefreshInterval to tell.
 		if candidates = k.refresh(ctx).lookup(kid); len(candidates) == 0 {
-			return time.Time{}, reject(reasonUnknownKey, "the token names a signing key that the hub issuer does not publish")
+			return time.Time{}, k.reject(reasonUnknownKey, "the token names a signing key that the hub issuer does not publish")
 		}
 	}
 
@@ -203,28 +213,28 @@ func (k *Keys) Verify(ctx context.Context, raw string) (time.Time, error) {
 		}
 	}
 	if !verified {
-		return time.Time{}, reject(reasonSignature, "the token's signature does not verify with the hub issuer's keys")
+		return time.Time{}, k.reject(reasonSignature, "the token's signature does not verify with the hub issuer's keys")
 	}
 	if claims.Expiry == nil {
-		return time.Time{}, reject(reasonExpired, "the token has no expiry (exp claim)")
+		return time.Time{}, k.reject(reasonExpired, "the token has no expiry (exp claim)")
 	}
 	err = claims.ValidateWithLeeway(jwt.Expected{AnyAudience: jwt.Audience{k.cfg.Audience}, Time: k.cfg.Clock.Now()}, k.cfg.Leeway)
 	switch {
 	case err == nil:
 		return claims.Expiry.Time(), nil
 	case errors.Is(err, jwt.ErrExpired):
-		return time.Time{}, reject(reasonExpired, "the token has expired")
+		return time.Time{}, k.reject(reasonExpired, "the token has expired")
 	case errors.Is(err, jwt.ErrNotValidYet), errors.Is(err, jwt.ErrIssuedInTheFuture):
-		return time.Time{}, reject(reasonNotYetValid, "the token is not valid yet (nbf or iat in the future); check the clocks")
+		return time.Time{}, k.reject(reasonNotYetValid, "the token is not valid yet (nbf or iat in the future); check the clocks")
 	case errors.Is(err, jwt.ErrInvalidAudience):
-		return time.Time{}, reject(reasonAudience, fmt.Sprintf("the token is not for audience %q; request a token with that audience", k.cfg.Audience))
+		return time.Time{}, k.reject(reasonAudience, fmt.Sprintf("the token is not for audience %q; request a token with that audience", k.cfg.Audience))
 	default:
-		return time.Time{}, reject(reasonMalformed, "the token's claims are invalid")
+		return time.Time{}, k.reject(reasonMalformed, "the token's claims are invalid")
 	}
 }
 
-func reject(reason, msg string) error {
-	rejections.WithLabelValues(reason).Inc()
+func (k *Keys) reject(reason, msg string) error {
+	k.metrics.rejections.WithLabelValues(reason).Inc()
 	return fmt.Errorf("%s: %w", msg, errdefs.ErrUnauthenticated)
 }
 
@@ -278,7 +288,7 @@ func (k *Keys) fetch(ctx context.Context) error {
 	if err == nil {
 		if cur := k.set.Load(); cur != nil && cur.digest == sha256.Sum256(doc) {
 			k.lastErr = ""
-			fetches.WithLabelValues("unchanged").Inc()
+			k.metrics.fetches.WithLabelValues("unchanged").Inc()
 			return nil
 		}
 	}
@@ -287,7 +297,7 @@ func (k *Keys) fetch(ctx context.Context) error {
 		set, err = parse(doc)
 	}
 	if err != nil {
-		fetches.WithLabelValues("error").Inc()
+		k.metrics.fetches.WithLabelValues("error").Inc()
 		if msg := err.Error(); msg != k.lastErr {
 			k.lastErr = msg
 			k.cfg.Log.Error(err, "cannot fetch the hub issuer's keys, keeping the loaded ones", "loaded", k.set.Load() != nil)
@@ -296,7 +306,7 @@ func (k *Keys) fetch(ctx context.Context) error {
 	}
 	k.lastErr = ""
 	k.set.Store(set)
-	fetches.WithLabelValues("changed").Inc()
+	k.metrics.fetches.WithLabelValues("changed").Inc()
 	kids := make([]string, 0, len(set.keys))
 	for _, key := range set.keys {
 		kids = append(kids, key.KeyID)

@@ -248,7 +248,7 @@ func TestVerify(t *testing.T) {
 			keys, _ := newKeys(t, f)
 			var before float64
 			if tt.wantReason != "" {
-				before = testutil.ToFloat64(rejections.WithLabelValues(tt.wantReason))
+				before = testutil.ToFloat64(keys.metrics.rejections.WithLabelValues(tt.wantReason))
 			}
 			exp, err := keys.Verify(context.Background(), tt.token)
 			if tt.wantReason == "" {
@@ -268,7 +268,7 @@ func TestVerify(t *testing.T) {
 					assert.NotContains(t, err.Error(), part, "the error quotes the token")
 				}
 			}
-			assert.Equal(t, before+1, testutil.ToFloat64(rejections.WithLabelValues(tt.wantReason)))
+			assert.Equal(t, before+1, testutil.ToFloat64(keys.metrics.rejections.WithLabelValues(tt.wantReason)))
 		})
 	}
 }

@@ -1,6 +1,10 @@
 package hubkeys
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // The reasons Verify refuses a token, the label values of
 // credbroker_hub_token_rejections_total.
@@ -14,29 +18,41 @@ const (
 	reasonAudience    = "audience"
 )
 
-var (
-	rejections = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "credbroker",
-		Name:      "hub_token_rejections_total",
-		Help:      "Bearer tokens refused by local verification against the hub issuer's keys, before any TokenReview, by reason.",
-	}, []string{"reason"})
-	fetches = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "credbroker",
-		Name:      "hub_keys_fetches_total",
-		Help:      "Fetches of the hub issuer's key set by result (changed, unchanged or error).",
-	}, []string{"result"})
-)
-
-func init() {
-	for _, r := range []string{reasonMalformed, reasonAlgorithm, reasonUnknownKey, reasonSignature, reasonExpired, reasonNotYetValid, reasonAudience} {
-		rejections.WithLabelValues(r)
-	}
-	for _, r := range []string{"changed", "unchanged", "error"} {
-		fetches.WithLabelValues(r)
-	}
+// metrics are one Keys' own; each Keys registers them, so that two in one
+// process count apart.
+type metrics struct {
+	rejections *prometheus.CounterVec
+	fetches    *prometheus.CounterVec
 }
 
-// Collectors returns the package's metrics, for the caller to register.
-func Collectors() []prometheus.Collector {
-	return []prometheus.Collector{rejections, fetches}
+// newMetrics registers the metrics in reg, or in a private registry when reg
+// is nil (counted, exposed nowhere).
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "credbroker",
+			Name:      "hub_token_rejections_total",
+			Help:      "Bearer tokens refused by local verification against the hub issuer's keys, before any TokenReview, by reason.",
+		}, []string{"reason"}),
+		fetches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "credbroker",
+			Name:      "hub_keys_fetches_total",
+			Help:      "Fetches of the hub issuer's key set by result (changed, unchanged or error).",
+		}, []string{"result"}),
+	}
+	for _, r := range []string{reasonMalformed, reasonAlgorithm, reasonUnknownKey, reasonSignature, reasonExpired, reasonNotYetValid, reasonAudience} {
+		m.rejections.WithLabelValues(r)
+	}
+	for _, r := range []string{"changed", "unchanged", "error"} {
+		m.fetches.WithLabelValues(r)
+	}
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	for _, c := range []prometheus.Collector{m.rejections, m.fetches} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("hubkeys: register metrics (are two Keys registered in the same Registerer?): %w", err)
+		}
+	}
+	return m, nil
 }

@@ -43,8 +43,8 @@ func (s *Service) audit(rec *auditRecord, req *pb.ExchangeRequest, err error, la
 		kv = append(kv, "reason", err.Error())
 	}
 	s.cfg.Audit.Info("exchange", kv...)
-	exchanges.WithLabelValues(code.String(), cacheLabel(rec.cacheHit)).Inc()
-	exchangeDuration.WithLabelValues(code.String()).Observe(latency.Seconds())
+	s.metrics.exchanges.WithLabelValues(code.String(), cacheLabel(rec.cacheHit)).Inc()
+	s.metrics.exchangeDuration.WithLabelValues(code.String()).Observe(latency.Seconds())
 }
 
 func refString(r *pb.ObjectReference) string {

@@ -73,7 +73,7 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (user
 	res, hit, err := s.authn.Do(ctx, key, func(ctx context.Context) (authnResult, time.Time, error) {
 		return s.tokenReview(ctx, bearer, &reviewed)
 	})
-	cacheLookups.WithLabelValues("authn", cacheLabel(hit)).Inc()
+	s.metrics.cacheLookups.WithLabelValues("authn", cacheLabel(hit)).Inc()
 	if err != nil {
 		return userInfo{}, false, err
 	}

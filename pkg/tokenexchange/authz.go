@@ -39,7 +39,7 @@ func (s *Service) authorize(ctx context.Context, user userInfo, cluster types.Na
 		}
 		return s.accessReview(ctx, user, cluster)
 	})
-	cacheLookups.WithLabelValues("authz", cacheLabel(hit)).Inc()
+	s.metrics.cacheLookups.WithLabelValues("authz", cacheLabel(hit)).Inc()
 	if err != nil {
 		return err
 	}

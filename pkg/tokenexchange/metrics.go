@@ -1,29 +1,61 @@
 package tokenexchange
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"errors"
+	"fmt"
 
-var (
-	exchanges = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "credbroker",
-		Name:      "exchanges_total",
-		Help:      "Token exchanges by gRPC code and token cache result (hit or miss).",
-	}, []string{"code", "cache"})
-	exchangeDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Namespace: "credbroker",
-		Name:      "exchange_duration_seconds",
-		Help:      "Latency of token exchanges by gRPC code.",
-		Buckets:   prometheus.ExponentialBuckets(0.0005, 2, 16),
-	}, []string{"code"})
-	cacheLookups = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "credbroker",
-		Name:      "decision_cache_lookups_total",
-		Help:      "TokenReview (authn) and SubjectAccessReview (authz) cache lookups by result (hit or miss).",
-	}, []string{"cache", "result"})
+	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Collectors returns the package's metrics, for the caller to register.
-func Collectors() []prometheus.Collector {
-	return []prometheus.Collector{exchanges, exchangeDuration, cacheLookups}
+// metrics are one Service's; each Service registers its own, so that two
+// in one process (as in the e2e tests) count apart.
+type metrics struct {
+	exchanges        *prometheus.CounterVec
+	exchangeDuration *prometheus.HistogramVec
+	cacheLookups     *prometheus.CounterVec
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		exchanges: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "credbroker",
+			Name:      "exchanges_total",
+			Help:      "Token exchanges by gRPC code and token cache result (hit or miss).",
+		}, []string{"code", "cache"}),
+		exchangeDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "credbroker",
+			Name:      "exchange_duration_seconds",
+			Help:      "Latency of token exchanges by gRPC code.",
+			Buckets:   prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}, []string{"code"}),
+		cacheLookups: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "credbroker",
+			Name:      "decision_cache_lookups_total",
+			Help:      "TokenReview (authn) and SubjectAccessReview (authz) cache lookups by result (hit or miss).",
+		}, []string{"cache", "result"}),
+	}
+	if err := register(reg, m.exchanges, m.exchangeDuration, m.cacheLookups); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// register registers every collector in reg, or in a private registry when
+// reg is nil: the metrics are then counted but exposed nowhere.
+func register(reg prometheus.Registerer, cs ...prometheus.Collector) error {
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	var errs []error
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("register metrics (is another Service registered in the same Registerer?): %w", err)
+	}
+	return nil
 }
 
 func cacheLabel(hit bool) string {

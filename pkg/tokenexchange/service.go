@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -131,6 +132,12 @@ type Config struct {
 	// Log receives operational errors, such as hub reviews that failed;
 	// Audit receives one line per exchange. Default: discard.
 	Log, Audit logr.Logger
+	// Registerer receives the Service's metrics (credbroker_exchanges_total,
+	// credbroker_exchange_duration_seconds,
+	// credbroker_decision_cache_lookups_total). Nil registers them in a
+	// private registry: counted, exposed nowhere. Two Services must not
+	// share one Registerer.
+	Registerer prometheus.Registerer
 }
 
 // Service implements credbrokerv1alpha1.TokenExchangeServer.
@@ -145,6 +152,7 @@ type Service struct {
 	reviews  *rate.Limiter
 	// peerReviews holds a TokenReview limiter per peer address.
 	peerReviews *store.Cache[*rate.Limiter]
+	metrics     *metrics
 }
 
 var _ pb.TokenExchangeServer = (*Service)(nil)
@@ -185,6 +193,9 @@ func New(cfg Config) (*Service, error) {
 	}
 	s := &Service{cfg: cfg, reviews: rate.NewLimiter(cfg.ReviewRateLimit, cfg.ReviewBurst)}
 	var err error
+	if s.metrics, err = newMetrics(cfg.Registerer); err != nil {
+		return nil, fmt.Errorf("tokenexchange: %w", err)
+	}
 	decisions := store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AuthnTTL, cfg.AllowTTL), Clock: cfg.Clock}
 	if s.authn, err = store.New[authnResult](decisions); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)

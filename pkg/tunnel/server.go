@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
@@ -92,6 +93,11 @@ type ServerConfig struct {
 	// stream of it was admitted or ended, off the registry's lock; it must
 	// not block.
 	OnSessionsChange func(types.NamespacedName)
+	// Registerer receives the Server's metrics (credbroker_agent_streams,
+	// credbroker_connected_clusters, credbroker_agent_mint_duration_seconds,
+	// credbroker_agent_revokes_total). Nil registers them in a private
+	// registry: counted, exposed nowhere.
+	Registerer prometheus.Registerer
 }
 
 // GrantRegistry keeps the grants the agents report (package grants).
@@ -125,6 +131,8 @@ type Server struct {
 	mu       sync.RWMutex
 	sessions map[types.NamespacedName][]*session
 	draining bool // set by Drain and Close; no stream is admitted after
+
+	metrics *metrics
 }
 
 var _ pb.AgentTunnelServer = (*Server)(nil)
@@ -149,7 +157,12 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Grants == nil {
 		cfg.Grants = noGrants{}
 	}
-	return &Server{cfg: cfg, sessions: map[types.NamespacedName][]*session{}}, nil
+	s := &Server{cfg: cfg, sessions: map[types.NamespacedName][]*session{}}
+	var err error
+	if s.metrics, err = newMetrics(cfg.Registerer, s); err != nil {
+		return nil, err
+	}
+	return s, nil
 }
 
 // session is one live Connect stream.
@@ -251,8 +264,8 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	})
 	defer timer.Stop()
 	log.Info("agent connected", "agentVersion", hello.GetAgentVersion(), "svidExpires", expires.UTC().Format(time.RFC3339))
-	streamsGauge.Inc()
-	defer streamsGauge.Dec()
+	s.metrics.streams.Inc()
+	defer s.metrics.streams.Dec()
 
 	recvErr := make(chan error, 1)
 	go func() { recvErr <- sess.receive(stream, s.cfg.Grants, log) }()
@@ -453,6 +466,20 @@ func (s *Server) Pending() int { return int(s.pending.Load()) }
 // Connected reports how many live sessions serve cluster.
 func (s *Server) Connected(cluster ClusterRef) int { return len(s.live(cluster)) }
 
+// ConnectedClusters reports how many clusters have at least one open
+// session whose agent has not said goodbye.
+func (s *Server) ConnectedClusters() int {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	n := 0
+	for _, list := range s.sessions {
+		if slices.ContainsFunc(list, func(sess *session) bool { return sess.ctx.Err() == nil && !sess.isLeaving() }) {
+			n++
+		}
+	}
+	return n
+}
+
 // Advertised returns the spoke API server URL and CA that the newest live
 // session of cluster advertised in its hello, with the number of live
 // sessions; server is empty when none advertised one.
@@ -515,7 +542,7 @@ func (s *Server) Reverify() {
 // the stream breaks, ErrDeadlineExceeded when the agent does not answer within
 // MintTimeout, and the agent's own code when it refuses.
 func (s *Server) Mint(ctx context.Context, cluster ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
-	return call(s, ctx, cluster, &pb.BrokerFrame{Body: &pb.BrokerFrame_MintRequest{MintRequest: req}}, answerOf, observeMint)
+	return call(s, ctx, cluster, &pb.BrokerFrame{Body: &pb.BrokerFrame_MintRequest{MintRequest: req}}, answerOf, s.metrics.observeMint)
 }
 
 // Revoke asks one live agent session of cluster to delete the grants of ids,
@@ -534,7 +561,7 @@ func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, r
 					"cluster", cluster.String(), "ignored", foreign)
 			}
 			return got, err
-		}, observeRevoke)
+		}, s.metrics.observeRevoke)
 		gone = append(gone, got...)
 		if err != nil {
 			return gone, err

@@ -204,6 +204,13 @@ func (d *Deployment) ClusterProfileAccess(spoke *Cluster) *Access {
 	return spoke.Access(plugin.Name, ext)
 }
 
+// Agents returns the running agents of the spoke named spoke.
+func (d *Deployment) Agents(spoke string) []*agent.Agent {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.agents[spoke])
+}
+
 // BrokerConfig returns the config the deployment's brokers run with, for a
 // test that starts a broker of its own.
 func (d *Deployment) BrokerConfig() broker.Config { return d.brokerCfg }

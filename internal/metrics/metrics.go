@@ -1,0 +1,87 @@
+// Package metrics holds the Prometheus collectors the broker and the agent
+// both expose: their build and the expiry of their X.509-SVID. Every
+// collector is made per call, for the caller's per-process registry; nothing
+// here is a package global.
+package metrics
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"runtime/debug"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+)
+
+// BuildInfo returns the gauge name{version,revision,goversion}, always 1.
+func BuildInfo(name, help string) prometheus.Collector {
+	v, rev, gov := build()
+	g := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        name,
+		Help:        help,
+		ConstLabels: prometheus.Labels{"version": v, "revision": rev, "goversion": gov},
+	})
+	g.Set(1)
+	return g
+}
+
+// build returns the running binary's version, VCS revision and Go version
+// from debug.ReadBuildInfo.
+//
+// TODO: read internal/version (Version and Revision set by -ldflags) once it
+// is in the tree; this is its placeholder.
+func build() (version, revision, goVersion string) {
+	version, revision, goVersion = "(devel)", "unknown", runtime.Version()
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return version, revision, goVersion
+	}
+	if bi.Main.Version != "" {
+		version = bi.Main.Version
+	}
+	if bi.GoVersion != "" {
+		goVersion = bi.GoVersion
+	}
+	modified := false
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			revision = s.Value
+		case "vcs.modified":
+			modified = s.Value == "true"
+		}
+	}
+	if modified && revision != "unknown" {
+		revision += "-dirty"
+	}
+	return version, revision, goVersion
+}
+
+// SVIDExpiry returns a gauge of the NotAfter of the leaf of src's current
+// X.509-SVID, in seconds since the epoch, read at every scrape, so that it
+// follows each rotation. Without an SVID it is 0, which an "expires within
+// 15 minutes" alert takes for expired.
+func SVIDExpiry(name, help string, src x509svid.Source) prometheus.Collector {
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 {
+		svid, err := src.GetX509SVID()
+		if err != nil || svid == nil || len(svid.Certificates) == 0 {
+			return 0
+		}
+		return float64(svid.Certificates[0].NotAfter.Unix())
+	})
+}
+
+// Register registers every collector in reg and reports every failure.
+func Register(reg prometheus.Registerer, cs ...prometheus.Collector) error {
+	var errs []error
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("register metrics: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,141 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// scrape is one /metrics page: the series' values by metric name (the
+// sum over their labels), and the names every family exposes (a histogram
+// x exposes x_bucket, x_sum and x_count).
+type scrape struct {
+	sums  map[string]float64
+	names map[string]bool
+	text  string
+}
+
+func scrapeMetrics(t *testing.T, addr string) scrape {
+	t.Helper()
+	require.NotEmpty(t, addr, "the metrics listener is disabled")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
+	require.NoError(t, err)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	raw, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+
+	s := scrape{sums: map[string]float64{}, names: map[string]bool{}, text: string(raw)}
+	sc := bufio.NewScanner(strings.NewReader(s.text))
+	for sc.Scan() {
+		line := sc.Text()
+		if f := strings.Fields(line); len(f) == 4 && f[0] == "#" && f[1] == "TYPE" {
+			s.names[f[2]] = true
+			if f[3] == "histogram" || f[3] == "summary" {
+				for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+					s.names[f[2]+suffix] = true
+				}
+			}
+			continue
+		}
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		name, _, _ := strings.Cut(line, "{")
+		name, _, _ = strings.Cut(name, " ")
+		f := strings.Fields(line)
+		v, err := strconv.ParseFloat(f[len(f)-1], 64)
+		require.NoError(t, err, "sample line %q", line)
+		s.names[name] = true
+		s.sums[name] += v
+	}
+	require.NoError(t, sc.Err())
+	return s
+}
+
+// monitoredNames reads deploy/monitoring/metric-names.txt, which
+// test/monitoring keeps equal to the metrics the alerts and the dashboard
+// name.
+func monitoredNames(t *testing.T) []string {
+	t.Helper()
+	raw, err := os.ReadFile("../../deploy/monitoring/metric-names.txt")
+	require.NoError(t, err)
+	var names []string
+	for line := range strings.Lines(string(raw)) {
+		if line = strings.TrimSpace(line); line != "" && !strings.HasPrefix(line, "#") {
+			names = append(names, line)
+		}
+	}
+	require.NotEmpty(t, names)
+	return names
+}
+
+// Every metric that deploy/monitoring's alerts and dashboard name is
+// exposed by a running broker or agent once an exchange has gone through.
+func TestMonitoredMetricsExist(t *testing.T) {
+	spoke := env.Spokes[0]
+	c := newConsumer(t, "credbroker", spoke.Name)
+	ns := optIn(t, spoke, "metrics", c.username())
+	_, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(spoke), ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "metrics"}})
+	require.NoError(t, err)
+
+	brokerPage := scrapeMetrics(t, deployment.Broker.MetricsAddr())
+	agents := deployment.Agents(spoke.Name)
+	require.NotEmpty(t, agents)
+	agentPage := scrapeMetrics(t, agents[0].MetricsAddr())
+
+	for _, name := range monitoredNames(t) {
+		assert.True(t, brokerPage.names[name] || agentPage.names[name], "neither the broker nor the agent exposes %s", name)
+	}
+
+	// The values are the deployment's: each replica sees both spokes'
+	// agents, and its SVID is valid for about an hour.
+	assert.Equal(t, float64(len(env.Spokes)), brokerPage.sums["credbroker_connected_clusters"])
+	assert.GreaterOrEqual(t, brokerPage.sums["credbroker_cluster_profiles"], float64(len(env.Spokes)))
+	assert.Equal(t, 1.0, brokerPage.sums["credbroker_build_info"])
+	for _, p := range []struct {
+		page scrape
+		name string
+	}{{brokerPage, "credbroker_svid_expiry_timestamp_seconds"}, {agentPage, "credbroker_agent_svid_expiry_timestamp_seconds"}} {
+		assert.InDelta(t, float64(time.Now().Unix()), p.page.sums[p.name], float64(2*time.Hour/time.Second), p.name)
+		assert.Greater(t, p.page.sums[p.name], float64(time.Now().Unix()), p.name)
+	}
+	assert.Contains(t, agentPage.text, `credbroker_agent_token_requests_total{code="201"}`)
+	assert.Equal(t, float64(len(deployment.Brokers)), agentPage.sums["credbroker_agent_broker_streams"], "one serving stream per broker replica")
+	assert.Equal(t, agentPage.sums["credbroker_agent_broker_target_addresses"], agentPage.sums["credbroker_agent_broker_target_streams"])
+	assert.NotContains(t, brokerPage.text, c.token, "a token in the metrics")
+}
+
+// Two broker replicas in one process keep their own counters: an exchange
+// on replica 0 moves replica 0's, not replica 1's.
+func TestMetricsPerReplica(t *testing.T) {
+	require.GreaterOrEqual(t, len(deployment.Brokers), 2)
+	spoke := env.Spokes[0]
+	c := newConsumer(t, "credbroker", spoke.Name)
+	ns := optIn(t, spoke, "metrics", c.username())
+
+	const counter = "credbroker_exchanges_total"
+	before0 := scrapeMetrics(t, deployment.Brokers[0].MetricsAddr()).sums[counter]
+	before1 := scrapeMetrics(t, deployment.Brokers[1].MetricsAddr()).sums[counter]
+	_, err := exchangeVia(t, exchangeClientAt(t, deployment.Brokers[0].ExchangeAddr()), c,
+		&pb.ExchangeRequest{Cluster: clusterRef(spoke), ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "metrics"}})
+	require.NoError(t, err)
+
+	assert.Equal(t, before0+1, scrapeMetrics(t, deployment.Brokers[0].MetricsAddr()).sums[counter], "replica 0 counts its exchange")
+	assert.Equal(t, before1, scrapeMetrics(t, deployment.Brokers[1].MetricsAddr()).sums[counter], "replica 1 counts replica 0's exchange")
+}
