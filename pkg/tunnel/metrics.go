@@ -45,10 +45,15 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Name:      "connected_clusters",
 		Help:      "ClusterProfiles with at least one live agent stream to this broker.",
 	}, func() float64 { return float64(s.ConnectedClusters()) })
+	pending := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: "credbroker",
+		Name:      "agent_requests_pending",
+		Help:      "Mints and revokes sent to agents and not answered yet; back to 0 once a fault has passed.",
+	}, func() float64 { return float64(s.Pending()) })
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
-	for _, c := range []prometheus.Collector{m.streams, m.mintDuration, m.revokes, connected} {
+	for _, c := range []prometheus.Collector{m.streams, m.mintDuration, m.revokes, connected, pending} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("tunnel: register metrics (are two Servers registered in the same Registerer?): %w", err)
 		}

@@ -85,7 +85,8 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool)
 	return time.Since(start)
 }
 
-// requireNoPendingMints waits until no mint or revoke waits for an agent.
+// requireNoPendingMints waits until no mint or revoke waits for an agent
+// (credbroker_agent_requests_pending is 0).
 func requireNoPendingMints(t *testing.T) {
 	t.Helper()
 	waitFor(t, mintTimeout+5*time.Second, "no pending agent requests", func() bool {
