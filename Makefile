@@ -66,6 +66,10 @@ e2e: testbin spire ## Run only the end-to-end tests (one hub, two spokes).
 bench: testbin ## Benchmark the exchange against a direct TokenRequest on the same API server.
 	$(ASSETS) $(GO) test -run '^$$' -bench . $(BENCH_FLAGS) ./test/e2e/...
 
+.PHONY: fuzz
+fuzz: ## Run every fuzz target for FUZZTIME each (default 30s); not part of `make test`, which runs their seeds.
+	hack/fuzz.sh
+
 .PHONY: demo
 demo: testbin build ## Start a hub, two spokes, bin/broker and a bin/spoke-agent each; list namespaces on both as a consumer, three ways.
 	$(ASSETS) $(GO) run ./test/demo --plugin=$(BIN)/credbroker-plugin --cli=$(BIN)/credbroker --broker=$(BIN)/broker --agent=$(BIN)/spoke-agent
