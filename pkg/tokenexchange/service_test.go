@@ -64,6 +64,9 @@ func consumerTokenExpiring(exp time.Time) string {
 type fakeReviews struct {
 	tokenReviews, accessReviews atomic.Int32
 	down, hang                  atomic.Bool
+	// audiences, when set, replaces the audiences an authenticated review
+	// reports: an authenticator that ignores the requested audiences.
+	audiences func(requested []string) []string
 }
 
 func (f *fakeReviews) Create(ctx context.Context, tr *authenticationv1.TokenReview, _ metav1.CreateOptions) (*authenticationv1.TokenReview, error) {
@@ -80,9 +83,13 @@ func (f *fakeReviews) Create(ctx context.Context, tr *authenticationv1.TokenRevi
 		out.Status = authenticationv1.TokenReviewStatus{Error: "invalid bearer token"}
 		return out, nil
 	}
+	audiences := tr.Spec.Audiences
+	if f.audiences != nil {
+		audiences = f.audiences(audiences)
+	}
 	out.Status = authenticationv1.TokenReviewStatus{
 		Authenticated: true,
-		Audiences:     tr.Spec.Audiences,
+		Audiences:     audiences,
 		User:          authenticationv1.UserInfo{Username: "system:serviceaccount:hub:consumer", UID: "consumer-uid", Groups: []string{"system:serviceaccounts"}},
 	}
 	return out, nil
