@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	authorizationv1 "k8s.io/api/authorization/v1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/hubkeys"
@@ -321,4 +322,31 @@ func TestTokenReviewMustConfirmTheAudience(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Attack: a SubjectAccessReview that carries only the username loses the
+// groups, uid and extra the TokenReview reported. A grant to a group
+// (system:serviceaccounts:<ns>) then never applies, and a hub authorizer
+// that denies by uid or extra (a deleted-and-recreated ServiceAccount, a
+// pod-bound token) is not consulted about them.
+// Defence: the review carries the whole hub user, as the TokenReview
+// reported it.
+func TestAccessReviewCarriesTheWholeUser(t *testing.T) {
+	f := newFixture(t)
+	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err)
+
+	f.reviews.mu.Lock()
+	defer f.reviews.mu.Unlock()
+	require.Len(t, f.reviews.sars, 1)
+	assert.Equal(t, authorizationv1.SubjectAccessReviewSpec{
+		User:   "system:serviceaccount:hub:consumer",
+		UID:    "consumer-uid",
+		Groups: []string{"system:serviceaccounts"},
+		Extra:  map[string]authorizationv1.ExtraValue{"authentication.kubernetes.io/pod-name": {"consumer-0"}},
+		ResourceAttributes: &authorizationv1.ResourceAttributes{
+			Group: "multicluster.x-k8s.io", Resource: "clusterprofiles", Subresource: "token",
+			Verb: "create", Namespace: "fleet", Name: "a",
+		},
+	}, f.reviews.sars[0])
 }

@@ -64,6 +64,8 @@ func consumerTokenExpiring(exp time.Time) string {
 type fakeReviews struct {
 	tokenReviews, accessReviews atomic.Int32
 	down, hang                  atomic.Bool
+	mu                          sync.Mutex
+	sars                        []authorizationv1.SubjectAccessReviewSpec // every SubjectAccessReview asked, in order
 	// audiences, when set, replaces the audiences an authenticated review
 	// reports: an authenticator that ignores the requested audiences.
 	audiences func(requested []string) []string
@@ -90,7 +92,11 @@ func (f *fakeReviews) Create(ctx context.Context, tr *authenticationv1.TokenRevi
 	out.Status = authenticationv1.TokenReviewStatus{
 		Authenticated: true,
 		Audiences:     audiences,
-		User:          authenticationv1.UserInfo{Username: "system:serviceaccount:hub:consumer", UID: "consumer-uid", Groups: []string{"system:serviceaccounts"}},
+		User: authenticationv1.UserInfo{
+			Username: "system:serviceaccount:hub:consumer", UID: "consumer-uid",
+			Groups: []string{"system:serviceaccounts"},
+			Extra:  map[string]authenticationv1.ExtraValue{"authentication.kubernetes.io/pod-name": {"consumer-0"}},
+		},
 	}
 	return out, nil
 }
@@ -99,6 +105,9 @@ type fakeAccessReviews struct{ *fakeReviews }
 
 func (f fakeAccessReviews) Create(_ context.Context, sar *authorizationv1.SubjectAccessReview, _ metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error) {
 	f.accessReviews.Add(1)
+	f.mu.Lock()
+	f.sars = append(f.sars, *sar.Spec.DeepCopy())
+	f.mu.Unlock()
 	if f.down.Load() {
 		return nil, errors.New("connection refused")
 	}
