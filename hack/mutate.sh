@@ -4,7 +4,10 @@
 # fails when a package is below its floors.
 #
 # Usage: hack/mutate.sh PKG:EFFICACY:COVERAGE...   (PKG under pkg/, floors in %)
-# GREMLINS_FLAGS adds flags to `gremlins unleash` (for example --workers 1).
+# GREMLINS_FLAGS replaces the flags given to `gremlins unleash` (default:
+# a timeout of 20 times the package's covered test run, so that a loaded
+# machine does not turn slow tests into TIMED OUT mutants, which count
+# neither as killed nor as lived).
 # Each package's full report, with the LIVED mutants, is left in
 # $MUTATE_OUT (default bin/mutate/<pkg>.log).
 set -euo pipefail
@@ -24,7 +27,7 @@ for spec in "$@"; do
 	start=$SECONDS
 	# gremlins exits non-zero on its own thresholds only; we compare below so
 	# that every package is measured before the target fails.
-	if ! "${gremlins[@]}" unleash ${GREMLINS_FLAGS:-} "./pkg/$pkg" >"$log" 2>&1; then
+	if ! "${gremlins[@]}" unleash ${GREMLINS_FLAGS:---timeout-coefficient 20} "./pkg/$pkg" >"$log" 2>&1; then
 		failed+=("$pkg: gremlins failed, see $log")
 		summary+=("$(printf '%-16s %10s %10s %8s' "$pkg" error error "$((SECONDS - start))s")")
 		continue
