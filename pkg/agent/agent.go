@@ -207,6 +207,10 @@ type Agent struct {
 	sas       corev1listers.ServiceAccountLister
 	targets   []*fanout
 	minter    *spoke.Minter
+	// connected is closed once every target has admitted a stream;
+	// unconnected counts the targets that have not yet.
+	connected   chan struct{}
+	unconnected atomic.Int64
 
 	mu      sync.Mutex
 	clients map[*tunnel.Client]struct{} // the running broker streams' clients
@@ -354,7 +358,7 @@ func New(cfg Config) (_ *Agent, err error) {
 			return serve(ctx, target, addr, connected)
 		}, cfg.Log.WithName("brokers"))
 		f.onStreams = a.metrics.targetAddresses.WithLabelValues(target).Set
-		a.targets = append(a.targets, f)
+		a.addTarget(f)
 	}
 	if cfg.MetricsAddress != "" {
 		if a.metricsLis, err = net.Listen("tcp", cfg.MetricsAddress); err != nil {
@@ -371,17 +375,24 @@ func clusterString(c types.NamespacedName) string {
 	return c.String()
 }
 
-// Connected is closed once every broker target has admitted a stream.
-func (a *Agent) Connected() <-chan struct{} {
-	done := make(chan struct{})
-	go func() {
-		for _, t := range a.targets {
-			<-t.connected
+// addTarget adds a broker target, which Connected waits for. Call it only
+// while building the agent.
+func (a *Agent) addTarget(f *fanout) {
+	if a.connected == nil {
+		a.connected = make(chan struct{})
+	}
+	a.unconnected.Add(1)
+	f.onConnected = func() {
+		if a.unconnected.Add(-1) == 0 {
+			close(a.connected)
 		}
-		close(done)
-	}()
-	return done
+	}
+	a.targets = append(a.targets, f)
 }
+
+// Connected is closed once every broker target has admitted a stream. It
+// starts no goroutine: an agent whose target never connects leaks nothing.
+func (a *Agent) Connected() <-chan struct{} { return a.connected }
 
 // ServiceAccounts is the agent's view of the spoke's ServiceAccounts, from
 // which it applies the opt-in policy. Its cache trails the API server by the

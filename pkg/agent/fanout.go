@@ -27,6 +27,18 @@ type fanout struct {
 
 	once      sync.Once
 	connected chan struct{} // closed when the first stream is admitted
+	// onConnected, when set, is called once, when connected is closed.
+	onConnected func()
+}
+
+// markConnected closes connected, and calls onConnected, the first time.
+func (f *fanout) markConnected() {
+	f.once.Do(func() {
+		close(f.connected)
+		if f.onConnected != nil {
+			f.onConnected()
+		}
+	})
 }
 
 func newFanout(target string, interval time.Duration, lookup func(context.Context, string) ([]string, error),
@@ -41,8 +53,6 @@ func (f *fanout) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	markConnected := func() { f.once.Do(func() { close(f.connected) }) }
-
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	running := map[string]context.CancelFunc{}
@@ -55,7 +65,7 @@ func (f *fanout) Run(ctx context.Context) error {
 		sctx, cancel := context.WithCancel(ctx)
 		running[addr] = cancel
 		wg.Go(func() {
-			if err := f.serve(sctx, addr, markConnected); err != nil {
+			if err := f.serve(sctx, addr, f.markConnected); err != nil {
 				f.log.Error(err, "broker stream stopped", "address", addr)
 			}
 		})

@@ -15,9 +15,17 @@ import (
 
 // fakeDNS answers lookups with what the test sets.
 type fakeDNS struct {
-	mu  sync.Mutex
-	ips []string
-	err error
+	mu      sync.Mutex
+	ips     []string
+	err     error
+	lookups int
+}
+
+// lookupCount is how many lookups the fanout has made.
+func (d *fakeDNS) lookupCount() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.lookups
 }
 
 func (d *fakeDNS) set(err error, ips ...string) {
@@ -29,6 +37,7 @@ func (d *fakeDNS) set(err error, ips ...string) {
 func (d *fakeDNS) lookup(_ context.Context, host string) ([]string, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.lookups++
 	return slices.Clone(d.ips), d.err
 }
 
@@ -84,7 +93,9 @@ func TestFanoutFollowsReplicas(t *testing.T) {
 	eventually("10.0.0.2:8444", "10.0.0.3:8444")
 
 	dns.set(errors.New("no such host")) // DNS trouble keeps the streams
-	time.Sleep(10 * time.Millisecond)
+	failedFrom := dns.lookupCount()
+	require.Eventually(t, func() bool { return dns.lookupCount() >= failedFrom+2 }, 10*time.Second, time.Millisecond,
+		"the fanout did not look the target up again")
 	assert.Equal(t, []string{"10.0.0.2:8444", "10.0.0.3:8444"}, s.addrs())
 
 	cancel()

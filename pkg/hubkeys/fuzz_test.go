@@ -13,7 +13,8 @@ import (
 )
 
 // FuzzVerify feeds untrusted bearer tokens to Verify: it must not panic,
-// must refuse as Unauthenticated, and must never quote the token.
+// must refuse as Unauthenticated, and must never quote the token. A token
+// it accepts has three segments and is at most 16 KiB.
 func FuzzVerify(f *testing.F) {
 	k := testKeys()
 	good := sign(f, jose.RS256, k.rsa1, "rsa-1", goodClaims())
@@ -38,6 +39,12 @@ func FuzzVerify(f *testing.F) {
 		if err == nil {
 			if exp.IsZero() {
 				t.Fatal("Verify accepted a token without returning its expiry")
+			}
+			if n := len(strings.Split(tok, ".")); n != 3 {
+				t.Fatalf("Verify accepted a token of %d segments", n)
+			}
+			if len(tok) > 16<<10 {
+				t.Fatalf("Verify accepted a token of %d bytes", len(tok))
 			}
 			return
 		}

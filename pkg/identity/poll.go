@@ -39,6 +39,9 @@ type filePoller struct {
 	// are good, stores the result. It returns key-value pairs describing
 	// what it stored, for the log.
 	apply func(contents [][]byte) (logValues []any, err error)
+	// readFile reads one file: os.ReadFile, or in tests a reader that
+	// changes the files between reads.
+	readFile func(name string) ([]byte, error)
 
 	mu          sync.Mutex
 	last        [sha256.Size]byte // digest of the contents last applied, good or bad
@@ -57,7 +60,7 @@ func newFilePoller(files []string, interval time.Duration, log logr.Logger, appl
 	case interval < 0:
 		return nil, fmt.Errorf("identity: interval %v is negative", interval)
 	}
-	return &filePoller{files: files, interval: interval, clock: clock.RealClock{}, log: log, apply: apply}, nil
+	return &filePoller{files: files, interval: interval, clock: clock.RealClock{}, log: log, apply: apply, readFile: os.ReadFile}, nil
 }
 
 // load reads and applies the files once, returning any failure.
@@ -146,7 +149,7 @@ func (p *filePoller) logReadError(err error) {
 func (p *filePoller) read() ([][]byte, error) {
 	contents := make([][]byte, len(p.files))
 	for i, f := range p.files {
-		b, err := os.ReadFile(f)
+		b, err := p.readFile(f)
 		if err != nil {
 			return nil, fmt.Errorf("identity: %w", err)
 		}

@@ -102,6 +102,12 @@ func TestFingerprintHidesToken(t *testing.T) {
 	assert.NotContains(t, fp, tok[:10])
 }
 
+// FuzzCheckShapeAndID feeds untrusted bearer tokens to CheckShape and ID.
+// Invariants: an accepted token has three segments, of which only the
+// signature may be empty, and is at most MaxLength bytes; an error never
+// quotes the token; ID is "JTI=<jti>" or the token's Fingerprint, and never
+// contains the signature segment. Seeds: f.Add below and
+// testdata/fuzz/FuzzCheckShapeAndID.
 func FuzzCheckShapeAndID(f *testing.F) {
 	f.Add(jwt(`{"jti":"x"}`))
 	f.Add("a.b.c")
@@ -112,13 +118,38 @@ func FuzzCheckShapeAndID(f *testing.F) {
 		if err != nil && len(s) > 0 && strings.Contains(err.Error(), s) && len(s) > 3 {
 			t.Fatalf("error %q repeats the token", err)
 		}
+		if err == nil {
+			parts := strings.Split(s, ".")
+			if len(parts) != 3 || parts[0] == "" || parts[1] == "" {
+				t.Fatalf("accepted a token of segments %q", parts)
+			}
+			if len(s) > MaxLength || len(s) > 16<<10 {
+				t.Fatalf("accepted a token of %d bytes", len(s))
+			}
+		}
 		_, _ = Expiry(s)
 		id := ID(s)
 		if id == "" {
 			t.Fatal("empty id")
 		}
-		if c, err := ParseClaims(s); err == nil && IDOf(c, s) != id {
+		c, perr := ParseClaims(s)
+		if perr == nil && IDOf(c, s) != id {
 			t.Fatalf("IDOf %q is not ID %q", IDOf(c, s), id)
+		}
+		if jti, ok := strings.CutPrefix(id, "JTI="); ok {
+			if perr != nil || jti != c.ID || len(jti) > 128 {
+				t.Fatalf("id %q is not the token's jti claim", id)
+			}
+		} else if id != Fingerprint(s) {
+			t.Fatalf("id %q is neither JTI=<jti> nor the fingerprint", id)
+		}
+		// The signature is what makes a token usable; its name must not
+		// carry it. (A jti claim may repeat it: the token's author chose
+		// that, and put it in the payload.)
+		if i := strings.LastIndexByte(s, '.'); err == nil && i >= 0 {
+			if sig := s[i+1:]; len(sig) > len(Fingerprint("")) && !strings.Contains(c.ID, sig) && strings.Contains(id, sig) {
+				t.Fatalf("id %q contains the signature segment", id)
+			}
 		}
 	})
 }

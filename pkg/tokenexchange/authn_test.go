@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	authorizationv1 "k8s.io/api/authorization/v1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/hubkeys"
@@ -288,4 +289,64 @@ func TestAuthnCacheBoundedByVerifiedExpiry(t *testing.T) {
 	_, err = f.svc.Exchange(withBearer(tok), fleetA())
 	require.NoError(t, err)
 	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load(), "the hub was asked again once the token expired")
+}
+
+// Attack: the hub's authenticator ignores the requested audience (a
+// webhook or an old authenticator that accepts any token of its issuer)
+// and authenticates a token minted for another audience, such as the API
+// server's own.
+// Defence: the review must echo the broker's audience in status.audiences.
+func TestTokenReviewMustConfirmTheAudience(t *testing.T) {
+	tests := []struct {
+		name      string
+		audiences func(requested []string) []string
+		wantCode  codes.Code
+	}{
+		{name: "echoes the broker's audience", audiences: func(r []string) []string { return r }, wantCode: codes.OK},
+		{name: "reports no audience", audiences: func([]string) []string { return nil }, wantCode: codes.Unauthenticated},
+		{name: "reports the API server's audience", audiences: func([]string) []string { return []string{"https://kubernetes.default.svc"} }, wantCode: codes.Unauthenticated},
+		{name: "reports a look-alike audience", audiences: func([]string) []string { return []string{"credbroker ", "Credbroker"} }, wantCode: codes.Unauthenticated},
+		{name: "reports the broker's among others", audiences: func(r []string) []string { return append([]string{"other"}, r...) }, wantCode: codes.OK},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.reviews.audiences = tt.audiences
+			_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+			st := status.Convert(err)
+			require.Equal(t, tt.wantCode, st.Code(), st.Message())
+			if tt.wantCode != codes.OK {
+				assert.Equal(t, `the hub rejected the token for audience "credbroker": the hub did not confirm the audience: unauthenticated`, st.Message())
+				assert.Zero(t, f.reviews.accessReviews.Load(), "an unconfirmed token reached authorization")
+				assert.Zero(t, f.minter.calls.Load(), "an unconfirmed token was exchanged")
+			}
+		})
+	}
+}
+
+// Attack: a SubjectAccessReview that carries only the username loses the
+// groups, uid and extra the TokenReview reported. A grant to a group
+// (system:serviceaccounts:<ns>) then never applies, and a hub authorizer
+// that denies by uid or extra (a deleted-and-recreated ServiceAccount, a
+// pod-bound token) is not consulted about them.
+// Defence: the review carries the whole hub user, as the TokenReview
+// reported it.
+func TestAccessReviewCarriesTheWholeUser(t *testing.T) {
+	f := newFixture(t)
+	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err)
+
+	f.reviews.mu.Lock()
+	defer f.reviews.mu.Unlock()
+	require.Len(t, f.reviews.sars, 1)
+	assert.Equal(t, authorizationv1.SubjectAccessReviewSpec{
+		User:   "system:serviceaccount:hub:consumer",
+		UID:    "consumer-uid",
+		Groups: []string{"system:serviceaccounts"},
+		Extra:  map[string]authorizationv1.ExtraValue{"authentication.kubernetes.io/pod-name": {"consumer-0"}},
+		ResourceAttributes: &authorizationv1.ResourceAttributes{
+			Group: "multicluster.x-k8s.io", Resource: "clusterprofiles", Subresource: "token",
+			Verb: "create", Namespace: "fleet", Name: "a",
+		},
+	}, f.reviews.sars[0])
 }

@@ -3,6 +3,7 @@ package tokenexchange
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -50,7 +51,11 @@ func TestParseRequestAudiences(t *testing.T) {
 
 // FuzzParseRequest feeds arbitrary requests and bearer headers to the
 // parsers that run before any API call: they must never panic, and every
-// refusal must be InvalidArgument or Unauthenticated.
+// refusal must be InvalidArgument or Unauthenticated. A parsed request never
+// carries the broker's audience, its audiences are a sorted set of valid
+// audiences, and its expiration is within bounds. An accepted bearer token
+// has three segments and is at most 16 KiB. Seeds: f.Add below and
+// testdata/fuzz/FuzzParseRequest.
 func FuzzParseRequest(f *testing.F) {
 	f.Add("fleet", "a", "spoke", "reader", "aud", int64(600), "Bearer e30.e30.")
 	f.Add("", "", "", "", "", int64(-1), "")
@@ -58,7 +63,7 @@ func FuzzParseRequest(f *testing.F) {
 	f.Fuzz(func(t *testing.T, ns, name, saNS, saName, aud string, secs int64, header string) {
 		req := &pb.ExchangeRequest{
 			Cluster:           &pb.ObjectReference{Namespace: ns, Name: name},
-			Audiences:         []string{aud},
+			Audiences:         strings.Split(aud, ","),
 			ExpirationSeconds: secs,
 		}
 		if saNS != "" || saName != "" {
@@ -69,8 +74,24 @@ func FuzzParseRequest(f *testing.F) {
 			if !errors.Is(err, errdefs.ErrInvalidArgument) {
 				t.Fatalf("parseRequest: %v is not InvalidArgument", err)
 			}
-		} else if r.expiration < 10*time.Minute || r.expiration > time.Hour {
-			t.Fatalf("expiration %s out of bounds", r.expiration)
+		} else {
+			if r.expiration < 10*time.Minute || r.expiration > time.Hour {
+				t.Fatalf("expiration %s out of bounds", r.expiration)
+			}
+			if slices.Contains(r.audiences, "credbroker") {
+				t.Fatalf("a parsed request carries the broker's audience: %q", r.audiences)
+			}
+			if !slices.IsSorted(r.audiences) || len(slices.Compact(slices.Clone(r.audiences))) != len(r.audiences) {
+				t.Fatalf("audiences %q are not a sorted set", r.audiences)
+			}
+			for _, a := range r.audiences {
+				if !validAudience(a) || !slices.Contains(req.GetAudiences(), a) {
+					t.Fatalf("audience %q was not asked for, or is not valid", a)
+				}
+			}
+			if r.cluster.Namespace != ns || r.cluster.Name != name {
+				t.Fatalf("cluster %v is not the one asked for", r.cluster)
+			}
 		}
 
 		ctx := metadata.NewIncomingContext(context.Background(), metadata.Pairs("authorization", header))
@@ -81,6 +102,16 @@ func FuzzParseRequest(f *testing.F) {
 			}
 			if len(tok) > 0 {
 				t.Fatal("a token came back with an error")
+			}
+		} else {
+			if parts := strings.Split(tok, "."); len(parts) != 3 {
+				t.Fatalf("accepted a bearer token of %d segments", len(parts))
+			}
+			if len(tok) > 16<<10 {
+				t.Fatalf("accepted a bearer token of %d bytes", len(tok))
+			}
+			if !strings.HasSuffix(header, tok) {
+				t.Fatal("the accepted token is not the header's")
 			}
 		}
 	})

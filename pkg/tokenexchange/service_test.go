@@ -37,18 +37,22 @@ func jwt(claims string) string {
 	return enc([]byte(`{"alg":"RS256"}`)) + "." + enc([]byte(claims)) + "." + enc([]byte("sig"))
 }
 
-// isConsumerToken tells the fake hub which tokens to accept: those whose
-// sub claim is "consumer".
-func isConsumerToken(tok string) bool {
+// hubConsumer tells the fake hub which tokens to accept: those whose sub
+// claim is "consumer" or "second-consumer", two ServiceAccounts of namespace
+// hub. It returns the sub, or "" for a token the hub rejects.
+func hubConsumer(tok string) string {
 	parts := strings.Split(tok, ".")
 	if len(parts) != 3 {
-		return false
+		return ""
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
 	var claims struct {
 		Sub string `json:"sub"`
 	}
-	return err == nil && json.Unmarshal(raw, &claims) == nil && claims.Sub == "consumer"
+	if err != nil || json.Unmarshal(raw, &claims) != nil || (claims.Sub != "consumer" && claims.Sub != "second-consumer") {
+		return ""
+	}
+	return claims.Sub
 }
 
 // consumerToken expires an hour after t0.
@@ -59,11 +63,19 @@ func consumerTokenExpiring(exp time.Time) string {
 }
 
 // fakeReviews answers TokenReviews and SubjectAccessReviews like a hub on
-// which consumer tokens belong to hub:consumer, who may use ClusterProfile
-// fleet/a only.
+// which consumer tokens belong to hub:consumer (and second-consumer tokens
+// to hub:second-consumer), who may use ClusterProfile fleet/a only.
 type fakeReviews struct {
 	tokenReviews, accessReviews atomic.Int32
 	down, hang                  atomic.Bool
+	// recreated counts how often the consumers' ServiceAccounts were deleted
+	// and recreated: each time gives them a new uid.
+	recreated atomic.Int32
+	mu        sync.Mutex
+	sars      []authorizationv1.SubjectAccessReviewSpec // every SubjectAccessReview asked, in order
+	// audiences, when set, replaces the audiences an authenticated review
+	// reports: an authenticator that ignores the requested audiences.
+	audiences func(requested []string) []string
 }
 
 func (f *fakeReviews) Create(ctx context.Context, tr *authenticationv1.TokenReview, _ metav1.CreateOptions) (*authenticationv1.TokenReview, error) {
@@ -76,14 +88,27 @@ func (f *fakeReviews) Create(ctx context.Context, tr *authenticationv1.TokenRevi
 		return nil, errors.New("connection refused")
 	}
 	out := tr.DeepCopy()
-	if !isConsumerToken(tr.Spec.Token) || len(tr.Spec.Audiences) != 1 || tr.Spec.Audiences[0] != "credbroker" {
+	sub := hubConsumer(tr.Spec.Token)
+	uid := sub + "-uid"
+	if n := f.recreated.Load(); n > 0 {
+		uid = fmt.Sprintf("%s-%d", uid, n)
+	}
+	if sub == "" || len(tr.Spec.Audiences) != 1 || tr.Spec.Audiences[0] != "credbroker" {
 		out.Status = authenticationv1.TokenReviewStatus{Error: "invalid bearer token"}
 		return out, nil
 	}
+	audiences := tr.Spec.Audiences
+	if f.audiences != nil {
+		audiences = f.audiences(audiences)
+	}
 	out.Status = authenticationv1.TokenReviewStatus{
 		Authenticated: true,
-		Audiences:     tr.Spec.Audiences,
-		User:          authenticationv1.UserInfo{Username: "system:serviceaccount:hub:consumer", UID: "consumer-uid", Groups: []string{"system:serviceaccounts"}},
+		Audiences:     audiences,
+		User: authenticationv1.UserInfo{
+			Username: "system:serviceaccount:hub:" + sub, UID: uid,
+			Groups: []string{"system:serviceaccounts"},
+			Extra:  map[string]authenticationv1.ExtraValue{"authentication.kubernetes.io/pod-name": {"consumer-0"}},
+		},
 	}
 	return out, nil
 }
@@ -92,12 +117,15 @@ type fakeAccessReviews struct{ *fakeReviews }
 
 func (f fakeAccessReviews) Create(_ context.Context, sar *authorizationv1.SubjectAccessReview, _ metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error) {
 	f.accessReviews.Add(1)
+	f.mu.Lock()
+	f.sars = append(f.sars, *sar.Spec.DeepCopy())
+	f.mu.Unlock()
 	if f.down.Load() {
 		return nil, errors.New("connection refused")
 	}
 	out := sar.DeepCopy()
 	ra := sar.Spec.ResourceAttributes
-	out.Status.Allowed = sar.Spec.User == "system:serviceaccount:hub:consumer" &&
+	out.Status.Allowed = (sar.Spec.User == "system:serviceaccount:hub:consumer" || sar.Spec.User == "system:serviceaccount:hub:second-consumer") &&
 		ra.Group == Group && ra.Resource == Resource && ra.Subresource == Subresource && ra.Verb == Verb &&
 		ra.Namespace == "fleet" && ra.Name == "a"
 	return out, nil
@@ -368,6 +396,41 @@ func TestTokenCacheKey(t *testing.T) {
 	f.cluster.uid = "uid-2" // the ClusterProfile was deleted and recreated
 	f.cluster.mu.Unlock()
 	assert.NotEqual(t, base, exchange(&pb.ExchangeRequest{Cluster: fleetA().Cluster, Audiences: []string{"x", "y"}}))
+}
+
+// Attack: a second consumer asks for the same cluster, ServiceAccount and
+// audiences as the first, within the first one's token lifetime. With the
+// consumer out of the cache key it is handed the first consumer's token:
+// the spoke's grant, audit and revocation then name the wrong consumer, and
+// revoking one consumer leaves the other holding the token.
+// Defence: the token cache key holds the consumer's username and uid.
+func TestTokenCacheIsPerConsumer(t *testing.T) {
+	f := newFixture(t)
+	second := jwt(fmt.Sprintf(`{"sub":"second-consumer","exp":%d}`, t0.Add(time.Hour).Unix()))
+	req := func() *pb.ExchangeRequest {
+		return &pb.ExchangeRequest{Cluster: fleetA().Cluster, ServiceAccount: &pb.ObjectReference{Namespace: "spoke", Name: "shared"}}
+	}
+	first, err := f.svc.Exchange(withBearer(consumerToken), req())
+	require.NoError(t, err)
+	other, err := f.svc.Exchange(withBearer(second), req())
+	require.NoError(t, err)
+	assert.NotEqual(t, first.GetToken(), other.GetToken(), "the second consumer got the first one's token")
+	assert.NotEqual(t, first.GetCredentialId(), other.GetCredentialId())
+	assert.Equal(t, int32(2), f.minter.calls.Load(), "one mint per consumer")
+
+	// Each consumer still reuses its own.
+	again, err := f.svc.Exchange(withBearer(second), req())
+	require.NoError(t, err)
+	assert.Equal(t, other.GetToken(), again.GetToken())
+	assert.Equal(t, int32(2), f.minter.calls.Load())
+
+	// The first consumer's ServiceAccount is deleted and recreated under the
+	// same name: the new one is another consumer.
+	f.reviews.recreated.Add(1)
+	recreated, err := f.svc.Exchange(withBearer(consumerTokenExpiring(t0.Add(2*time.Hour))), req())
+	require.NoError(t, err)
+	assert.NotEqual(t, first.GetToken(), recreated.GetToken(), "a recreated ServiceAccount got its predecessor's token")
+	assert.Equal(t, int32(3), f.minter.calls.Load())
 }
 
 func TestConcurrentMissesMintOnce(t *testing.T) {

@@ -341,7 +341,10 @@ func TestMintErrors(t *testing.T) {
 
 func TestUnknownAgentIsRefused(t *testing.T) {
 	h := newHarness(t, time.Second)
-	c, _ := h.agent(t, "spiffe://test.example/clusterprofile/fleet/unknown", &fakeMinter{})
+	log := &lineLog{}
+	c, _ := h.agent(t, "spiffe://test.example/clusterprofile/fleet/unknown", &fakeMinter{}, func(cfg *ClientConfig) {
+		cfg.Log = funcr.New(log.add, funcr.Options{})
+	})
 
 	// The refusal is a status on the stream; the client keeps retrying and
 	// never counts as connected.
@@ -351,6 +354,12 @@ func TestUnknownAgentIsRefused(t *testing.T) {
 	assert.Equal(t, codes.PermissionDenied, statusCode(err))
 	assert.Contains(t, err.Error(), "no ClusterProfile accepts agent spiffe://test.example/clusterprofile/fleet/unknown")
 
+	// The client has been refused, and has retried, before it is asked
+	// whether it is connected: checked at once, it would not be yet
+	// whatever the broker did.
+	require.Eventually(t, func() bool { return log.count("broker stream ended; reconnecting") >= 2 },
+		10*time.Second, 5*time.Millisecond)
+	assert.Contains(t, log.String(), "no ClusterProfile accepts agent")
 	select {
 	case <-c.Connected():
 		t.Fatal("an unknown agent was admitted")

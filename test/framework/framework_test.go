@@ -70,9 +70,18 @@ func env(t *testing.T) *framework.Env {
 	return testEnv
 }
 
-func TestStartupTime(t *testing.T) {
+// Start returns once the hub and each spoke it was asked for serve: every
+// API server is ready when Start returns, not some time after. (How long
+// start-up took is logged, not asserted: that would be a timing assertion.)
+func TestStartedClustersAreReady(t *testing.T) {
 	e := env(t)
 	t.Logf("hub and %d spoke started in %s", len(e.Spokes), startTook.Round(time.Millisecond))
+	require.Len(t, e.Spokes, 1, "the spokes asked for")
+	for _, c := range append([]*framework.Cluster{e.Hub}, e.Spokes...) {
+		body, err := c.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(t.Context())
+		require.NoError(t, err, "%s is not ready", c.Name)
+		assert.Equal(t, "ok", string(body), c.Name)
+	}
 }
 
 func TestStartRequiresAssets(t *testing.T) {
