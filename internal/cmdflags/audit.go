@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 
 	"github.com/go-logr/logr"
@@ -63,8 +64,12 @@ func OpenAuditLog(path string, maxSizeMiB, maxBackups int) (io.WriteCloser, erro
 }
 
 // AuditLogger is the audit logger over w: JSON lines whatever --log-format
-// is, every line written whatever -v is.
-func AuditLogger(w io.Writer) logr.Logger { return JSONLogger(w, 0).WithName("audit") }
+// is, every line written whatever -v is, and every value passed through
+// token.Redact first.
+func AuditLogger(w io.Writer) logr.Logger {
+	h := redactHandler{slog.NewJSONHandler(w, &slog.HandlerOptions{Level: slog.LevelInfo})}
+	return logr.FromSlogHandler(h).WithName("audit")
+}
 
 type nopCloser struct{ io.Writer }
 

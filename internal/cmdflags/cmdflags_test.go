@@ -3,6 +3,7 @@ package cmdflags
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -159,7 +160,7 @@ func TestAuditLogRotation(t *testing.T) {
 	w, err := OpenAuditLog(path, 1, 5)
 	require.NoError(t, err)
 	log := AuditLogger(w)
-	pad := strings.Repeat("x", 1000)
+	pad := strings.Repeat("padding ", 125) // 1000 bytes that Redact leaves
 	const lines = 1500 // about 1.5 MiB
 	for i := range lines {
 		log.Info("exchange", "n", i, "pad", pad)
@@ -185,4 +186,29 @@ func TestAuditLogRotation(t *testing.T) {
 		}
 	}
 	assert.Equal(t, lines, seen)
+}
+
+// The audit logger writes no token, nor any segment of one, whatever field
+// carries it: a string, a list, an error, a value of another type, or one
+// given to WithValues.
+func TestAuditLoggerRedacts(t *testing.T) {
+	const (
+		header  = "eyJhbGciOiJFUzI1NiIsImtpZCI6IlNYUkFoR1VvUHpCWjJhZVhTcFRZOGxtczdjNUVtenlwVXk2RHBmMFZsNUkifQ"
+		payload = "eyJhdWQiOlsiY3JlZGJyb2tlciJdLCJleHAiOjE3NjQ1MDQwMDAsInN1YiI6InN5c3RlbTpzZXJ2aWNlYWNjb3VudDphOmIifQ"
+		sig     = "o8WAo1EjuUPCx2Jw3-XrL6v1bX8GmU0d5D4rCkZqk2u6b7m8l9q0w1e2r3t4y5u6i7o8p9a0s1d2f3g4h5j6k7l8z9"
+	)
+	jwt := header + "." + payload + "." + sig
+	var buf bytes.Buffer
+	log := AuditLogger(&buf).WithValues("withValues", jwt)
+	log.Info("exchange", "reason", `audience "`+sig+`" is not allowed`, "audiences", []string{header, "ok"},
+		"map", map[string]string{"k": payload}, "code", "PermissionDenied", "cacheHit", false)
+	log.Error(errors.New("bad token "+jwt), "exchange failed")
+	out := buf.String()
+	for _, s := range []string{jwt, header, payload, sig} {
+		assert.NotContains(t, out, s)
+	}
+	assert.Contains(t, out, `"audiences":["[redacted sha256:`)
+	assert.Contains(t, out, `"ok"]`)
+	assert.Contains(t, out, `"code":"PermissionDenied"`)
+	assert.Contains(t, out, `"cacheHit":false`)
 }

@@ -146,6 +146,7 @@ func New(cfg Config) (b *Broker, err error) {
 		MintTimeout:          cfg.MintTimeout,
 		MaxStreamsPerCluster: cfg.MaxStreamsPerCluster,
 		Log:                  cfg.Log.WithName("tunnel"),
+		Audit:                cfg.Audit,
 		Grants:               b.grants,
 		OnSessionsChange: func(key types.NamespacedName) {
 			if b.publisher != nil {
