@@ -161,7 +161,7 @@ func TestAuditLogRotation(t *testing.T) {
 	require.NoError(t, err)
 	log := AuditLogger(w)
 	pad := strings.Repeat("padding ", 125) // 1000 bytes that Redact leaves
-	const lines = 1500 // about 1.5 MiB
+	const lines = 1500                     // about 1.5 MiB
 	for i := range lines {
 		log.Info("exchange", "n", i, "pad", pad)
 	}
