@@ -20,6 +20,15 @@ TEST_FLAGS ?= -race -timeout 20m
 BENCH_FLAGS ?= -benchtime 200x -count 1
 
 BINARIES := broker spoke-agent credbroker-plugin credbroker
+# The images hold the three binaries that run in a cluster.
+IMAGES   := broker spoke-agent credbroker-plugin
+
+# The release version (VERSION) and the commit, "-dirty" when the tree has
+# changes, are linked into internal/version; `--version` prints them.
+VERSION  := $(shell cat VERSION)
+REVISION := $(shell git rev-parse HEAD 2>/dev/null)$(shell [[ -z "$$(git status --porcelain 2>/dev/null)" ]] || echo -dirty)
+VERSION_PKG := github.com/credbroker/credbroker/internal/version
+LDFLAGS  := -X $(VERSION_PKG).Version=$(VERSION) -X $(VERSION_PKG).Revision=$(REVISION)
 
 .PHONY: help
 help: ## List the targets.
@@ -28,7 +37,12 @@ help: ## List the targets.
 .PHONY: build
 build: ## Build broker, spoke-agent, credbroker-plugin and credbroker into ./bin.
 	@mkdir -p $(BIN)
-	$(GO) build -trimpath -o $(BIN)/ $(addprefix ./cmd/,$(BINARIES))
+	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(BINARIES))
+
+.PHONY: images
+images: ## Write OCI image tarballs of broker, spoke-agent and credbroker-plugin to ./bin/images (no Docker daemon, no registry).
+	@mkdir -p $(BIN)/images
+	cd hack/images && $(GO) run . --root ../.. --out ../../$(BIN)/images --version '$(VERSION)' --revision '$(REVISION)' $(IMAGES)
 
 .PHONY: generate
 generate: ## Regenerate the gRPC code from proto/ with the pinned buf and plugins.
@@ -57,6 +71,7 @@ spire: ## Build spire-server and spire-agent for the tests into the version-keye
 test: testbin spire ## Run every test, integration and e2e included, with -race, on real API servers.
 	$(ASSETS) $(SPIRE_BIN) $(GO) test $(TEST_FLAGS) ./...
 	cd test/monitoring && $(GO) test $(TEST_FLAGS) -count=1 ./...
+	cd hack/images && $(GO) test $(TEST_FLAGS) ./...
 
 .PHONY: e2e
 e2e: testbin spire ## Run only the end-to-end tests (one hub, two spokes).

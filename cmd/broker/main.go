@@ -4,26 +4,16 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"os"
-	"os/signal"
-	"syscall"
 
+	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/broker"
 )
 
 func main() {
-	cfg, err := parseFlags(os.Args[1:])
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "broker: %v\n", err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg); err != nil {
-		cfg.Log.Error(err, "broker stopped")
-		os.Exit(1)
-	}
+	cfg, audit, err := parseFlags(os.Args[1:])
+	cmdflags.ExitOnParse("broker", err)
+	cmdflags.Run(cfg.Log, "broker stopped", func(ctx context.Context) error { return run(ctx, cfg) }, audit)
 }
 
 func run(ctx context.Context, cfg broker.Config) error {

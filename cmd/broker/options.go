@@ -1,24 +1,34 @@
 package main
 
 import (
-	"flag"
 	"fmt"
+	"io"
 	"math"
+	"os"
 	"strconv"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/client-go/tools/clientcmd"
-	"k8s.io/klog/v2/textlogger"
 
+	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/broker"
 )
 
-// parseFlags turns the command line into a validated broker.Config.
-func parseFlags(args []string) (broker.Config, error) {
+const usage = `Usage: broker --trust-domain TD --tls-cert-file F --tls-key-file F (--svid-cert-file F --svid-key-file F --trust-bundle-file F | --spiffe-endpoint-socket S) [flags]
+
+The hub side of credbroker: TokenExchange and Grants for consumers, and
+AgentTunnel for spoke agents. Operational logs go to standard error, audit
+lines to --audit-log-path.`
+
+// parseFlags turns the command line into a validated broker.Config, whose
+// Audit logger writes to the returned audit log; the caller closes it on
+// exit. It returns cmdflags.ErrVersion for --version and an error wrapping
+// pflag.ErrHelp for --help.
+func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	cfg := broker.Default()
 	var kubeconfig, trustDomain, spiffeID string
-	var verbosity int
-	fs := flag.NewFlagSet("broker", flag.ContinueOnError)
+	var audit cmdflags.AuditFlags
+	fs, common := cmdflags.New("broker", usage)
 	fs.StringVar(&cfg.ExchangeAddress, "exchange-address", cfg.ExchangeAddress, "address of the TokenExchange gRPC server (TLS) for consumers")
 	fs.StringVar(&cfg.AgentAddress, "agent-address", cfg.AgentAddress, "address of the AgentTunnel gRPC server (SPIFFE mTLS) for spoke agents")
 	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
@@ -31,7 +41,7 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.StringVar(&spiffeID, "spiffe-id", "", "the broker's own SPIFFE ID, which the Workload API's SVID must have (default spiffe://<trust-domain>/broker)")
 	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of the broker and the agents, e.g. fleet.example (required)")
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the hub; empty means the in-cluster config")
-	fs.Func("hub-qps", "QPS of the hub client (default 200)", floatFlag(&cfg.HubQPS))
+	fs.Var(&float32Value{&cfg.HubQPS}, "hub-qps", "QPS of the hub client")
 	fs.IntVar(&cfg.HubBurst, "hub-burst", cfg.HubBurst, "burst of the hub client")
 	fs.StringVar(&cfg.Audience, "audience", cfg.Audience, "audience that consumers' hub tokens must carry")
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted spoke token (at least 10m)")
@@ -67,56 +77,65 @@ func parseFlags(args []string) (broker.Config, error) {
 	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the broker may take to finish the exchanges in flight and close its agent streams; keep it under the pod's terminationGracePeriodSeconds")
 	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", cfg.ShutdownDelay, "on SIGTERM, how long the broker, already not ready, still serves new calls, for the Service to drop it first (part of --shutdown-grace)")
 	fs.IntVar(&cfg.MaxStreamsPerCluster, "max-streams-per-cluster", cfg.MaxStreamsPerCluster, "agent streams one ClusterProfile may hold to this replica: at least its agents' count (one per node for a DaemonSet)")
-	fs.Func("max-concurrent-streams", "concurrent calls (HTTP/2 streams) per connection on both gRPC ports (default 1000)", uint32Flag(&cfg.MaxConcurrentStreams))
-	fs.IntVar(&verbosity, "v", 0, "log verbosity")
-	if err := fs.Parse(args); err != nil {
-		return cfg, err
-	}
-	if fs.NArg() > 0 {
-		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
+	fs.Var(&positiveUint32Value{&cfg.MaxConcurrentStreams}, "max-concurrent-streams", "concurrent calls (HTTP/2 streams) per connection on both gRPC ports")
+	audit.AddFlags(fs)
+	common.AddLogFlags()
+	if err := common.Parse(args); err != nil {
+		return cfg, nil, err
 	}
 
-	logger := textlogger.NewLogger(textlogger.NewConfig(textlogger.Verbosity(verbosity)))
-	cfg.Log = logger.WithName("broker")
-	cfg.Audit = logger.WithName("audit")
-
+	cfg.Log = common.Logger(os.Stderr).WithName("broker")
 	var err error
 	if trustDomain != "" {
 		if cfg.TrustDomain, err = spiffeid.TrustDomainFromString(trustDomain); err != nil {
-			return cfg, fmt.Errorf("--trust-domain: %w", err)
+			return cfg, nil, fmt.Errorf("--trust-domain: %w", err)
 		}
 	}
 	if spiffeID != "" {
 		if cfg.SPIFFEID, err = spiffeid.FromString(spiffeID); err != nil {
-			return cfg, fmt.Errorf("--spiffe-id: %w", err)
+			return cfg, nil, fmt.Errorf("--spiffe-id: %w", err)
 		}
 	}
 	if cfg.Hub, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
-		return cfg, fmt.Errorf("hub config: %w", err)
+		return cfg, nil, fmt.Errorf("hub config: %w", err)
 	}
-	return cfg, cfg.Validate()
+	if err := cfg.Validate(); err != nil {
+		return cfg, nil, err
+	}
+	// Opened last: nothing above can fail and leave the file open.
+	sink, err := audit.Open()
+	if err != nil {
+		return cfg, nil, err
+	}
+	cfg.Audit = cmdflags.AuditLogger(sink)
+	return cfg, sink, nil
 }
 
-// uint32Flag parses a positive uint32.
-func uint32Flag(p *uint32) func(string) error {
-	return func(s string) error {
-		n, err := strconv.ParseUint(s, 10, 32)
-		if err != nil || n == 0 {
-			return fmt.Errorf("not a positive 32-bit integer: %q", s)
-		}
-		*p = uint32(n)
-		return nil
-	}
-}
+// positiveUint32Value is a flag of a positive uint32.
+type positiveUint32Value struct{ p *uint32 }
 
-// floatFlag parses a finite float32; the whole value must be the number.
-func floatFlag(p *float32) func(string) error {
-	return func(s string) error {
-		f, err := strconv.ParseFloat(s, 32)
-		if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
-			return fmt.Errorf("not a finite number: %q", s)
-		}
-		*p = float32(f)
-		return nil
+func (v *positiveUint32Value) Set(s string) error {
+	n, err := strconv.ParseUint(s, 10, 32)
+	if err != nil || n == 0 {
+		return fmt.Errorf("not a positive 32-bit integer: %q", s)
 	}
+	*v.p = uint32(n)
+	return nil
 }
+func (v *positiveUint32Value) String() string { return strconv.FormatUint(uint64(*v.p), 10) }
+func (v *positiveUint32Value) Type() string   { return "uint32" }
+
+// float32Value is a flag of a finite float32; the whole value must be the
+// number.
+type float32Value struct{ p *float32 }
+
+func (v *float32Value) Set(s string) error {
+	f, err := strconv.ParseFloat(s, 32)
+	if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
+		return fmt.Errorf("not a finite number: %q", s)
+	}
+	*v.p = float32(f)
+	return nil
+}
+func (v *float32Value) String() string { return strconv.FormatFloat(float64(*v.p), 'g', -1, 32) }
+func (v *float32Value) Type() string   { return "float32" }

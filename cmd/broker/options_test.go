@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"slices"
@@ -48,22 +49,22 @@ func TestParseFlagsNumbers(t *testing.T) {
 		{name: "integer", args: []string{"--hub-qps", "250"}, wantQPS: 250},
 		{name: "fraction", args: []string{"--hub-qps=12.5"}, wantQPS: 12.5},
 		{name: "exponent", args: []string{"--hub-qps=1e3"}, wantQPS: 1000},
-		{name: "trailing garbage", args: []string{"--hub-qps=200abc"}, wantErr: `invalid value "200abc" for flag -hub-qps`},
-		{name: "trailing space", args: []string{"--hub-qps=200 "}, wantErr: `invalid value "200 " for flag -hub-qps`},
-		{name: "two numbers", args: []string{"--hub-qps=200 300"}, wantErr: `invalid value "200 300" for flag -hub-qps`},
-		{name: "empty", args: []string{"--hub-qps="}, wantErr: `invalid value "" for flag -hub-qps`},
-		{name: "not a number", args: []string{"--hub-qps=fast"}, wantErr: `invalid value "fast" for flag -hub-qps`},
-		{name: "NaN", args: []string{"--hub-qps=NaN"}, wantErr: `invalid value "NaN" for flag -hub-qps`},
-		{name: "infinite", args: []string{"--hub-qps=Inf"}, wantErr: `invalid value "Inf" for flag -hub-qps`},
-		{name: "beyond float32", args: []string{"--hub-qps=1e39"}, wantErr: `invalid value "1e39" for flag -hub-qps`},
+		{name: "trailing garbage", args: []string{"--hub-qps=200abc"}, wantErr: `invalid argument "200abc" for "--hub-qps" flag`},
+		{name: "trailing space", args: []string{"--hub-qps=200 "}, wantErr: `invalid argument "200 " for "--hub-qps" flag`},
+		{name: "two numbers", args: []string{"--hub-qps=200 300"}, wantErr: `invalid argument "200 300" for "--hub-qps" flag`},
+		{name: "empty", args: []string{"--hub-qps="}, wantErr: `invalid argument "" for "--hub-qps" flag`},
+		{name: "not a number", args: []string{"--hub-qps=fast"}, wantErr: `invalid argument "fast" for "--hub-qps" flag`},
+		{name: "NaN", args: []string{"--hub-qps=NaN"}, wantErr: `invalid argument "NaN" for "--hub-qps" flag`},
+		{name: "infinite", args: []string{"--hub-qps=Inf"}, wantErr: `invalid argument "Inf" for "--hub-qps" flag`},
+		{name: "beyond float32", args: []string{"--hub-qps=1e39"}, wantErr: `invalid argument "1e39" for "--hub-qps" flag`},
 		{name: "zero", args: []string{"--hub-qps=0"}, wantErr: "hub QPS and burst must be positive"},
 		{name: "negative", args: []string{"--hub-qps=-1"}, wantErr: "hub QPS and burst must be positive"},
-		{name: "integer flag with trailing garbage", args: []string{"--hub-burst=400x"}, wantErr: `invalid value "400x" for flag -hub-burst`},
-		{name: "float64 flag with trailing garbage", args: []string{"--rate-limit=20/s"}, wantErr: `invalid value "20/s" for flag -rate-limit`},
+		{name: "integer flag with trailing garbage", args: []string{"--hub-burst=400x"}, wantErr: `invalid argument "400x" for "--hub-burst" flag`},
+		{name: "float64 flag with trailing garbage", args: []string{"--rate-limit=20/s"}, wantErr: `invalid argument "20/s" for "--rate-limit" flag`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cfg, err := parseFlags(append(append([]string(nil), required...), tt.args...))
+			cfg, _, err := parseFlags(append(append([]string(nil), required...), tt.args...))
 			if tt.wantErr != "" {
 				require.ErrorContains(t, err, tt.wantErr)
 				return
@@ -76,24 +77,24 @@ func TestParseFlagsNumbers(t *testing.T) {
 
 func TestParseFlagsReflection(t *testing.T) {
 	required := requiredFlags(t)
-	cfg, err := parseFlags(required)
+	cfg, _, err := parseFlags(required)
 	require.NoError(t, err)
 	assert.False(t, cfg.EnableReflection, "reflection is off by default")
 
-	cfg, err = parseFlags(append(required, "--enable-reflection"))
+	cfg, _, err = parseFlags(append(required, "--enable-reflection"))
 	require.NoError(t, err)
 	assert.True(t, cfg.EnableReflection)
 }
 
 func TestParseFlagsGrantTriggers(t *testing.T) {
 	required := requiredFlags(t)
-	cfg, err := parseFlags(required)
+	cfg, _, err := parseFlags(required)
 	require.NoError(t, err)
 	assert.Equal(t, 5*time.Minute, cfg.GrantRecheckInterval)
 	assert.Equal(t, 2*time.Second, cfg.RBACDebounce)
 	assert.Equal(t, 5*time.Second, cfg.RBACDebounceMax)
 
-	cfg, err = parseFlags(append(required, "--grant-recheck-interval=1m", "--rbac-debounce=500ms", "--rbac-debounce-max=1s",
+	cfg, _, err = parseFlags(append(required, "--grant-recheck-interval=1m", "--rbac-debounce=500ms", "--rbac-debounce-max=1s",
 		"--grant-review-rate-limit=5", "--grant-review-burst=7"))
 	require.NoError(t, err)
 	assert.Equal(t, time.Minute, cfg.GrantRecheckInterval)
@@ -102,7 +103,7 @@ func TestParseFlagsGrantTriggers(t *testing.T) {
 	assert.Equal(t, 5.0, cfg.GrantReviewRateLimit)
 	assert.Equal(t, 7, cfg.GrantReviewBurst)
 
-	_, err = parseFlags(append(required, "--rbac-debounce=10s"))
+	_, _, err = parseFlags(append(required, "--rbac-debounce=10s"))
 	require.ErrorContains(t, err, "the RBAC debounce must be positive and at most its maximum (10s, 5s)")
 }
 
@@ -130,7 +131,7 @@ func TestParseFlagsSVIDSource(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cfg, err := parseFlags(append(append([]string(nil), base...), tt.args...))
+			cfg, _, err := parseFlags(append(append([]string(nil), base...), tt.args...))
 			if tt.wantErr != "" {
 				require.ErrorContains(t, err, tt.wantErr)
 				return
@@ -155,13 +156,13 @@ func TestParseFlagsLimitsAndShutdown(t *testing.T) {
 		{name: "set", args: []string{"--max-streams-per-cluster=1000", "--max-concurrent-streams=50", "--shutdown-grace=20s", "--shutdown-delay=3s"},
 			wantStreams: 1000, wantConcurrent: 50, wantGrace: 20 * time.Second, wantDelay: 3 * time.Second},
 		{name: "no streams", args: []string{"--max-streams-per-cluster=0"}, wantErr: "the agent streams per cluster must be positive"},
-		{name: "no concurrent streams", args: []string{"--max-concurrent-streams=0"}, wantErr: `invalid value "0" for flag -max-concurrent-streams`},
+		{name: "no concurrent streams", args: []string{"--max-concurrent-streams=0"}, wantErr: `invalid argument "0" for "--max-concurrent-streams" flag`},
 		{name: "concurrent streams beyond uint32", args: []string{"--max-concurrent-streams=4294967296"}, wantErr: "not a positive 32-bit integer"},
 		{name: "delay as long as the grace", args: []string{"--shutdown-delay=15s"}, wantErr: "the shutdown delay less than it"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cfg, err := parseFlags(append(append([]string{}, required...), tt.args...))
+			cfg, _, err := parseFlags(append(append([]string{}, required...), tt.args...))
 			if tt.wantErr != "" {
 				require.Error(t, err)
 				assert.Contains(t, err.Error(), tt.wantErr)
@@ -172,6 +173,53 @@ func TestParseFlagsLimitsAndShutdown(t *testing.T) {
 			assert.Equal(t, tt.wantConcurrent, cfg.MaxConcurrentStreams)
 			assert.Equal(t, tt.wantGrace, cfg.ShutdownGrace)
 			assert.Equal(t, tt.wantDelay, cfg.ShutdownDelay)
+		})
+	}
+}
+
+func TestParseFlagsLogsAndAudit(t *testing.T) {
+	required := requiredFlags(t)
+	dir := t.TempDir()
+	tests := []struct {
+		name    string
+		args    []string
+		wantErr string
+		// wantFile is where the audit lines must go; empty: standard output.
+		wantFile string
+	}{
+		{name: "defaults: audit to standard output"},
+		{name: "audit file, text logs", args: []string{"--audit-log-path", filepath.Join(dir, "a.log"), "--log-format=text", "-v", "2"}, wantFile: filepath.Join(dir, "a.log")},
+		{name: "audit file, json logs", args: []string{"--audit-log-path=" + filepath.Join(dir, "b.log"), "--log-format=json", "--v=1",
+			"--audit-log-max-size=1", "--audit-log-max-backups=0"}, wantFile: filepath.Join(dir, "b.log")},
+		{name: "single-dash long flags still work", args: []string{"-audit-log-path=" + filepath.Join(dir, "c.log")}, wantFile: filepath.Join(dir, "c.log")},
+		{name: "bad log format", args: []string{"--log-format=logfmt"}, wantErr: `--log-format "logfmt": want "text" or "json"`},
+		{name: "zero size", args: []string{"--audit-log-max-size=0"}, wantErr: "--audit-log-max-size 0 is not a positive number of MiB"},
+		{name: "negative backups", args: []string{"--audit-log-max-backups=-1"}, wantErr: "--audit-log-max-backups -1 is negative"},
+		{name: "unwritable audit path", args: []string{"--audit-log-path", filepath.Join(dir, "no", "such", "dir", "a.log")}, wantErr: "--audit-log-path:"},
+		{name: "version", args: []string{"--version"}, wantErr: "version requested"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, closer, err := parseFlags(append(append([]string(nil), required...), tt.args...))
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			require.NotNil(t, closer)
+			if tt.wantFile == "" {
+				require.NoError(t, closer.Close())
+				return
+			}
+			// Audit lines are JSON whatever --log-format is.
+			cfg.Audit.Info("exchange", "code", "OK")
+			require.NoError(t, closer.Close())
+			data, err := os.ReadFile(tt.wantFile)
+			require.NoError(t, err)
+			var line map[string]any
+			require.NoError(t, json.Unmarshal(data, &line), "%s", data)
+			assert.Equal(t, "exchange", line["msg"])
+			assert.Equal(t, "OK", line["code"])
 		})
 	}
 }

@@ -4,12 +4,13 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
-	"flag"
 	"fmt"
-	"io"
 	"strings"
 	"time"
 
+	"github.com/spf13/pflag"
+
+	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/brokerclient"
 	"github.com/credbroker/credbroker/pkg/plugin"
 )
@@ -29,8 +30,14 @@ type options struct {
 	timeout           time.Duration
 }
 
-func newFlagSet(o *options) *flag.FlagSet {
-	fs := flag.NewFlagSet("credbroker-plugin", flag.ContinueOnError)
+const usage = `Usage: credbroker-plugin --broker-address host:port --ca-file ca.pem [flags]
+
+A client-go exec credential plugin (client.authentication.k8s.io/v1) that
+exchanges the pod's hub ServiceAccount token for a spoke token at the
+credbroker broker. The exec config must set provideClusterInfo: true.`
+
+func newFlagSet(o *options) (*pflag.FlagSet, *cmdflags.Common) {
+	fs, common := cmdflags.New("credbroker-plugin", usage)
 	fs.StringVar(&o.brokerAddress, "broker-address", "", "broker gRPC address, host:port (required)")
 	fs.StringVar(&o.caFile, "ca-file", "", "PEM file of the CA certificates that verify the broker (required)")
 	fs.StringVar(&o.tokenFile, "token-file", defaultTokenFile, "file holding the projected hub ServiceAccount token, audience \"credbroker\"; read on every call")
@@ -39,11 +46,12 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.Var(&o.audiences, "audience", "`audience` of the spoke token; repeatable or comma-separated; default: the spoke API server's")
 	fs.Int64Var(&o.expirationSeconds, "expiration-seconds", 0, "requested token lifetime in seconds; 0 means the broker's maximum")
 	fs.DurationVar(&o.timeout, "timeout", plugin.DefaultTimeout, "bound on one token request, connection included")
-	return fs
+	return fs, common
 }
 
-// newProvider parses args and builds the Provider. It returns flag.ErrHelp
-// for -h and --help.
+// newProvider parses args and builds the Provider. It returns an error
+// wrapping pflag.ErrHelp for -h and --help, and cmdflags.ErrVersion for
+// --version.
 func newProvider(args []string) (*plugin.Provider, error) {
 	cfg, err := parseArgs(args)
 	if err != nil {
@@ -55,16 +63,9 @@ func newProvider(args []string) (*plugin.Provider, error) {
 // parseArgs turns the command line into a validated plugin.Config.
 func parseArgs(args []string) (plugin.Config, error) {
 	var o options
-	fs := newFlagSet(&o)
-	fs.SetOutput(io.Discard) // errors are reported by the caller
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return plugin.Config{}, err
-		}
-		return plugin.Config{}, fmt.Errorf("%w (see --help)", err)
-	}
-	if fs.NArg() > 0 {
-		return plugin.Config{}, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	_, common := newFlagSet(&o)
+	if err := common.Parse(args); err != nil {
+		return plugin.Config{}, err
 	}
 	return o.config()
 }
@@ -127,6 +128,8 @@ type listFlag []string
 
 func (l *listFlag) String() string { return strings.Join(*l, ",") }
 
+func (l *listFlag) Type() string { return "strings" }
+
 func (l *listFlag) Set(s string) error {
 	for v := range strings.SplitSeq(s, ",") {
 		v = strings.TrimSpace(v)
@@ -136,19 +139,4 @@ func (l *listFlag) Set(s string) error {
 		*l = append(*l, v)
 	}
 	return nil
-}
-
-func printUsage(w io.Writer) {
-	fmt.Fprintf(w, `Usage: credbroker-plugin --broker-address host:port --ca-file ca.pem [flags]
-
-A client-go exec credential plugin (client.authentication.k8s.io/v1) that
-exchanges the pod's hub ServiceAccount token for a spoke token at the
-credbroker broker. The exec config must set provideClusterInfo: true.
-
-Flags:
-`)
-	var o options
-	fs := newFlagSet(&o)
-	fs.SetOutput(w)
-	fs.PrintDefaults()
 }

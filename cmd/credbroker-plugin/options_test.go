@@ -1,12 +1,12 @@
 package main
 
 import (
-	"flag"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/spf13/pflag"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -62,7 +62,8 @@ func TestParseArgs(t *testing.T) {
 			},
 		},
 		{name: "single dash flags", args: []string{"-broker-address=b:1", "-ca-file=" + caFile}},
-		{name: "help", args: []string{"--help"}, wantErr: flag.ErrHelp.Error()},
+		{name: "help", args: []string{"--help"}, wantErr: pflag.ErrHelp.Error()},
+		{name: "version", args: []string{"--version"}, wantErr: "version requested"},
 		{name: "no broker address", args: []string{"--ca-file", caFile}, wantErr: "--broker-address is required"},
 		{name: "no CA file", args: []string{"--broker-address", "b:1"}, wantErr: "--ca-file is required"},
 		{name: "missing CA file", args: []string{"--broker-address", "b:1", "--ca-file", filepath.Join(dir, "nope.pem")}, wantErr: "nope.pem: no such file"},
@@ -72,9 +73,10 @@ func TestParseArgs(t *testing.T) {
 		{name: "bad service account", args: with("--service-account", "apps/Deployer"), wantErr: "--service-account:"},
 		{name: "empty audience", args: with("--audience", "a,,b"), wantErr: "empty value"},
 		{name: "negative expiration", args: with("--expiration-seconds", "-5"), wantErr: "negative"},
-		{name: "bad expiration", args: with("--expiration-seconds", "1h"), wantErr: "invalid value"},
+		{name: "bad expiration", args: with("--expiration-seconds", "1h"), wantErr: `invalid argument "1h" for "--expiration-seconds" flag`},
+		{name: "no log format on the plugin", args: with("--log-format=json"), wantErr: "unknown flag: --log-format"},
 		{name: "zero timeout", args: with("--timeout", "0s"), wantErr: "--timeout 0s is not positive"},
-		{name: "unknown flag", args: with("--kubeconfig", "x"), wantErr: "flag provided but not defined: -kubeconfig (see --help)"},
+		{name: "unknown flag", args: with("--kubeconfig", "x"), wantErr: "unknown flag: --kubeconfig (see --help)"},
 		{name: "positional argument", args: with("extra"), wantErr: "unexpected arguments"},
 	}
 	for _, tt := range tests {

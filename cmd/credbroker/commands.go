@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 
+	"github.com/credbroker/credbroker/internal/version"
 	"github.com/credbroker/credbroker/pkg/brokerclient"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -62,7 +63,10 @@ consumers' grants need hub RBAC on multicluster.x-k8s.io clusterprofiles/token
 of their ClusterProfile: list to see them, delete to revoke them.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		// --version prints the same line as the version command.
+		Version: version.Get().String(),
 	}
+	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
 	root.SetIn(s.in)
 	root.SetOut(s.out)
 	root.SetErr(s.err)
@@ -73,7 +77,16 @@ of their ClusterProfile: list to see them, delete to revoke them.`,
 		Args:  noArgs,
 	}
 	grantsCmd.AddCommand(newListCommand(s, now), newRevokeCommand(s))
-	root.AddCommand(grantsCmd, newKubeconfigCommand(s))
+	versionCmd := &cobra.Command{
+		Use:   "version",
+		Short: "Print the version of credbroker",
+		Args:  noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			_, err := fmt.Fprintln(cmd.OutOrStdout(), version.Line("credbroker"))
+			return err
+		},
+	}
+	root.AddCommand(grantsCmd, newKubeconfigCommand(s), versionCmd)
 	return root
 }
 

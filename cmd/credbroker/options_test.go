@@ -86,6 +86,19 @@ func TestHelpExitsZero(t *testing.T) {
 	assert.Contains(t, out, "--reason")
 }
 
+func TestVersion(t *testing.T) {
+	for _, args := range [][]string{{"version"}, {"--version"}} {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			code, out, errOut := runCLI(t, "", args...)
+			assert.Equal(t, exitOK, code, errOut)
+			assert.Regexp(t, `^credbroker \S+ \(revision \S+, go\S+\)\n$`, out)
+		})
+	}
+	code, _, errOut := runCLI(t, "", "version", "extra")
+	assert.Equal(t, exitUsage, code)
+	assert.Contains(t, errOut, "unexpected arguments")
+}
+
 var now = time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
 
 func testGrant(id, cluster string, ttl time.Duration) *pb.Grant {

@@ -5,26 +5,16 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"os"
-	"os/signal"
-	"syscall"
 
+	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/agent"
 )
 
 func main() {
 	cfg, err := parseFlags(os.Args[1:])
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "spoke-agent: %v\n", err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg); err != nil {
-		cfg.Log.Error(err, "agent stopped")
-		os.Exit(1)
-	}
+	cmdflags.ExitOnParse("spoke-agent", err)
+	cmdflags.Run(cfg.Log, "agent stopped", func(ctx context.Context) error { return run(ctx, cfg) })
 }
 
 func run(ctx context.Context, cfg agent.Config) error {

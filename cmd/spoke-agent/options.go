@@ -1,7 +1,6 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"math"
 	"os"
@@ -11,17 +10,24 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/clientcmd"
-	"k8s.io/klog/v2/textlogger"
 
+	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/agent"
 )
 
-// parseFlags turns the command line into a validated agent.Config.
+const usage = `Usage: spoke-agent --broker-address HOST:PORT --trust-domain TD (--svid-cert-file F --svid-key-file F --trust-bundle-file F | --spiffe-endpoint-socket S) [flags]
+
+The spoke side of credbroker: it holds a stream to every broker replica and
+mints ServiceAccount tokens under the spoke's policy. Logs go to standard
+error.`
+
+// parseFlags turns the command line into a validated agent.Config. It
+// returns cmdflags.ErrVersion for --version and an error wrapping
+// pflag.ErrHelp for --help.
 func parseFlags(args []string) (agent.Config, error) {
 	cfg := agent.Default()
 	var kubeconfig, trustDomain, brokerID, brokers, cluster, spiffeID, advertiseCA string
-	var verbosity int
-	fs := flag.NewFlagSet("spoke-agent", flag.ContinueOnError)
+	fs, common := cmdflags.New("spoke-agent", usage)
 	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
 	fs.StringVar(&brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
 	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the agent, spiffe://<td>/clusterprofile/<ns>/<name>; reloaded on change (this or --spiffe-endpoint-socket)")
@@ -41,18 +47,15 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")
 	fs.DurationVar(&cfg.KeepaliveTime, "keepalive-time", cfg.KeepaliveTime, "ping a broker after its connection has been silent this long (at least 5s)")
 	fs.DurationVar(&cfg.KeepaliveTimeout, "keepalive-timeout", cfg.KeepaliveTimeout, "reconnect when a ping is not answered in this long; with --keepalive-time, bounds how long a silent partition goes unnoticed")
-	fs.Func("spoke-qps", "QPS of the agent's spoke client (default 50; client-go's 5 would throttle mints, which cost three requests each)", floatFlag(&cfg.SpokeQPS))
+	fs.Var(&float32Value{&cfg.SpokeQPS}, "spoke-qps", "QPS of the agent's spoke client (client-go's 5 would throttle mints, which cost three requests each)")
 	fs.IntVar(&cfg.SpokeBurst, "spoke-burst", cfg.SpokeBurst, "burst of the agent's spoke client")
 	fs.StringVar(&cfg.AdvertiseServer, "advertise-server", "", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
 	fs.StringVar(&advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
-	fs.IntVar(&verbosity, "v", 0, "log verbosity")
-	if err := fs.Parse(args); err != nil {
+	common.AddLogFlags()
+	if err := common.Parse(args); err != nil {
 		return cfg, err
 	}
-	if fs.NArg() > 0 {
-		return cfg, fmt.Errorf("unexpected arguments %q", fs.Args())
-	}
-	cfg.Log = textlogger.NewLogger(textlogger.NewConfig(textlogger.Verbosity(verbosity))).WithName("spoke-agent")
+	cfg.Log = common.Logger(os.Stderr).WithName("spoke-agent")
 
 	for _, b := range strings.Split(brokers, ",") {
 		if b = strings.TrimSpace(b); b != "" {
@@ -94,14 +97,17 @@ func parseFlags(args []string) (agent.Config, error) {
 	return cfg, cfg.Validate()
 }
 
-// floatFlag parses a finite float32; the whole value must be the number.
-func floatFlag(p *float32) func(string) error {
-	return func(s string) error {
-		f, err := strconv.ParseFloat(s, 32)
-		if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
-			return fmt.Errorf("not a finite number: %q", s)
-		}
-		*p = float32(f)
-		return nil
+// float32Value is a flag of a finite float32; the whole value must be the
+// number.
+type float32Value struct{ p *float32 }
+
+func (v *float32Value) Set(s string) error {
+	f, err := strconv.ParseFloat(s, 32)
+	if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
+		return fmt.Errorf("not a finite number: %q", s)
 	}
+	*v.p = float32(f)
+	return nil
 }
+func (v *float32Value) String() string { return strconv.FormatFloat(float64(*v.p), 'g', -1, 32) }
+func (v *float32Value) Type() string   { return "float32" }

@@ -164,3 +164,35 @@ func TestParseFlagsSpokeQPS(t *testing.T) {
 		})
 	}
 }
+
+func TestParseFlagsLogs(t *testing.T) {
+	required := []string{
+		"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example",
+		"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b", "--kubeconfig", writeKubeconfig(t),
+	}
+	tests := []struct {
+		name    string
+		args    []string
+		wantErr string
+	}{
+		{name: "defaults"},
+		{name: "json and verbosity", args: []string{"--log-format=json", "-v", "3"}},
+		{name: "text and long verbosity", args: []string{"--log-format", "text", "--v=2"}},
+		{name: "single-dash long flags still work", args: []string{"-log-format=json", "-max-in-flight", "4"}},
+		{name: "bad format", args: []string{"--log-format=yaml"}, wantErr: `--log-format "yaml": want "text" or "json"`},
+		{name: "no audit log on the agent", args: []string{"--audit-log-path=-"}, wantErr: "unknown flag: --audit-log-path"},
+		{name: "version", args: []string{"--version"}, wantErr: "version requested"},
+		{name: "positional", args: []string{"extra"}, wantErr: `unexpected arguments ["extra"]`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(slices.Clone(required), tt.args...))
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.NotNil(t, cfg.Log.GetSink())
+		})
+	}
+}

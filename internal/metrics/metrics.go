@@ -7,55 +7,23 @@ package metrics
 import (
 	"errors"
 	"fmt"
-	"runtime"
-	"runtime/debug"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+
+	"github.com/credbroker/credbroker/internal/version"
 )
 
 // BuildInfo returns the gauge name{version,revision,goversion}, always 1.
 func BuildInfo(name, help string) prometheus.Collector {
-	v, rev, gov := build()
+	v := version.Get()
 	g := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name:        name,
 		Help:        help,
-		ConstLabels: prometheus.Labels{"version": v, "revision": rev, "goversion": gov},
+		ConstLabels: prometheus.Labels{"version": v.Version, "revision": v.Revision, "goversion": v.GoVersion},
 	})
 	g.Set(1)
 	return g
-}
-
-// build returns the running binary's version, VCS revision and Go version
-// from debug.ReadBuildInfo.
-//
-// TODO: read internal/version (Version and Revision set by -ldflags) once it
-// is in the tree; this is its placeholder.
-func build() (version, revision, goVersion string) {
-	version, revision, goVersion = "(devel)", "unknown", runtime.Version()
-	bi, ok := debug.ReadBuildInfo()
-	if !ok {
-		return version, revision, goVersion
-	}
-	if bi.Main.Version != "" {
-		version = bi.Main.Version
-	}
-	if bi.GoVersion != "" {
-		goVersion = bi.GoVersion
-	}
-	modified := false
-	for _, s := range bi.Settings {
-		switch s.Key {
-		case "vcs.revision":
-			revision = s.Value
-		case "vcs.modified":
-			modified = s.Value == "true"
-		}
-	}
-	if modified && revision != "unknown" {
-		revision += "-dirty"
-	}
-	return version, revision, goVersion
 }
 
 // SVIDExpiry returns a gauge of the NotAfter of the leaf of src's current

@@ -153,6 +153,7 @@ func New(cfg Config) (b *Broker, err error) {
 		MintTimeout:          cfg.MintTimeout,
 		MaxStreamsPerCluster: cfg.MaxStreamsPerCluster,
 		Log:                  cfg.Log.WithName("tunnel"),
+		Audit:                cfg.Audit,
 		Grants:               b.grants,
 		Registerer:           b.registry,
 		OnSessionsChange: func(key types.NamespacedName) {

@@ -139,7 +139,10 @@ type Config struct {
 	PublishIdentity                         string
 	PublishDisconnectGrace                  time.Duration
 
-	// Log receives operational logs; Audit receives one line per exchange.
+	// Log receives operational logs; Audit receives one line per exchange,
+	// per Grants call, and per agent stream connected, disconnected or
+	// refused (the broker binary writes it to --audit-log-path as JSON
+	// lines).
 	Log, Audit logr.Logger
 }
 

@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -83,6 +84,11 @@ type ServerConfig struct {
 	MaxStreamsPerCluster int
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
+	// Audit receives one line per agent stream admitted ("agent
+	// connected"), ended ("agent disconnected") or refused ("agent
+	// refused"), with the agent's SPIFFE ID, instance, cluster, code and
+	// reason. Default: discard.
+	Audit logr.Logger
 	// Clock times the end of each stream's identity. Default: the real clock.
 	Clock clock.WithDelayedExecution
 	// Grants receives the grants the agents report: those of each hello,
@@ -189,9 +195,12 @@ type session struct {
 // or the agent's ClusterProfile stops accepting it.
 func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame]) error {
 	ctx := stream.Context()
+	instance := instanceOf(ctx)
 	id, chain, err := s.cfg.Peer(ctx)
 	if err != nil {
-		return errdefs.ToStatus(fmt.Errorf("agent stream: %w", err)).Err()
+		err = fmt.Errorf("agent stream: %w", err)
+		s.auditAgent("agent refused", "", instance, "", err)
+		return errdefs.ToStatus(err).Err()
 	}
 	log := s.cfg.Log.WithValues("agent", id.String())
 	// A connection outlives the handshake that verified its chain: a new
@@ -200,30 +209,35 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	expires, err := s.verify(id, chain)
 	if err != nil {
 		log.Info("agent refused", "reason", err.Error())
+		s.auditAgent("agent refused", id.String(), instance, "", err)
 		return errdefs.ToStatus(err).Err()
 	}
 	cluster, err := s.cfg.Resolver.ResolveAgent(id)
 	if err != nil {
 		log.Info("agent refused", "reason", err.Error())
-		return errdefs.ToStatus(fmt.Errorf("agent %s: %w", id, err)).Err()
+		err = fmt.Errorf("agent %s: %w", id, err)
+		s.auditAgent("agent refused", id.String(), instance, "", err)
+		return errdefs.ToStatus(err).Err()
 	}
 	log = log.WithValues("cluster", cluster.String())
 
 	hello, err := recvHello(ctx, stream, s.cfg.HelloTimeout)
 	if err != nil {
 		log.Info("agent stream closed before hello", "reason", err.Error())
+		s.auditAgent("agent refused", id.String(), instance, cluster.String(), err)
 		return errdefs.ToStatus(err).Err()
 	}
 	if n := len(hello.GetGrants()); n > MaxGrantsPerFrame {
 		err := fmt.Errorf("agent stream: the hello carries %d grants, more than %d; send the rest as grant updates: %w",
 			n, MaxGrantsPerFrame, errdefs.ErrInvalidArgument)
 		log.Info("agent refused", "reason", err.Error())
+		s.auditAgent("agent refused", id.String(), instance, cluster.String(), err)
 		return errdefs.ToStatus(err).Err()
 	}
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	sess := &session{
-		agent: id, instance: instanceOf(ctx), chain: chain, cluster: cluster, hello: hello,
+		agent: id, instance: instance, chain: chain, cluster: cluster, hello: hello,
 		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
 		pending: map[string]chan *pb.AgentFrame{},
 	}
@@ -232,6 +246,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	// the broker already sending new requests here.
 	if err := s.add(sess); err != nil {
 		log.Info("agent refused", "reason", err.Error())
+		s.auditAgent("agent refused", id.String(), instance, cluster.String(), err)
 		return errdefs.ToStatus(err).Err()
 	}
 	defer func() {
@@ -264,6 +279,12 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	})
 	defer timer.Stop()
 	log.Info("agent connected", "agentVersion", hello.GetAgentVersion(), "svidExpires", expires.UTC().Format(time.RFC3339))
+	s.auditAgent("agent connected", id.String(), instance, cluster.String(), nil,
+		"agentVersion", hello.GetAgentVersion(), "svidExpires", expires.UTC().Format(time.RFC3339))
+	// The stream's end, whichever way it comes; an agent that leaves on its
+	// own (its stream ends without error) is OK.
+	var endErr error
+	defer func() { s.auditAgent("agent disconnected", id.String(), instance, cluster.String(), endErr) }()
 	s.metrics.streams.Inc()
 	defer s.metrics.streams.Dec()
 
@@ -274,24 +295,42 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		case f := <-sess.out:
 			if err := stream.Send(f); err != nil {
 				log.Info("agent stream send failed", "err", err.Error())
+				endErr = err
 				return err
 			}
 		case err := <-recvErr:
 			if errors.Is(err, errAgentFrame) {
 				log.Info("agent stream closed by broker", "reason", err.Error())
+				endErr = err
 				return errdefs.ToStatus(err).Err()
 			}
 			log.Info("agent disconnected", "reason", errString(err))
+			if err != nil && !errors.Is(err, io.EOF) {
+				endErr = err
+			}
 			return nil
 		case <-sctx.Done():
 			if ctx.Err() != nil {
+				endErr = ctx.Err()
 				return ctx.Err()
 			}
 			cause := context.Cause(sctx)
 			log.Info("agent stream closed by broker", "reason", cause.Error())
+			endErr = cause
 			return errdefs.ToStatus(cause).Err()
 		}
 	}
+}
+
+// auditAgent writes one audit line of an agent stream: msg is "agent
+// connected", "agent disconnected" or "agent refused"; err, nil when all
+// went well, gives the code and the reason.
+func (s *Server) auditAgent(msg, spiffeID, instance, cluster string, err error, kv ...any) {
+	line := []any{"spiffeID", spiffeID, "instance", instance, "cluster", cluster, "code", errdefs.Code(err).String()}
+	if err != nil {
+		line = append(line, "reason", err.Error())
+	}
+	s.cfg.Audit.Info(msg, append(line, kv...)...)
 }
 
 // verify checks chain against the current trust bundle at the clock's

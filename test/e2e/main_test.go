@@ -66,6 +66,8 @@ func run(m *testing.M) int {
 	logger := funcr.New(func(prefix, args string) { logs.WriteString(prefix + " " + args + "\n") }, funcr.Options{})
 	if deployment, err = framework.StartDeployment(ctx, env, framework.DeploymentOptions{
 		Dir: dir, Log: logger, Audit: logger.WithName("audit"), MintTimeout: mintTimeout,
+		// Each replica also writes its audit log as the binary does (audit_test.go).
+		AuditDir: dir,
 		// Two replicas that share nothing but the hub: any may serve any exchange.
 		Replicas: 2,
 		// The benchmark makes hundreds of calls per second as one consumer.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -23,6 +24,7 @@ import (
 	"k8s.io/utils/clock"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
+	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/internal/testpki"
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/broker"
@@ -60,6 +62,11 @@ type DeploymentOptions struct {
 	// (--spiffe-endpoint-socket), which must serve spiffe://<TrustDomain>/broker,
 	// instead of SVID files from the deployment's CA.
 	SPIFFEEndpointSocket string
+	// AuditDir, when set, receives each replica's audit lines as the broker
+	// binary writes them to --audit-log-path (JSON lines, whatever the
+	// operational log format), in broker-<i>.audit.log, besides Audit; a
+	// restarted replica appends to its file. AuditLogs lists the files.
+	AuditDir string
 }
 
 // Deployment is credbroker running in-process over an Env: a broker
@@ -93,6 +100,10 @@ type Deployment struct {
 
 	// tlsCert and tlsKey are the brokers' exchange port certificate files.
 	tlsCert, tlsKey string
+	// auditFiles are the replicas' audit logs when AuditDir is set; the
+	// open ones are closed by Stop.
+	auditFiles   []string
+	auditClosers []io.Closer
 }
 
 // StartDeployment starts a broker against env's hub and creates, on the hub,
@@ -142,7 +153,11 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	d.ctx, d.stop = context.WithCancel(context.Background())
 	d.brokerCfg = cfg
 	for i := range max(opts.Replicas, 1) {
-		b, err := broker.New(cfg)
+		rcfg, err := d.replicaConfig(i)
+		if err != nil {
+			return nil, errors.Join(err, d.Stop())
+		}
+		b, err := broker.New(rcfg)
 		if err != nil {
 			return nil, errors.Join(err, d.Stop())
 		}
@@ -182,7 +197,10 @@ func (d *Deployment) RestartBroker(i int) (drained time.Duration, err error) {
 	d.brokerStops[i]()
 	<-d.brokerDone[i]
 	drained = time.Since(start)
-	cfg := d.brokerCfg
+	cfg, err := d.replicaConfig(i)
+	if err != nil {
+		return drained, fmt.Errorf("framework: restart broker-%d: %w", i, err)
+	}
 	cfg.ExchangeAddress, cfg.AgentAddress, cfg.MetricsAddress = old.ExchangeAddr(), old.AgentAddr(), old.MetricsAddr()
 	b, err := broker.New(cfg)
 	if err != nil {
@@ -194,6 +212,90 @@ func (d *Deployment) RestartBroker(i int) (drained time.Duration, err error) {
 	d.mu.Unlock()
 	d.runBroker(i, b)
 	return drained, nil
+}
+
+// replicaConfig is the config of replica i: the deployment's, with its own
+// audit log when AuditDir is set.
+func (d *Deployment) replicaConfig(i int) (broker.Config, error) {
+	cfg := d.brokerCfg
+	if d.opts.AuditDir == "" {
+		return cfg, nil
+	}
+	name := filepath.Join(d.opts.AuditDir, fmt.Sprintf("broker-%d.audit.log", i))
+	w, err := cmdflags.OpenAuditLog(name, 100, 5)
+	if err != nil {
+		return cfg, err
+	}
+	d.mu.Lock()
+	if !slices.Contains(d.auditFiles, name) {
+		d.auditFiles = append(d.auditFiles, name)
+	}
+	d.auditClosers = append(d.auditClosers, w)
+	d.mu.Unlock()
+	cfg.Audit = logr.New(teeSink{cfg.Audit.GetSink(), cmdflags.AuditLogger(w).GetSink()})
+	return cfg, nil
+}
+
+// AuditLogs returns the replicas' audit log files (see
+// DeploymentOptions.AuditDir).
+func (d *Deployment) AuditLogs() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.auditFiles)
+}
+
+// teeSink writes every line to both sinks; a nil sink (logr.Discard) is
+// skipped.
+type teeSink struct{ a, b logr.LogSink }
+
+func (t teeSink) each(fn func(logr.LogSink)) {
+	for _, s := range []logr.LogSink{t.a, t.b} {
+		if s != nil {
+			fn(s)
+		}
+	}
+}
+
+func (t teeSink) Init(info logr.RuntimeInfo) { t.each(func(s logr.LogSink) { s.Init(info) }) }
+
+func (t teeSink) Enabled(level int) bool {
+	on := false
+	t.each(func(s logr.LogSink) { on = on || s.Enabled(level) })
+	return on
+}
+
+func (t teeSink) Info(level int, msg string, kv ...any) {
+	t.each(func(s logr.LogSink) {
+		if s.Enabled(level) {
+			s.Info(level, msg, kv...)
+		}
+	})
+}
+
+func (t teeSink) Error(err error, msg string, kv ...any) {
+	t.each(func(s logr.LogSink) { s.Error(err, msg, kv...) })
+}
+
+func (t teeSink) WithValues(kv ...any) logr.LogSink {
+	return teeSink{withValues(t.a, kv), withValues(t.b, kv)}
+}
+
+func (t teeSink) WithName(name string) logr.LogSink {
+	return teeSink{withName(t.a, name), withName(t.b, name)}
+}
+
+func withValues(s logr.LogSink, kv []any) logr.LogSink {
+	if s == nil {
+		return nil
+	}
+	return s.WithValues(kv...)
+}
+
+func withName(s logr.LogSink, name string) logr.LogSink {
+	if s == nil {
+		return nil
+	}
+	return s.WithName(name)
 }
 
 // ClusterProfileAccess is the "credbroker" access provider of spoke's
@@ -512,5 +614,11 @@ func (d *Deployment) Stop() error {
 	d.wg.Wait()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	for _, c := range d.auditClosers {
+		if err := c.Close(); err != nil {
+			d.errs = append(d.errs, err)
+		}
+	}
+	d.auditClosers = nil
 	return errors.Join(d.errs...)
 }

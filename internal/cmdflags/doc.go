@@ -1,0 +1,14 @@
+// Package cmdflags holds what the mains of broker, spoke-agent and
+// credbroker-plugin share: a pflag FlagSet parsed as kubectl parses its
+// flags, --version, -v/--v and --log-format, the operational logger those
+// choose, and the exit codes (0, 1 when the command failed, 2 for a bad
+// command line).
+//
+// Operational logs go to standard error: klog's text format by default, or
+// JSON lines of log/slog with --log-format=json. -v raises the verbosity
+// in both.
+//
+// The FlagSet also accepts a long flag written with a single dash
+// (-broker-address=x), as Go's flag package did before the mains moved to
+// pflag, so existing command lines and exec configs keep working.
+package cmdflags

@@ -1,0 +1,78 @@
+package cmdflags
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+
+	"github.com/credbroker/credbroker/pkg/token"
+)
+
+// redactHandler passes every message and value through token.Redact before
+// next writes it: whatever a caller or an agent put in a field that is
+// echoed back (an audience, a name, a refusal's reason), no token, and no
+// segment of one, reaches the audit log.
+type redactHandler struct{ next slog.Handler }
+
+func (h redactHandler) Enabled(ctx context.Context, l slog.Level) bool { return h.next.Enabled(ctx, l) }
+
+func (h redactHandler) Handle(ctx context.Context, r slog.Record) error {
+	out := slog.NewRecord(r.Time, r.Level, token.Redact(r.Message), r.PC)
+	r.Attrs(func(a slog.Attr) bool {
+		out.AddAttrs(redactAttr(a))
+		return true
+	})
+	return h.next.Handle(ctx, out)
+}
+
+func (h redactHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
+	out := make([]slog.Attr, len(attrs))
+	for i, a := range attrs {
+		out[i] = redactAttr(a)
+	}
+	return redactHandler{h.next.WithAttrs(out)}
+}
+
+func (h redactHandler) WithGroup(name string) slog.Handler {
+	return redactHandler{h.next.WithGroup(name)}
+}
+
+func redactAttr(a slog.Attr) slog.Attr {
+	v := a.Value.Resolve()
+	switch v.Kind() {
+	case slog.KindString:
+		return slog.String(a.Key, token.Redact(v.String()))
+	case slog.KindGroup:
+		group := v.Group()
+		out := make([]slog.Attr, len(group))
+		for i, g := range group {
+			out[i] = redactAttr(g)
+		}
+		return slog.Attr{Key: a.Key, Value: slog.GroupValue(out...)}
+	case slog.KindAny:
+		switch x := v.Any().(type) {
+		case []string:
+			out := make([]string, len(x))
+			for i, s := range x {
+				out[i] = token.Redact(s)
+			}
+			return slog.Any(a.Key, out)
+		case error:
+			return slog.String(a.Key, token.Redact(x.Error()))
+		case fmt.Stringer:
+			return slog.String(a.Key, token.Redact(x.String()))
+		default:
+			// Anything else as the JSON handler would write it, redacted
+			// if need be.
+			b, err := json.Marshal(x)
+			if err != nil {
+				return slog.String(a.Key, token.Redact(fmt.Sprint(x)))
+			}
+			if s := string(b); token.Redact(s) != s {
+				return slog.String(a.Key, token.Redact(s))
+			}
+		}
+	}
+	return slog.Attr{Key: a.Key, Value: v}
+}
