@@ -71,8 +71,6 @@ const (
 	systemNamespace = "credbroker-system"
 	brokerAccount   = "broker"
 	agentAccount    = "credbroker-agent"
-	// publishLease is the Lease of deploy/components/publish-access-provider.
-	publishLease = "credbroker-publisher"
 	// connectedCondition is the condition the broker keeps on each
 	// ClusterProfile it publishes.
 	connectedCondition = "CredentialBrokerConnected"

@@ -45,11 +45,10 @@ const (
 
 // exchangeAudit counts a broker's audit lines by code and cache hit.
 type exchangeAudit struct {
-	mu       sync.Mutex
-	minted   int // OK, not from the cache
-	cached   int // OK, from the cache
-	refused  map[string]int
-	lastWait string
+	mu      sync.Mutex
+	minted  int // OK, not from the cache
+	cached  int // OK, from the cache
+	refused map[string]int
 }
 
 func (a *exchangeAudit) add(line string) {

@@ -61,8 +61,8 @@ func newCaller(t *testing.T, n int, spokes ...*framework.Cluster) *caller {
 }
 
 // exchange asks for a token for the i-th target on spoke, within deadline,
-// and returns the call's code, its error and how long it took.
-func (c *caller) exchange(spoke *framework.Cluster, i int, deadline time.Duration) (codes.Code, error, time.Duration) {
+// and returns the call's code, how long it took and its error.
+func (c *caller) exchange(spoke *framework.Cluster, i int, deadline time.Duration) (codes.Code, time.Duration, error) {
 	ctx, cancel := context.WithTimeout(c.Context(context.Background()), deadline)
 	defer cancel()
 	start := time.Now()
@@ -70,7 +70,7 @@ func (c *caller) exchange(spoke *framework.Cluster, i int, deadline time.Duratio
 		Cluster:        &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: spoke.Name},
 		ServiceAccount: &pb.ObjectReference{Namespace: c.targetNS, Name: c.targets[spoke.Name][i]},
 	})
-	return status.Code(err), err, time.Since(start)
+	return status.Code(err), time.Since(start), err
 }
 
 // waitFor polls cond every 50ms for up to timeout and returns how long it

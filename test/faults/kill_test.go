@@ -40,7 +40,7 @@ func TestAgentKilledWithMintsInFlight(t *testing.T) {
 	codesSeen := make([]codes.Code, mints)
 	took := make([]time.Duration, mints)
 	for i := range mints {
-		wg.Go(func() { codesSeen[i], _, took[i] = c.exchange(spoke1, i, deadline) })
+		wg.Go(func() { codesSeen[i], took[i], _ = c.exchange(spoke1, i, deadline) })
 	}
 	// The two in-process agents answer theirs at once; about a third wait
 	// on the stalled agent.
@@ -93,7 +93,7 @@ func TestBrokerKilledAndRestarted(t *testing.T) {
 	require.NoError(t, err)
 	defer conn.Close()
 	other := &caller{Consumer: c.Consumer, client: viaProcess, targetNS: c.targetNS, targets: c.targets}
-	serves := func() bool { _, err, _ := other.exchange(spoke2, 1, mintTimeout); return err == nil }
+	serves := func() bool { _, _, err := other.exchange(spoke2, 1, mintTimeout); return err == nil }
 	waitFor(t, time.Minute, "the broker process to serve spoke-2", serves)
 
 	// Load on the in-process replica while the other dies and comes back.
@@ -110,7 +110,7 @@ func TestBrokerKilledAndRestarted(t *testing.T) {
 				return
 			default:
 			}
-			if _, err, _ := c.exchange(spoke2, i%2, mintTimeout); err != nil {
+			if _, _, err := c.exchange(spoke2, i%2, mintTimeout); err != nil {
 				failed = append(failed, err)
 			}
 			calls++

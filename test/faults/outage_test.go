@@ -22,7 +22,7 @@ import (
 func TestSpokeAPIServerDown(t *testing.T) {
 	c := newCaller(t, 4, spoke1)
 	waitFor(t, 30*time.Second, "both agents of spoke-1", func() bool { return connected(spoke1) == 2 })
-	_, err, _ := c.exchange(spoke1, 0, mintTimeout)
+	_, _, err := c.exchange(spoke1, 0, mintTimeout)
 	require.NoError(t, err)
 
 	spokeProxy.Down()
@@ -31,7 +31,7 @@ func TestSpokeAPIServerDown(t *testing.T) {
 	// Consumers keep asking for a few seconds, long enough for the agents'
 	// watches to break and their reconnects to fail.
 	for i := 1; time.Since(down) < 3*time.Second; i = 3 - i {
-		code, err, took := c.exchange(spoke1, i, 2*mintTimeout)
+		code, took, err := c.exchange(spoke1, i, 2*mintTimeout)
 		require.Equal(t, codes.Unavailable, code, "%v", err)
 		require.ErrorContains(t, err, framework.FleetNamespace+"/"+spoke1.Name, "the message names the cluster")
 		require.Less(t, took, mintTimeout, "a refused connection fails fast")
@@ -51,11 +51,11 @@ func TestSpokeAPIServerDown(t *testing.T) {
 	spokeProxy.Heal()
 	healed := time.Now()
 	recovered := waitFor(t, 2*time.Minute, "spoke-1 to serve again", func() bool {
-		_, err, _ := c.exchange(spoke1, 3, mintTimeout)
+		_, _, err := c.exchange(spoke1, 3, mintTimeout)
 		return err == nil
 	})
 	resynced := waitFor(t, 2*time.Minute, "the ServiceAccount created during the outage", func() bool {
-		_, err, _ := c.exchange(spoke1, len(c.targets[spoke1.Name])-1, mintTimeout)
+		_, _, err := c.exchange(spoke1, len(c.targets[spoke1.Name])-1, mintTimeout)
 		return err == nil
 	})
 	t.Logf("spoke down for %s; served again %s after it came back, the ServiceAccount created meanwhile %s after",
@@ -75,22 +75,22 @@ func TestHubAPIServerDown(t *testing.T) {
 	late, err := env.NewConsumer(ctx, unique("hub"), "late", "credbroker", spoke1.Name)
 	require.NoError(t, err)
 	lateCaller := &caller{Consumer: late, client: known.client, targetNS: known.targetNS, targets: known.targets}
-	_, err, _ = known.exchange(spoke1, 0, mintTimeout)
+	_, _, err = known.exchange(spoke1, 0, mintTimeout)
 	require.NoError(t, err)
-	_, err, _ = known.exchange(spoke2, 0, mintTimeout)
+	_, _, err = known.exchange(spoke2, 0, mintTimeout)
 	require.NoError(t, err)
 	cached := time.Now()
 
 	hubProxy.Down()
 	t.Cleanup(hubProxy.Heal)
-	code, err, took := lateCaller.exchange(spoke1, 0, 2*mintTimeout)
+	code, took, err := lateCaller.exchange(spoke1, 0, 2*mintTimeout)
 	require.Equal(t, codes.Unavailable, code, "a consumer never seen before fails closed: %v", err)
 	t.Logf("hub down: a new consumer got %s after %s", err, took.Round(time.Millisecond))
 
 	// Decisions cached before the outage still hold, and the informer's
 	// last view still serves: a new mint for a known consumer.
 	require.Less(t, time.Since(cached), decisionTTL/2, "the machine is too slow for this test's decision TTL")
-	_, err, _ = known.exchange(spoke1, 1, mintTimeout)
+	_, _, err = known.exchange(spoke1, 1, mintTimeout)
 	require.NoError(t, err, "a cached decision is honoured while it lasts")
 	// Deleted while the broker cannot see it.
 	cp, err := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Get(ctx, spoke2.Name, metav1.GetOptions{})
@@ -107,10 +107,10 @@ func TestHubAPIServerDown(t *testing.T) {
 
 	hubProxy.Heal()
 	seen := waitFor(t, time.Minute, "the broker to see the deletion", func() bool { return connected(spoke2) == 0 })
-	code, err, _ = known.exchange(spoke2, 1, mintTimeout)
+	code, _, err = known.exchange(spoke2, 1, mintTimeout)
 	require.Equal(t, codes.NotFound, code, "no exchange for a ClusterProfile deleted during the outage: %v", err)
 	recovered := waitFor(t, time.Minute, "the hub to serve the broker again", func() bool {
-		_, err, _ := known.exchange(spoke1, 2, mintTimeout)
+		_, _, err := known.exchange(spoke1, 2, mintTimeout)
 		return err == nil
 	})
 	t.Logf("hub back: deletion seen after %s; exchanges served again after %s", seen.Round(10*time.Millisecond), (seen + recovered).Round(10*time.Millisecond))

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"google.golang.org/grpc/codes"
 )
 
 // TestPartitionWithoutReset cuts agent A's path to the broker without a
@@ -28,11 +27,7 @@ func TestPartitionWithoutReset(t *testing.T) {
 	took := make([]time.Duration, mints)
 	errs := make([]error, mints)
 	for i := range mints {
-		wg.Go(func() {
-			var code codes.Code
-			code, errs[i], took[i] = c.exchange(spoke1, i, deadline)
-			_ = code
-		})
+		wg.Go(func() { _, took[i], errs[i] = c.exchange(spoke1, i, deadline) })
 	}
 	detected := waitFor(t, mintTimeout, "the broker to end the partitioned stream", func() bool { return connected(spoke1) == 1 })
 	wg.Wait()
@@ -47,6 +42,6 @@ func TestPartitionWithoutReset(t *testing.T) {
 	agentProxy.Heal()
 	recovered := waitFor(t, time.Minute, "agent A to reconnect", func() bool { return connected(spoke1) == 2 })
 	t.Logf("partition: healed after %s; agent A reconnected %s later", time.Since(partitioned).Round(10*time.Millisecond), recovered.Round(10*time.Millisecond))
-	code, err, _ := c.exchange(spoke1, mints, deadline)
+	code, _, err := c.exchange(spoke1, mints, deadline)
 	require.NoError(t, err, "code %s", code)
 }

@@ -22,7 +22,7 @@ func TestSlowSpokeBlocksNoOtherCluster(t *testing.T) {
 	// The baseline: cold exchanges for spoke-1, one after another.
 	var before []time.Duration
 	for i := range fastCalls {
-		_, err, d := fast.exchange(spoke1, i, mintTimeout)
+		_, d, err := fast.exchange(spoke1, i, mintTimeout)
 		require.NoError(t, err)
 		before = append(before, d)
 	}
@@ -33,7 +33,7 @@ func TestSlowSpokeBlocksNoOtherCluster(t *testing.T) {
 	slowCodes := make([]codes.Code, slowCalls)
 	slowTook := make([]time.Duration, slowCalls)
 	for i := range slowCalls {
-		wg.Go(func() { slowCodes[i], _, slowTook[i] = slow.exchange(spoke2, i, 3*mintTimeout) })
+		wg.Go(func() { slowCodes[i], slowTook[i], _ = slow.exchange(spoke2, i, 3*mintTimeout) })
 	}
 	// The same exchanges while spoke-2's mints hang.
 	waitFor(t, mintTimeout, "the slow mints to reach the agent", func() bool {
@@ -41,7 +41,7 @@ func TestSlowSpokeBlocksNoOtherCluster(t *testing.T) {
 	})
 	var during []time.Duration
 	for i := fastCalls; i < 2*fastCalls; i++ {
-		_, err, d := fast.exchange(spoke1, i, mintTimeout)
+		_, d, err := fast.exchange(spoke1, i, mintTimeout)
 		require.NoError(t, err)
 		during = append(during, d)
 	}
@@ -62,7 +62,7 @@ func TestSlowSpokeBlocksNoOtherCluster(t *testing.T) {
 	slowSpoke.Store(0)
 	// The agent's own mint timeout frees its slots; then spoke-2 serves again.
 	recovered := waitFor(t, time.Minute, "spoke-2 to serve again", func() bool {
-		_, err, _ := slow.exchange(spoke2, slowCalls, mintTimeout)
+		_, _, err := slow.exchange(spoke2, slowCalls, mintTimeout)
 		return err == nil
 	})
 	t.Logf("slow spoke: served again %s after it turned fast", recovered.Round(10*time.Millisecond))
