@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"io"
-	"math"
 	"os"
 	"strconv"
 
@@ -41,7 +40,7 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.StringVar(&spiffeID, "spiffe-id", "", "the broker's own SPIFFE ID, which the Workload API's SVID must have (default spiffe://<trust-domain>/broker)")
 	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of the broker and the agents, e.g. fleet.example (required)")
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the hub; empty means the in-cluster config")
-	fs.Var(&float32Value{&cfg.HubQPS}, "hub-qps", "QPS of the hub client")
+	fs.Var(cmdflags.Float32(&cfg.HubQPS), "hub-qps", "QPS of the hub client")
 	fs.IntVar(&cfg.HubBurst, "hub-burst", cfg.HubBurst, "burst of the hub client")
 	fs.StringVar(&cfg.Audience, "audience", cfg.Audience, "audience that consumers' hub tokens must carry")
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted spoke token (at least 10m)")
@@ -125,17 +124,3 @@ func (v *positiveUint32Value) Set(s string) error {
 func (v *positiveUint32Value) String() string { return strconv.FormatUint(uint64(*v.p), 10) }
 func (v *positiveUint32Value) Type() string   { return "uint32" }
 
-// float32Value is a flag of a finite float32; the whole value must be the
-// number.
-type float32Value struct{ p *float32 }
-
-func (v *float32Value) Set(s string) error {
-	f, err := strconv.ParseFloat(s, 32)
-	if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
-		return fmt.Errorf("not a finite number: %q", s)
-	}
-	*v.p = float32(f)
-	return nil
-}
-func (v *float32Value) String() string { return strconv.FormatFloat(float64(*v.p), 'g', -1, 32) }
-func (v *float32Value) Type() string   { return "float32" }

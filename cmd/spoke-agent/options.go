@@ -2,9 +2,7 @@ package main
 
 import (
 	"fmt"
-	"math"
 	"os"
-	"strconv"
 	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -47,7 +45,7 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")
 	fs.DurationVar(&cfg.KeepaliveTime, "keepalive-time", cfg.KeepaliveTime, "ping a broker after its connection has been silent this long (at least 5s)")
 	fs.DurationVar(&cfg.KeepaliveTimeout, "keepalive-timeout", cfg.KeepaliveTimeout, "reconnect when a ping is not answered in this long; with --keepalive-time, bounds how long a silent partition goes unnoticed")
-	fs.Var(&float32Value{&cfg.SpokeQPS}, "spoke-qps", "QPS of the agent's spoke client (client-go's 5 would throttle mints, which cost three requests each)")
+	fs.Var(cmdflags.Float32(&cfg.SpokeQPS), "spoke-qps", "QPS of the agent's spoke client (client-go's 5 would throttle mints, which cost three requests each)")
 	fs.IntVar(&cfg.SpokeBurst, "spoke-burst", cfg.SpokeBurst, "burst of the agent's spoke client")
 	fs.StringVar(&cfg.AdvertiseServer, "advertise-server", "", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
 	fs.StringVar(&advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
@@ -97,17 +95,3 @@ func parseFlags(args []string) (agent.Config, error) {
 	return cfg, cfg.Validate()
 }
 
-// float32Value is a flag of a finite float32; the whole value must be the
-// number.
-type float32Value struct{ p *float32 }
-
-func (v *float32Value) Set(s string) error {
-	f, err := strconv.ParseFloat(s, 32)
-	if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
-		return fmt.Errorf("not a finite number: %q", s)
-	}
-	*v.p = float32(f)
-	return nil
-}
-func (v *float32Value) String() string { return strconv.FormatFloat(float64(*v.p), 'g', -1, 32) }
-func (v *float32Value) Type() string   { return "float32" }

@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -194,3 +196,20 @@ func Run(log logr.Logger, msg string, fn func(context.Context) error, closers ..
 	}
 	os.Exit(ExitOK)
 }
+
+// Float32 returns a flag value of a finite float32 stored in p; the whole
+// value must be the number.
+func Float32(p *float32) pflag.Value { return &float32Value{p} }
+
+type float32Value struct{ p *float32 }
+
+func (v *float32Value) Set(s string) error {
+	f, err := strconv.ParseFloat(s, 32)
+	if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
+		return fmt.Errorf("not a finite number: %q", s)
+	}
+	*v.p = float32(f)
+	return nil
+}
+func (v *float32Value) String() string { return strconv.FormatFloat(float64(*v.p), 'g', -1, 32) }
+func (v *float32Value) Type() string   { return "float32" }
