@@ -6,7 +6,6 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -93,7 +92,7 @@ func startRogueAgent(t *testing.T) *rogueAgent {
 		// The brokers' informers may not know fleet/rogue yet: retry until
 		// one stream is admitted.
 		require.Eventually(t, func() bool {
-			stream, err := admit(actx, client)
+			stream, err := framework.AdmitFakeAgent(actx, client, "rogue")
 			if err != nil {
 				return false
 			}
@@ -106,26 +105,6 @@ func startRogueAgent(t *testing.T) *rogueAgent {
 	return agent
 }
 
-// admit opens a stream, sends the hello and waits for the admission header.
-func admit(ctx context.Context, client pb.AgentTunnelClient) (grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], error) {
-	ctx, cancel := context.WithCancel(ctx)
-	stream, err := client.Connect(ctx)
-	if err != nil {
-		cancel()
-		return nil, err
-	}
-	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{AgentVersion: "rogue"}}}); err != nil {
-		cancel()
-		return nil, err
-	}
-	md, err := stream.Header()
-	if err != nil || len(md.Get("credbroker-cluster")) == 0 {
-		cancel()
-		return nil, errors.Join(err, errors.New("not admitted"))
-	}
-	context.AfterFunc(ctx, cancel) // the stream lives as long as the parent ctx
-	return stream, nil
-}
 
 // serve answers mint requests until the stream ends.
 func (a *rogueAgent) serve(stream grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame]) {

@@ -40,6 +40,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/identity"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+	"github.com/credbroker/credbroker/test/framework"
 )
 
 func main() {
@@ -147,7 +148,7 @@ func run() error {
 func admitWithin(ctx context.Context, client pb.AgentTunnelClient, timeout time.Duration) (grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], error) {
 	deadline := time.Now().Add(timeout)
 	for {
-		stream, err := admit(ctx, client)
+		stream, err := framework.AdmitFakeAgent(ctx, client, "fleetagents")
 		if err == nil {
 			return stream, nil
 		}
@@ -158,26 +159,6 @@ func admitWithin(ctx context.Context, client pb.AgentTunnelClient, timeout time.
 	}
 }
 
-// admit opens a stream, sends the hello and waits for the admission header.
-func admit(ctx context.Context, client pb.AgentTunnelClient) (grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], error) {
-	sctx, cancel := context.WithCancel(ctx)
-	stream, err := client.Connect(sctx)
-	if err != nil {
-		cancel()
-		return nil, err
-	}
-	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{AgentVersion: "fleetagents"}}}); err != nil {
-		cancel()
-		return nil, err
-	}
-	md, err := stream.Header()
-	if err != nil || len(md.Get("credbroker-cluster")) == 0 {
-		cancel()
-		return nil, errors.Join(err, errors.New("not admitted"))
-	}
-	context.AfterFunc(ctx, cancel)
-	return stream, nil
-}
 
 // serve answers mint requests until the stream ends. Sends are serialized;
 // answers are made at once.

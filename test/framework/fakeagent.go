@@ -1,0 +1,34 @@
+package framework
+
+import (
+	"context"
+	"errors"
+
+	"google.golang.org/grpc"
+
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// AdmitFakeAgent opens an AgentTunnel stream as a hand-written agent: it
+// sends a hello with agentVersion and waits for the broker's admission
+// header. The stream lives as long as ctx. Tests use it for agents that
+// misbehave or that are simulated by the thousand.
+func AdmitFakeAgent(ctx context.Context, client pb.AgentTunnelClient, agentVersion string) (grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], error) {
+	sctx, cancel := context.WithCancel(ctx)
+	stream, err := client.Connect(sctx)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{AgentVersion: agentVersion}}}); err != nil {
+		cancel()
+		return nil, err
+	}
+	md, err := stream.Header()
+	if err != nil || len(md.Get("credbroker-cluster")) == 0 {
+		cancel()
+		return nil, errors.Join(err, errors.New("not admitted"))
+	}
+	context.AfterFunc(ctx, cancel)
+	return stream, nil
+}
