@@ -20,7 +20,6 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 
-	"github.com/credbroker/credbroker/pkg/broker"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
@@ -108,7 +107,6 @@ func TestSPIREIdentityThroughRotations(t *testing.T) {
 	dep, err := framework.StartDeployment(ctx, senv, framework.DeploymentOptions{
 		Dir: t.TempDir(), Log: logger, Audit: logger.WithName("audit"), MintTimeout: mintTimeout,
 		SPIFFEEndpointSocket: brokerSocket,
-		Tune:                 func(c *broker.Config) { c.RateLimit, c.RateBurst = 1e6, 1e6 },
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() {

@@ -93,7 +93,6 @@ func run(m *testing.M) int {
 			c.Hub.Host = "https://" + hubProxy.Addr()
 			c.AgentKeepaliveTime, c.AgentKeepaliveTimeout = keepaliveTime, keepaliveTimeout
 			c.AuthnTTL, c.AllowTTL = decisionTTL, decisionTTL
-			c.RateLimit, c.RateBurst = 1e6, 1e6
 		},
 	}); err != nil {
 		return fail(err)
