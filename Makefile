@@ -95,7 +95,13 @@ mutate: testbin ## Mutation-test the trust packages with gremlins; fails below e
 	$(ASSETS) hack/mutate.sh $(MUTATE_PKGS)
 
 .PHONY: bench
-bench: testbin ## Benchmark the exchange against a direct TokenRequest on the same API server.
+bench: testbin build ## Benchmark the shipped binaries on real API servers against same-run baselines; prints the table and writes it to docs/benchmarks.md (under 10 min).
+	$(ASSETS) CREDBROKER_BENCH=1 CREDBROKER_BENCH_BIN=$(CURDIR)/$(BIN) CREDBROKER_BENCH_OUT=$(CURDIR)/$(BIN)/bench \
+	  CREDBROKER_BENCH_DOC=$(CURDIR)/docs/benchmarks.md $(GO) test -count 1 -timeout 10m -run '^TestBench$$' -v ./test/bench/
+
+.PHONY: bench-go
+bench-go: ## Run the packages' Go benchmarks (compare runs with benchstat) and the in-process exchange benchmark.
+	$(GO) test -run '^$$' -bench . -benchmem -count $(or $(COUNT),6) ./pkg/store/ ./pkg/tokenexchange/ ./pkg/spoke/
 	$(ASSETS) $(GO) test -run '^$$' -bench . $(BENCH_FLAGS) ./test/e2e/...
 
 .PHONY: fuzz

@@ -86,6 +86,17 @@ func TestParseFlagsReflection(t *testing.T) {
 	assert.True(t, cfg.EnableReflection)
 }
 
+func TestParseFlagsProfiling(t *testing.T) {
+	required := requiredFlags(t)
+	cfg, _, err := parseFlags(required)
+	require.NoError(t, err)
+	assert.False(t, cfg.Profiling, "pprof is off by default")
+
+	cfg, _, err = parseFlags(append(required, "--profiling"))
+	require.NoError(t, err)
+	assert.True(t, cfg.Profiling)
+}
+
 func TestParseFlagsGrantTriggers(t *testing.T) {
 	required := requiredFlags(t)
 	cfg, _, err := parseFlags(required)

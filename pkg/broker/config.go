@@ -62,6 +62,10 @@ type Config struct {
 	// streams) of one connection, on both ports.
 	MaxStreamsPerCluster int
 	MaxConcurrentStreams uint32
+	// Profiling serves net/http/pprof under /debug/pprof/ on the metrics
+	// listener (MetricsAddress). Off by default: a profile shows timings
+	// and allocation sites, no secret, but it costs CPU while it runs.
+	Profiling bool
 
 	// Audience a consumer's hub token must carry.
 	Audience string

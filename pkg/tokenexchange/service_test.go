@@ -205,7 +205,7 @@ type fixture struct {
 	verifier *fakeVerifier
 }
 
-func newFixture(t *testing.T, mutate ...func(*Config)) *fixture {
+func newFixture(t testing.TB, mutate ...func(*Config)) *fixture {
 	t.Helper()
 	f := &fixture{clock: clocktesting.NewFakeClock(t0), reviews: &fakeReviews{}, cluster: &fakeClusters{uid: "uid-1"}, audit: &strings.Builder{}}
 	f.minter = &fakeMinter{clock: f.clock}
