@@ -79,6 +79,14 @@ func (b *bench) spokeLoad(t *testing.T) {
 	took := time.Since(began)
 	after, err := spokeTokenRequests(ctx)
 	require.NoError(t, err)
+	if failed.Load() > 0 {
+		// The broker's log names the check an answer failed.
+		for line := range strings.SplitSeq(b.broker.Output(), "\n") {
+			if strings.Contains(line, "failed the broker's checks") || strings.Contains(line, "level=ERROR") || strings.Contains(line, "E1130") {
+				t.Log("broker: ", line)
+			}
+		}
+	}
 	require.Zero(t, failed.Load(), "failed exchanges; the first: %v", firstErr.Load())
 
 	// The same fetches against the broker's rule, in-process on a fake

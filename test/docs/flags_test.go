@@ -84,6 +84,20 @@ func flagsOf(t *testing.T, bin string, args ...string) map[string]bool {
 	return flags
 }
 
+// buildBinaries builds the binaries into a temporary folder and returns it.
+func buildBinaries(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	pkgs := make([]string, 0, len(binaries))
+	for _, b := range binaries {
+		pkgs = append(pkgs, "github.com/credbroker/credbroker/cmd/"+b)
+	}
+	build := exec.Command("go", append([]string{"build", "-o", dir + string(os.PathSeparator)}, pkgs...)...)
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
+	return dir
+}
+
 // docFiles are README.md, docs/*.md and every text file under deploy/.
 func docFiles(t *testing.T) []string {
 	t.Helper()
@@ -107,14 +121,7 @@ func docFiles(t *testing.T) []string {
 // The docs and deploy/ mention no flag that our binaries lack (except the
 // listed flags of other tools), and mention every flag they have.
 func TestDocumentedFlagsExist(t *testing.T) {
-	dir := t.TempDir()
-	pkgs := make([]string, 0, len(binaries))
-	for _, b := range binaries {
-		pkgs = append(pkgs, "github.com/credbroker/credbroker/cmd/"+b)
-	}
-	build := exec.Command("go", append([]string{"build", "-o", dir + string(os.PathSeparator)}, pkgs...)...)
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
+	dir := buildBinaries(t)
 
 	have := map[string][]string{} // flag: the binaries that have it
 	for _, b := range binaries {
