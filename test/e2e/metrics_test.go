@@ -139,3 +139,14 @@ func TestMetricsPerReplica(t *testing.T) {
 	assert.Equal(t, before0+1, scrapeMetrics(t, deployment.Brokers[0].MetricsAddr()).sums[counter], "replica 0 counts its exchange")
 	assert.Equal(t, before1, scrapeMetrics(t, deployment.Brokers[1].MetricsAddr()).sums[counter], "replica 1 counts replica 0's exchange")
 }
+
+// Without --profiling, the metrics port serves no profile: goroutine stacks
+// and heap profiles are not for whoever reaches /metrics.
+func TestNoProfilingByDefault(t *testing.T) {
+	for _, path := range []string{"/debug/pprof/", "/debug/pprof/goroutine", "/debug/pprof/heap"} {
+		resp, err := http.Get("http://" + deployment.Broker.MetricsAddr() + path)
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		assert.Equal(t, http.StatusNotFound, resp.StatusCode, path)
+	}
+}
