@@ -74,8 +74,8 @@ test: testbin spire ## Run every test, integration and e2e included, with -race,
 	cd hack/images && $(GO) test $(TEST_FLAGS) ./...
 
 .PHONY: e2e
-e2e: testbin spire ## Run only the end-to-end tests (one hub, two spokes).
-	$(ASSETS) $(SPIRE_BIN) $(GO) test $(TEST_FLAGS) -v ./test/e2e/...
+e2e: testbin spire ## Run only the end-to-end tests (one hub, two spokes), and the shipped binaries under deploy/ RBAC.
+	$(ASSETS) $(SPIRE_BIN) $(GO) test $(TEST_FLAGS) -v ./test/e2e/... ./test/binaries/...
 
 # Mutation testing (make mutate): the packages that hold trust decisions,
 # each as pkg:efficacy-floor:coverage-floor in percent. Raise a floor when a

@@ -438,7 +438,9 @@ var allowed = map[string][]rule{
 	"ClusterRole credbroker-broker": slices.Concat(
 		verbs("authentication.k8s.io", "tokenreviews", "create"),
 		verbs("authorization.k8s.io", "subjectaccessreviews", "create"),
-		verbs("multicluster.x-k8s.io", "clusterprofiles", "get", "list", "watch"),
+		// An informer: list and watch, never get (test/binaries checks
+		// what the broker uses).
+		verbs("multicluster.x-k8s.io", "clusterprofiles", "list", "watch"),
 		// Revocation triggers: hub RBAC changes and deleted consumer
 		// ServiceAccounts (pkg/broker's trigger informers).
 		verbs("rbac.authorization.k8s.io", "roles", "list", "watch"),
@@ -465,7 +467,9 @@ var allowed = map[string][]rule{
 	"ClusterRole credbroker-agent-spiffe-id-writer": verbs("multicluster.x-k8s.io", "clusterprofiles", "set-agent-spiffe-id"),
 	// The agent on a spoke: what pkg/spoke and pkg/agent call.
 	"ClusterRole credbroker-agent": slices.Concat(
-		verbs("", "serviceaccounts", "get", "list", "watch"),
+		// An informer: the agent reads ServiceAccounts from its cache,
+		// never with a get (test/binaries checks what the agent uses).
+		verbs("", "serviceaccounts", "list", "watch"),
 		verbs("", "serviceaccounts/token", "create"),
 		verbs("", "secrets", "create", "patch", "delete", "list", "watch"),
 	),

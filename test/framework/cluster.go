@@ -113,6 +113,18 @@ type AuditEvent struct {
 	ResponseStatus *struct {
 		Code int `json:"code"`
 	} `json:"responseStatus"`
+	// ObjectRef is what a resource request was about; nil for a
+	// non-resource URL such as /openid/v1/jwks.
+	ObjectRef *AuditObjectRef `json:"objectRef"`
+}
+
+// AuditObjectRef is the object of an audited resource request.
+type AuditObjectRef struct {
+	APIGroup    string `json:"apiGroup"`
+	Resource    string `json:"resource"`
+	Subresource string `json:"subresource"`
+	Namespace   string `json:"namespace"`
+	Name        string `json:"name"`
 }
 
 // CredentialIDExtra is the user extra in which kube-apiserver records the

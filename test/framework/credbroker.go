@@ -67,6 +67,11 @@ type DeploymentOptions struct {
 	// operational log format), in broker-<i>.audit.log, besides Audit; a
 	// restarted replica appends to its file. AuditLogs lists the files.
 	AuditDir string
+	// NoInProcessBroker starts no broker in this process: the test runs
+	// the broker binary (StartBrokerProcess) and points its agents at it
+	// (AgentProcessOptions.BrokerAddresses). Broker and Brokers stay nil,
+	// and StartAgent, which needs an in-process broker, must not be used.
+	NoInProcessBroker bool
 }
 
 // Deployment is credbroker running in-process over an Env: a broker
@@ -152,7 +157,11 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	}
 	d.ctx, d.stop = context.WithCancel(context.Background())
 	d.brokerCfg = cfg
-	for i := range max(opts.Replicas, 1) {
+	replicas := max(opts.Replicas, 1)
+	if opts.NoInProcessBroker {
+		replicas = 0
+	}
+	for i := range replicas {
 		rcfg, err := d.replicaConfig(i)
 		if err != nil {
 			return nil, errors.Join(err, d.Stop())
@@ -165,7 +174,9 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 		d.brokerStops, d.brokerDone = append(d.brokerStops, nil), append(d.brokerDone, nil)
 		d.runBroker(i, b)
 	}
-	d.Broker = d.Brokers[0]
+	if len(d.Brokers) > 0 {
+		d.Broker = d.Brokers[0]
+	}
 
 	for _, spoke := range env.Spokes {
 		if _, err := env.Hub.CreateClusterProfile(ctx, FleetNamespace, spoke.Name, d.ClusterProfileAccess(spoke)); err != nil {
@@ -531,6 +542,9 @@ func (d *Deployment) revokeGrants(spoke *Cluster, id string) {
 	if !ok || !ok2 {
 		return
 	}
+	if d.Broker == nil {
+		return
+	}
 	ctx, cancel := context.WithTimeout(d.ctx, 30*time.Second)
 	defer cancel()
 	reg := d.Broker.Grants()
@@ -577,12 +591,12 @@ func (d *Deployment) WaitForServiceAccount(ctx context.Context, spoke *Cluster, 
 }
 
 // AgentRules are the spoke permissions an agent needs, as
-// deploy/spoke/rbac.yaml grants them: read ServiceAccounts (for their opt-in
-// annotation), create tokens for them, and create, annotate, delete, list
+// deploy/spoke/rbac.yaml grants them: list and watch ServiceAccounts (an
+// informer, for their opt-in annotation; never a get), create tokens for them, and create, annotate, delete, list
 // and watch the grant Secrets the tokens are bound to.
 func AgentRules() []rbacv1.PolicyRule {
 	return []rbacv1.PolicyRule{
-		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"serviceaccounts/token"}, Verbs: []string{"create"}},
 		{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"create", "patch", "delete", "list", "watch"}},
 	}

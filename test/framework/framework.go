@@ -71,6 +71,10 @@ type Options struct {
 	// StopTimeout bounds how long each process may take to exit after
 	// SIGTERM before it is killed. Default: 20s.
 	StopTimeout time.Duration
+	// AuditWatches records watch requests in every cluster's audit log
+	// too (Cluster.AuditLog), which by default leaves them out, for a test
+	// that compares what a client used with what its RBAC grants.
+	AuditWatches bool
 	// Output, when set, receives the stdout and stderr of every etcd and
 	// kube-apiserver, interleaved. Whatever it is, the last few KiB of a
 	// cluster's output are kept and put in the error when it fails to start.
@@ -311,7 +315,11 @@ func startClusterOnce(ctx context.Context, name, bin string, opts Options) (*Clu
 	if err != nil {
 		return nil, fmt.Errorf("audit dir: %w", err)
 	}
-	if err := os.WriteFile(filepath.Join(auditDir, "policy.yaml"), []byte(auditPolicy), 0o600); err != nil {
+	policy := auditPolicy
+	if opts.AuditWatches {
+		policy = auditPolicyWithWatches
+	}
+	if err := os.WriteFile(filepath.Join(auditDir, "policy.yaml"), []byte(policy), 0o600); err != nil {
 		return nil, errors.Join(fmt.Errorf("audit policy: %w", err), os.RemoveAll(auditDir))
 	}
 	args.Set("audit-policy-file", filepath.Join(auditDir, "policy.yaml"))
@@ -348,6 +356,14 @@ omitStages: ["RequestReceived"]
 rules:
   - level: None
     verbs: ["watch"]
+  - level: Metadata
+`
+
+// auditPolicyWithWatches is auditPolicy with the watches (Options.AuditWatches).
+const auditPolicyWithWatches = `apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
   - level: Metadata
 `
 

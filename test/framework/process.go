@@ -81,6 +81,12 @@ type AgentProcessOptions struct {
 	// ClusterProfile is the name, in FleetNamespace, of the ClusterProfile
 	// the agent serves (its --cluster and SVID). Default: spoke's name.
 	ClusterProfile string
+	// Kubeconfig, when set, is the agent's --kubeconfig, such as one of
+	// Cluster.WriteServiceAccountKubeconfig for the ServiceAccount that
+	// deploy/spoke creates; the agent's account is then left as it is.
+	// Default: a kubeconfig of AgentNamespace/AgentServiceAccount with
+	// AgentRules, created if missing.
+	Kubeconfig string
 }
 
 // StartAgentProcess runs the spoke-agent binary for spoke, as its default
@@ -94,25 +100,28 @@ func (d *Deployment) StartAgentProcess(ctx context.Context, spoke *Cluster, opts
 		profile = opts.ClusterProfile
 	}
 	id := AgentID(profile)
-	if err := d.ensureAgentAccount(ctx, spoke); err != nil {
-		return nil, err
-	}
-	tok, err := spoke.Token(ctx, AgentNamespace, AgentServiceAccount, nil, time.Hour)
-	if err != nil {
-		return nil, err
-	}
-	server := spoke.Server
-	if opts.SpokeServer != "" {
-		server = opts.SpokeServer
-	}
-	kubeconfig := filepath.Join(d.dir, "agent-process-"+profile+".kubeconfig")
-	if err := clientcmd.WriteToFile(clientcmdapi.Config{
-		Clusters:       map[string]*clientcmdapi.Cluster{"spoke": {Server: server, CertificateAuthorityData: spoke.CAData}},
-		AuthInfos:      map[string]*clientcmdapi.AuthInfo{"agent": {Token: tok}},
-		Contexts:       map[string]*clientcmdapi.Context{"spoke": {Cluster: "spoke", AuthInfo: "agent"}},
-		CurrentContext: "spoke",
-	}, kubeconfig); err != nil {
-		return nil, err
+	kubeconfig := opts.Kubeconfig
+	if kubeconfig == "" {
+		if err := d.ensureAgentAccount(ctx, spoke); err != nil {
+			return nil, err
+		}
+		tok, err := spoke.Token(ctx, AgentNamespace, AgentServiceAccount, nil, time.Hour)
+		if err != nil {
+			return nil, err
+		}
+		server := spoke.Server
+		if opts.SpokeServer != "" {
+			server = opts.SpokeServer
+		}
+		kubeconfig = filepath.Join(d.dir, "agent-process-"+profile+".kubeconfig")
+		if err := clientcmd.WriteToFile(clientcmdapi.Config{
+			Clusters:       map[string]*clientcmdapi.Cluster{"spoke": {Server: server, CertificateAuthorityData: spoke.CAData}},
+			AuthInfos:      map[string]*clientcmdapi.AuthInfo{"agent": {Token: tok}},
+			Contexts:       map[string]*clientcmdapi.Context{"spoke": {Cluster: "spoke", AuthInfo: "agent"}},
+			CurrentContext: "spoke",
+		}, kubeconfig); err != nil {
+			return nil, err
+		}
 	}
 	cert, key, err := d.WriteAgentSVID(spoke, id, d.CA, time.Hour)
 	if err != nil {
@@ -144,15 +153,23 @@ type BrokerProcessOptions struct {
 	ExchangeAddress, AgentAddress, MetricsAddress string
 	// Args are more flags.
 	Args []string
+	// Kubeconfig, when set, is the broker's --kubeconfig, such as one of
+	// Cluster.WriteServiceAccountKubeconfig for the ServiceAccount that
+	// deploy/hub creates. Default: an admin kubeconfig.
+	Kubeconfig string
 }
 
 // StartBrokerProcess runs the broker binary against the deployment's hub,
 // with the deployment's serving certificate, SVID and trust bundle, and the
-// flags an operator would pass. Its hub credential is an admin kubeconfig.
+// flags an operator would pass. Its hub credential is opts.Kubeconfig, by
+// default an admin kubeconfig.
 func (d *Deployment) StartBrokerProcess(opts BrokerProcessOptions) (*Process, error) {
-	kubeconfig, err := d.Env.Hub.WriteKubeconfig(d.dir)
-	if err != nil {
-		return nil, err
+	kubeconfig := opts.Kubeconfig
+	if kubeconfig == "" {
+		var err error
+		if kubeconfig, err = d.Env.Hub.WriteKubeconfig(d.dir); err != nil {
+			return nil, err
+		}
 	}
 	cfg := d.brokerCfg
 	args := append([]string{
