@@ -636,26 +636,28 @@ func TestAdmissionHoldsARenamedAgent(t *testing.T) {
 	cfg := rest.CopyConfig(c.Config)
 	cfg.Impersonate = rest.ImpersonationConfig{UserName: user, Groups: append(groups, "system:authenticated")}
 	agent := kubernetes.NewForConfigOrDie(cfg)
-	require.NoError(t, c.EnsureNamespace(ctx, "victim"))
+	// A namespace of this run's own, so that the test may run twice.
+	victim := fmt.Sprintf("victim-%d", time.Now().UnixNano())
+	require.NoError(t, c.EnsureNamespace(ctx, victim))
 
 	// The policies take effect once the API server has loaded them and
 	// their parameter.
 	var lastErr error
 	require.Eventually(t, func() bool {
-		s, err := agent.CoreV1().Secrets("victim").Create(ctx, &corev1.Secret{
+		s, err := agent.CoreV1().Secrets(victim).Create(ctx, &corev1.Secret{
 			ObjectMeta: metav1.ObjectMeta{GenerateName: "stolen-"},
 			StringData: map[string]string{"k": "v"},
 		}, metav1.CreateOptions{})
 		if err == nil {
-			_ = c.Client.CoreV1().Secrets("victim").Delete(ctx, s.Name, metav1.DeleteOptions{})
+			_ = c.Client.CoreV1().Secrets(victim).Delete(ctx, s.Name, metav1.DeleteOptions{})
 		}
 		lastErr = err
 		return apierrors.IsForbidden(err) && strings.Contains(err.Error(), "only Secrets of type credbroker.io/grant")
 	}, 20*time.Second, 100*time.Millisecond, "the renamed agent still writes any Secret: %v", lastErr)
 
-	_, err := c.CreateServiceAccount(ctx, "victim", "admin-sa", nil)
+	_, err := c.CreateServiceAccount(ctx, victim, "admin-sa", nil)
 	require.NoError(t, err)
-	_, err = agent.CoreV1().ServiceAccounts("victim").CreateToken(ctx, "admin-sa", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+	_, err = agent.CoreV1().ServiceAccounts(victim).CreateToken(ctx, "admin-sa", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
 	require.Error(t, err)
 	assert.True(t, apierrors.IsForbidden(err), "%v", err)
 	assert.Contains(t, err.Error(), "only tokens bound to a credbroker grant Secret")

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -219,13 +220,14 @@ func jwtClaims(t *testing.T, token string) map[string]any {
 func TestSpokeTokenRequestAndReview(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
+	ns := unique("t-spoke-token")
 	spoke := env(t).Spokes[0]
 
-	sa, err := spoke.CreateServiceAccount(ctx, "t-spoke-token", "agent-target", map[string]string{"example.com/note": "x"})
+	sa, err := spoke.CreateServiceAccount(ctx, ns, "agent-target", map[string]string{"example.com/note": "x"})
 	require.NoError(t, err)
 	assert.Equal(t, "x", sa.Annotations["example.com/note"])
 
-	token, err := spoke.Token(ctx, "t-spoke-token", "agent-target", nil, 10*time.Minute)
+	token, err := spoke.Token(ctx, ns, "agent-target", nil, 10*time.Minute)
 	require.NoError(t, err)
 	require.NotEmpty(t, token)
 	claims := jwtClaims(t, token)
@@ -237,7 +239,7 @@ func TestSpokeTokenRequestAndReview(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, status.Authenticated, "spoke TokenReview: %+v", status)
 	assert.Empty(t, status.Error)
-	user, groups := framework.ServiceAccountUser("t-spoke-token", "agent-target")
+	user, groups := framework.ServiceAccountUser(ns, "agent-target")
 	assert.Equal(t, user, status.User.Username)
 	assert.Equal(t, string(sa.UID), status.User.UID)
 	assert.Subset(t, status.User.Groups, groups)
@@ -253,11 +255,12 @@ func TestSpokeTokenRequestAndReview(t *testing.T) {
 func TestHubTokenAudience(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
+	ns := unique("t-hub-aud")
 	hub := env(t).Hub
 
-	_, err := hub.CreateServiceAccount(ctx, "t-hub-aud", "consumer", nil)
+	_, err := hub.CreateServiceAccount(ctx, ns, "consumer", nil)
 	require.NoError(t, err)
-	token, err := hub.Token(ctx, "t-hub-aud", "consumer", []string{"credbroker"}, time.Hour)
+	token, err := hub.Token(ctx, ns, "consumer", []string{"credbroker"}, time.Hour)
 	require.NoError(t, err)
 
 	tests := []struct {
@@ -277,7 +280,7 @@ func TestHubTokenAudience(t *testing.T) {
 			require.NoError(t, err)
 			assert.Equal(t, tt.authenticated, status.Authenticated, "%+v", status)
 			if tt.authenticated {
-				assert.Equal(t, "system:serviceaccount:t-hub-aud:consumer", status.User.Username)
+				assert.Equal(t, "system:serviceaccount:"+ns+":consumer", status.User.Username)
 				assert.Equal(t, []string{"credbroker"}, status.Audiences)
 			} else {
 				assert.Empty(t, status.User.Username)
@@ -290,17 +293,18 @@ func TestHubTokenAudience(t *testing.T) {
 func TestTokensDoNotCrossClusters(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
+	ns := unique("t-cross")
 	e := env(t)
 	hub, spoke := e.Hub, e.Spokes[0]
 
 	// The same service account exists on both, so only the issuer and the
 	// signing key can tell the tokens apart.
 	for _, c := range []*framework.Cluster{hub, spoke} {
-		_, err := c.CreateServiceAccount(ctx, "t-cross", "twin", nil)
+		_, err := c.CreateServiceAccount(ctx, ns, "twin", nil)
 		require.NoError(t, err)
 	}
 	mint := func(c *framework.Cluster, audiences []string) string {
-		token, err := c.Token(ctx, "t-cross", "twin", audiences, 10*time.Minute)
+		token, err := c.Token(ctx, ns, "twin", audiences, 10*time.Minute)
 		require.NoError(t, err)
 		return token
 	}
@@ -339,7 +343,7 @@ func TestClusterProfileTokenAccess(t *testing.T) {
 	ctx := t.Context()
 	e := env(t)
 	hub, spoke := e.Hub, e.Spokes[0]
-	const fleet, consumers = "t-fleet", "t-consumers"
+	fleet, consumers := unique("t-fleet"), unique("t-consumers")
 
 	exec := []byte(`{"apiVersion":"client.authentication.k8s.io/v1","command":"credbroker-plugin","interactiveMode":"Never"}`)
 	cp, err := hub.CreateClusterProfile(ctx, fleet, "spoke-1", spoke.Access("credbroker", exec))
@@ -421,7 +425,7 @@ func TestGrantClusterWide(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
 	spoke := env(t).Spokes[0]
-	const ns = "t-grant"
+	ns := unique("t-grant")
 
 	require.NoError(t, spoke.EnsureNamespace(ctx, ns))
 	require.NoError(t, spoke.EnsureNamespace(ctx, ns), "EnsureNamespace is idempotent")
@@ -478,10 +482,11 @@ func TestGrantClusterWide(t *testing.T) {
 func TestAuditLogNamesTheCredential(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
+	ns := unique("t-audit")
 	spoke := env(t).Spokes[0]
-	_, err := spoke.CreateServiceAccount(ctx, "t-audit", "user", nil)
+	_, err := spoke.CreateServiceAccount(ctx, ns, "user", nil)
 	require.NoError(t, err)
-	tok, err := spoke.Token(ctx, "t-audit", "user", nil, 10*time.Minute)
+	tok, err := spoke.Token(ctx, ns, "user", nil, 10*time.Minute)
 	require.NoError(t, err)
 	client, err := kubernetes.NewForConfig(spoke.TokenConfig(tok))
 	require.NoError(t, err)
@@ -498,7 +503,13 @@ func TestAuditLogNamesTheCredential(t *testing.T) {
 		require.NoError(t, err)
 		return len(events) > 0
 	}, 10*time.Second, 50*time.Millisecond, "no audit event carries %s", id)
-	assert.Equal(t, "system:serviceaccount:t-audit:user", events[0].User.Username)
+	assert.Equal(t, "system:serviceaccount:"+ns+":user", events[0].User.Username)
 	assert.Equal(t, "create", events[0].Verb)
 	assert.Contains(t, events[0].RequestURI, "selfsubjectreviews")
 }
+
+var names atomic.Int64
+
+// unique returns prefix with a number no other call returned, so that a
+// test run twice against the same API servers (-count=2) makes new objects.
+func unique(prefix string) string { return fmt.Sprintf("%s-%d", prefix, names.Add(1)) }
