@@ -68,3 +68,42 @@ func TestMetricsRegisterOnce(t *testing.T) {
 	_, err = New(cfg)
 	require.NoError(t, err, "the same config with a registry of its own")
 }
+
+// New fills every default, and its bounds accept what sits exactly on them.
+func TestNewDefaultsAndBounds(t *testing.T) {
+	var base Config
+	newFixture(t, func(c *Config) { base = *c })
+	svc, err := New(base)
+	require.NoError(t, err)
+	c := svc.cfg
+	assert.Equal(t, "credbroker", c.Audience)
+	assert.Equal(t, time.Hour, c.MaxExpiration)
+	assert.Equal(t, 10*time.Minute, c.MinExpiration)
+	assert.Equal(t, 10*time.Second, c.AuthnTTL)
+	assert.Equal(t, 10*time.Second, c.AllowTTL)
+	assert.Equal(t, 2*time.Second, c.DenyTTL)
+	assert.Equal(t, 5*time.Second, c.ReviewTimeout)
+	assert.Equal(t, 10000, c.CacheSize)
+	assert.Len(t, c.HMACKey, 32, "a random key when none is given")
+
+	given := base
+	given.HMACKey = []byte("a key of the caller's")
+	given.MinExpiration, given.MaxExpiration = 15*time.Minute, 15*time.Minute
+	given.DenyTTL, given.AllowTTL = 3*time.Second, 3*time.Second
+	given.Registerer = prometheus.NewRegistry()
+	svc, err = New(given)
+	require.NoError(t, err, "MinExpiration = MaxExpiration and DenyTTL = AllowTTL are allowed")
+	assert.Equal(t, []byte("a key of the caller's"), svc.cfg.HMACKey, "a given key is kept")
+
+	for name, mutate := range map[string]func(*Config){
+		"MaxExpiration under MinExpiration": func(c *Config) { c.MinExpiration, c.MaxExpiration = 20*time.Minute, 15*time.Minute },
+		"MinExpiration under the floor":     func(c *Config) { c.MinExpiration = 9 * time.Minute },
+		"DenyTTL over AllowTTL":             func(c *Config) { c.DenyTTL, c.AllowTTL = 4*time.Second, 3*time.Second },
+	} {
+		bad := base
+		bad.Registerer = prometheus.NewRegistry()
+		mutate(&bad)
+		_, err := New(bad)
+		assert.Error(t, err, name)
+	}
+}
