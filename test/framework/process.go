@@ -78,6 +78,10 @@ type AgentProcessOptions struct {
 	BrokerAddresses []string
 	// Args are more flags.
 	Args []string
+	// ClusterProfile is the name, in FleetNamespace, of the ClusterProfile
+	// the agent serves (its SPIFFE ID and --cluster). Default: the spoke's
+	// name.
+	ClusterProfile string
 }
 
 // StartAgentProcess runs the spoke-agent binary for spoke, as its default
@@ -86,7 +90,11 @@ type AgentProcessOptions struct {
 // It returns once the process runs; wait for its stream with
 // Deployment.Connected-style checks.
 func (d *Deployment) StartAgentProcess(ctx context.Context, spoke *Cluster, opts AgentProcessOptions) (*Process, error) {
-	id := AgentID(spoke.Name)
+	profile := spoke.Name
+	if opts.ClusterProfile != "" {
+		profile = opts.ClusterProfile
+	}
+	id := AgentID(profile)
 	if err := d.ensureAgentAccount(ctx, spoke); err != nil {
 		return nil, err
 	}
@@ -98,7 +106,7 @@ func (d *Deployment) StartAgentProcess(ctx context.Context, spoke *Cluster, opts
 	if opts.SpokeServer != "" {
 		server = opts.SpokeServer
 	}
-	kubeconfig := filepath.Join(d.dir, "agent-process-"+spoke.Name+".kubeconfig")
+	kubeconfig := filepath.Join(d.dir, "agent-process-"+profile+".kubeconfig")
 	if err := clientcmd.WriteToFile(clientcmdapi.Config{
 		Clusters:       map[string]*clientcmdapi.Cluster{"spoke": {Server: server, CertificateAuthorityData: spoke.CAData}},
 		AuthInfos:      map[string]*clientcmdapi.AuthInfo{"agent": {Token: tok}},
@@ -122,7 +130,7 @@ func (d *Deployment) StartAgentProcess(ctx context.Context, spoke *Cluster, opts
 		"--broker-address=" + strings.Join(brokers, ","),
 		"--trust-domain=" + TrustDomain,
 		"--svid-cert-file=" + cert, "--svid-key-file=" + key, "--trust-bundle-file=" + d.CAFile,
-		"--cluster=" + FleetNamespace + "/" + spoke.Name,
+		"--cluster=" + FleetNamespace + "/" + profile,
 		"--metrics-address=127.0.0.1:0",
 	}, opts.Args...)
 	return StartProcess(opts.Bin, args...)
