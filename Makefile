@@ -98,6 +98,11 @@ mutate: testbin ## Mutation-test the trust packages with gremlins; fails below e
 bench: testbin ## Benchmark the exchange against a direct TokenRequest on the same API server.
 	$(ASSETS) $(GO) test -run '^$$' -bench . $(BENCH_FLAGS) ./test/e2e/...
 
+.PHONY: soak
+soak: testbin ## Soak the broker and agent binaries for SOAK_DURATION (default 10m) of mixed load with restarts, and churn for 2m; not in CI.
+	$(ASSETS) CHURN_DURATION=$${CHURN_DURATION:-2m} $(GO) test -tags soak -count=1 -timeout 90m -v \
+	  -run '^(TestSoak|TestChurn)$$' ./test/faults/
+
 .PHONY: fuzz
 fuzz: ## Run every fuzz target for FUZZTIME each (default 30s); not part of `make test`, which runs their seeds.
 	hack/fuzz.sh

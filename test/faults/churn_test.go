@@ -21,7 +21,7 @@ import (
 // fraction of the exchanges' memory, is far above them.
 const (
 	churnGoroutineSlack = 10
-	churnHeapSlack      = 2 << 20 // bytes, on top of a quarter of the first round's heap goal
+	churnHeapSlack      = 4 << 20 // bytes, on top of a quarter of the first round's heap goal
 )
 
 // TestChurn runs the shipped broker and spoke-agent binaries as processes

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
@@ -48,7 +49,10 @@ func startProcFleet(t *testing.T) *procFleet {
 	}
 	f := &procFleet{
 		brokerOpts: framework.BrokerProcessOptions{Bin: brokerBin, ExchangeAddress: addrs[0], AgentAddress: addrs[1], MetricsAddress: addrs[2],
-			Args: []string{"--rate-limit=1000000", "--rate-burst=1000000"}},
+			Args: []string{"--rate-limit=1000000", "--rate-burst=1000000",
+				// The audit lines, one per exchange, go to a rotated file
+				// rather than into this process's copy of the output.
+				"--audit-log-path=" + filepath.Join(t.TempDir(), "audit.log"), "--audit-log-max-size=10", "--audit-log-max-backups=1"}},
 		agentMetrics: addrs[3],
 	}
 	f.agentOpts = framework.AgentProcessOptions{Bin: agentBin, BrokerAddresses: []string{f.brokerOpts.AgentAddress},
