@@ -56,7 +56,7 @@ const (
 // TestBombsAreRefusedWithoutBeingAllocated sends the broker, from another
 // process, metadata bombs and messages over its limits on both gRPC ports,
 // each bombs times: a 4 MiB authorization header and 20,000 small headers
-// (over --max-header-list-size 64 KiB), a 4 MiB ExchangeRequest (over the
+// (over the broker's 64 KiB header list limit), a 4 MiB ExchangeRequest (over the
 // 64 KiB message limit), and from an agent with a valid SVID a 4 MiB hello
 // and a 4 MiB frame after an admitted hello. Each is refused with the code
 // gRPC gives; the broker allocates a small part of what was sent (the
