@@ -317,11 +317,9 @@ func rawHeaders(ctx context.Context, addr string, cfg *tls.Config, path string, 
 			}
 			return "", fmt.Errorf("after %v: %w", got, err)
 		}
+		// The server's SETTINGS go unacknowledged: only the writer
+		// goroutine writes.
 		switch f := f.(type) {
-		case *http2.SettingsFrame:
-			if !f.IsAck() {
-				_ = fr.WriteSettingsAck()
-			}
 		case *http2.GoAwayFrame:
 			got = append(got, "GOAWAY "+f.ErrCode.String())
 		case *http2.RSTStreamFrame:
