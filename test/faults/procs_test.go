@@ -11,7 +11,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -71,28 +70,6 @@ func startProcFleet(t *testing.T) *procFleet {
 	waitFor(t, time.Minute, "the broker process to be ready", func() bool { return ready(f.brokerOpts.MetricsAddress) })
 	waitFor(t, time.Minute, "the agent process to connect", func() bool { return f.brokerMetric(t, "credbroker_connected_clusters") == 1 })
 	return f
-}
-
-// restartBroker stops the broker process with sig and starts it again on
-// the same ports.
-func (f *procFleet) restartBroker(t *testing.T, sig syscall.Signal) {
-	t.Helper()
-	require.NoError(t, f.broker.Signal(sig))
-	_ = f.broker.Wait()
-	var err error
-	f.broker, err = deployment.StartBrokerProcess(f.brokerOpts)
-	require.NoError(t, err)
-	waitFor(t, time.Minute, "the restarted broker process to be ready", func() bool { return ready(f.brokerOpts.MetricsAddress) })
-}
-
-// restartAgent stops the agent process with sig and starts it again.
-func (f *procFleet) restartAgent(t *testing.T, sig syscall.Signal) {
-	t.Helper()
-	require.NoError(t, f.agent.Signal(sig))
-	_ = f.agent.Wait()
-	var err error
-	f.agent, err = deployment.StartAgentProcess(context.Background(), spoke1, f.agentOpts)
-	require.NoError(t, err)
 }
 
 func ready(addr string) bool {

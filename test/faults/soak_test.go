@@ -132,3 +132,25 @@ func TestSoak(t *testing.T) {
 	require.LessOrEqual(t, endBroker.Goroutines, startBroker.Goroutines+churnGoroutineSlack, "the broker's goroutines grew")
 	require.LessOrEqual(t, endAgent.Goroutines, startAgent.Goroutines+churnGoroutineSlack, "the agent's goroutines grew")
 }
+
+// restartBroker stops the broker process with sig and starts it again on
+// the same ports.
+func (f *procFleet) restartBroker(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	require.NoError(t, f.broker.Signal(sig))
+	_ = f.broker.Wait()
+	var err error
+	f.broker, err = deployment.StartBrokerProcess(f.brokerOpts)
+	require.NoError(t, err)
+	waitFor(t, time.Minute, "the restarted broker process to be ready", func() bool { return ready(f.brokerOpts.MetricsAddress) })
+}
+
+// restartAgent stops the agent process with sig and starts it again.
+func (f *procFleet) restartAgent(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	require.NoError(t, f.agent.Signal(sig))
+	_ = f.agent.Wait()
+	var err error
+	f.agent, err = deployment.StartAgentProcess(context.Background(), spoke1, f.agentOpts)
+	require.NoError(t, err)
+}
