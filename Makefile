@@ -104,6 +104,11 @@ bench-go: ## Run the packages' Go benchmarks (compare runs with benchstat) and t
 	$(GO) test -run '^$$' -bench . -benchmem -count $(or $(COUNT),6) ./pkg/store/ ./pkg/tokenexchange/ ./pkg/spoke/
 	$(ASSETS) $(GO) test -run '^$$' -bench . $(BENCH_FLAGS) ./test/e2e/...
 
+.PHONY: soak
+soak: testbin ## Soak the broker and agent binaries for SOAK_DURATION (default 10m) of mixed load with restarts, and churn for 2m; not in CI.
+	$(ASSETS) CHURN_DURATION=$${CHURN_DURATION:-2m} $(GO) test -tags soak -count=1 -timeout 90m -v \
+	  -run '^(TestSoak|TestChurn)$$' ./test/faults/
+
 .PHONY: fuzz
 fuzz: ## Run every fuzz target for FUZZTIME each (default 30s); not part of `make test`, which runs their seeds.
 	hack/fuzz.sh

@@ -390,21 +390,15 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		if err != nil {
 			return true, causeOf(ctx, err)
 		}
-		var handle func(ctx context.Context) *pb.AgentFrame
-		switch body := f.GetBody().(type) {
-		case *pb.BrokerFrame_MintRequest:
-			handle = func(ctx context.Context) *pb.AgentFrame { return c.answer(ctx, f.GetCorrelationId(), body.MintRequest) }
-		case *pb.BrokerFrame_RevokeRequest:
-			handle = func(ctx context.Context) *pb.AgentFrame {
-				return c.revoke(ctx, f.GetCorrelationId(), body.RevokeRequest)
-			}
-		case *pb.BrokerFrame_Drain:
+		handle, drain := c.request(f)
+		if drain {
 			// The broker still sends the requests of its exchanges in
 			// flight, and closes the stream when they are done.
 			log.Info("broker is draining; serving its last requests until it closes the stream")
 			notServing()
 			continue
-		default:
+		}
+		if handle == nil {
 			continue // a frame this agent does not know; newer brokers may send them
 		}
 		select {
@@ -423,6 +417,25 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 			}
 			send(answer)
 		})
+	}
+}
+
+// request reads a frame from the broker: handle answers a mint or a revoke
+// request with a frame of the same correlation id, and drain reports that
+// the broker drains. A frame of any other kind, which a newer broker may
+// send, has neither.
+func (c *Client) request(f *pb.BrokerFrame) (handle func(ctx context.Context) *pb.AgentFrame, drain bool) {
+	switch body := f.GetBody().(type) {
+	case *pb.BrokerFrame_MintRequest:
+		return func(ctx context.Context) *pb.AgentFrame { return c.answer(ctx, f.GetCorrelationId(), body.MintRequest) }, false
+	case *pb.BrokerFrame_RevokeRequest:
+		return func(ctx context.Context) *pb.AgentFrame {
+			return c.revoke(ctx, f.GetCorrelationId(), body.RevokeRequest)
+		}, false
+	case *pb.BrokerFrame_Drain:
+		return nil, true
+	default:
+		return nil, false
 	}
 }
 

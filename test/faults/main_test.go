@@ -48,7 +48,12 @@ var (
 	decisionTTL = 4 * time.Second
 )
 
-func TestMain(m *testing.M) { os.Exit(run(m)) }
+func TestMain(m *testing.M) {
+	if cfg := os.Getenv(bomberEnv); cfg != "" {
+		os.Exit(runBomber(cfg))
+	}
+	os.Exit(run(m))
+}
 
 func run(m *testing.M) int {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
