@@ -124,4 +124,3 @@ func (v *positiveUint32Value) Set(s string) error {
 }
 func (v *positiveUint32Value) String() string { return strconv.FormatUint(uint64(*v.p), 10) }
 func (v *positiveUint32Value) Type() string   { return "uint32" }
-

@@ -43,7 +43,7 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
 	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the agent may take to answer the requests in flight before it closes its broker streams; keep it under the pod's terminationGracePeriodSeconds")
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")
-	fs.DurationVar(&cfg.KeepaliveTime, "keepalive-time", cfg.KeepaliveTime, "ping a broker after its connection has been silent this long (at least 5s)")
+	fs.DurationVar(&cfg.KeepaliveTime, "keepalive-time", cfg.KeepaliveTime, "ping a broker after its connection has been silent this long (at least 10s, gRPC's floor for clients)")
 	fs.DurationVar(&cfg.KeepaliveTimeout, "keepalive-timeout", cfg.KeepaliveTimeout, "reconnect when a ping is not answered in this long; with --keepalive-time, bounds how long a silent partition goes unnoticed")
 	fs.Var(cmdflags.Float32(&cfg.SpokeQPS), "spoke-qps", "QPS of the agent's spoke client (client-go's 5 would throttle mints, which cost three requests each)")
 	fs.IntVar(&cfg.SpokeBurst, "spoke-burst", cfg.SpokeBurst, "burst of the agent's spoke client")
@@ -94,4 +94,3 @@ func parseFlags(args []string) (agent.Config, error) {
 	}
 	return cfg, cfg.Validate()
 }
-

@@ -123,8 +123,8 @@ type Config struct {
 	// KeepaliveTime is how long a broker connection may be silent before
 	// the agent pings the broker, and KeepaliveTimeout how long it then
 	// waits for the answer before it reconnects: their sum bounds how long
-	// a partition without a TCP reset goes unnoticed. The broker refuses
-	// pings more often than every 5s.
+	// a partition without a TCP reset goes unnoticed. gRPC raises a client's
+	// keepalive time under 10s to 10s, so Validate refuses less.
 	KeepaliveTime, KeepaliveTimeout time.Duration
 
 	Log logr.Logger
@@ -177,7 +177,7 @@ func (c *Config) Validate() error {
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
 	need(c.ShutdownGrace > 0, "the shutdown grace must be positive")
 	need(c.MaxInFlight > 0, "the in-flight requests per stream must be positive")
-	need(c.KeepaliveTime >= 5*time.Second, "the keepalive time (%s) must be at least 5s, which the broker enforces", c.KeepaliveTime)
+	need(c.KeepaliveTime >= 10*time.Second, "the keepalive time (%s) must be at least 10s, gRPC's floor for clients", c.KeepaliveTime)
 	need(c.KeepaliveTimeout >= time.Second, "the keepalive timeout (%s) must be at least 1s", c.KeepaliveTimeout)
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")

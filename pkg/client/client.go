@@ -295,7 +295,7 @@ func (c *Client) exchangeOnce(ctx context.Context, ref Reference) (*spokeToken, 
 	resp, err := c.x.Exchange(ctx, req, grpc.PerRPCCredentials(brokerclient.Bearer(hubToken)), grpc.Trailer(&trailer))
 	if err != nil {
 		st := status.Convert(err)
-		msg := strings.ReplaceAll(st.Message(), hubToken, "[redacted]")
+		msg := token.Redact(strings.ReplaceAll(st.Message(), hubToken, "[redacted]"))
 		err := fmt.Errorf("exchange for cluster %s: %s: %w", ref, st.Code(), errdefs.FromCode(st.Code(), msg))
 		if st.Code() == codes.ResourceExhausted && c.cfg.MaxRetryWait > 0 {
 			if wait, ok := errdefs.ParseRetryAfter(trailer); ok {

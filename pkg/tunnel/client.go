@@ -81,7 +81,7 @@ type ClientConfig struct {
 	// client pings the broker, and KeepaliveTimeout how long it then waits
 	// for the answer before it closes the connection and reconnects. Their
 	// sum bounds how long a partition without a TCP reset goes unnoticed.
-	// Defaults 10s and 5s; the broker refuses pings more often than every 5s.
+	// Defaults 10s and 5s; gRPC raises a Keepalive under 10s to 10s.
 	Keepalive, KeepaliveTimeout time.Duration
 	// DrainTimeout bounds how long a stream that is leaving (Run's context
 	// ended, or Rotate replaced the stream) waits for its requests in

@@ -101,7 +101,8 @@ type ServerConfig struct {
 	OnSessionsChange func(types.NamespacedName)
 	// Registerer receives the Server's metrics (credbroker_agent_streams,
 	// credbroker_connected_clusters, credbroker_agent_mint_duration_seconds,
-	// credbroker_agent_revokes_total). Nil registers them in a private
+	// credbroker_agent_revokes_total, credbroker_agent_requests_pending).
+	// Nil registers them in a private
 	// registry: counted, exposed nowhere.
 	Registerer prometheus.Registerer
 }

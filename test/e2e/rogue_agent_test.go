@@ -105,7 +105,6 @@ func startRogueAgent(t *testing.T) *rogueAgent {
 	return agent
 }
 
-
 // serve answers mint requests until the stream ends.
 func (a *rogueAgent) serve(stream grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame]) {
 	for {

@@ -111,7 +111,7 @@ func run(m *testing.M) int {
 	viaSpokeProxy := func(c *agent.Config) {
 		c.Spoke = rest.CopyConfig(c.Spoke)
 		c.Spoke.Host = "https://" + spokeProxy.Addr()
-		c.KeepaliveTime, c.KeepaliveTimeout = 5*time.Second, keepaliveTimeout
+		c.KeepaliveTime, c.KeepaliveTimeout = 10*time.Second, keepaliveTimeout
 	}
 	agents := []struct {
 		spoke *framework.Cluster

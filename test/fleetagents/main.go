@@ -159,7 +159,6 @@ func admitWithin(ctx context.Context, client pb.AgentTunnelClient, timeout time.
 	}
 }
 
-
 // serve answers mint requests until the stream ends. Sends are serialized;
 // answers are made at once.
 func serve(stream grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], mints *atomic.Int64) {
