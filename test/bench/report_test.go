@@ -47,7 +47,7 @@ func render(took time.Duration) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "Command: `make bench` (`go test ./test/bench`, CREDBROKER_BENCH=1), %s, on %s.\n",
 		took.Round(time.Second), time.Now().UTC().Format("2006-01-02 15:04 MST"))
-	fmt.Fprintf(&b, "Machine: nproc %d, memory %s, %s/%s, %s. The machine is shared (other engineers' builds and a CI run);\n",
+	fmt.Fprintf(&b, "Machine: nproc %d, memory %s, %s/%s, %s. The machine is shared with other builds and test runs;\n",
 		runtime.NumCPU(), memTotal(), runtime.GOOS, runtime.GOARCH, runtime.Version())
 	b.WriteString("the load generator shares its cores with the broker, the agents and the API servers.\n")
 	b.WriteString("Absolute figures move from run to run; the ratios to the same-run baselines are what count.\n\n")
