@@ -60,7 +60,7 @@ lint: ## Run gofmt, go vet and staticcheck (pinned in hack/tools).
 	$(TOOLS) staticcheck ./...
 
 .PHONY: testbin
-testbin: ## Build kube-apiserver and etcd for the tests into the version-keyed cache (about 7.5 min cold).
+testbin: ## Build kube-apiserver, kubectl and etcd for the tests into the version-keyed cache (about 7.5 min cold).
 	@$(TESTBIN) >/dev/null
 
 .PHONY: spire
