@@ -8,13 +8,9 @@
 package deploy_test
 
 import (
-	"bytes"
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -34,7 +30,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
@@ -209,31 +204,10 @@ func sortedKeys[V any](m map[string]V) []string {
 // kustomize renders dir with "$KUBEBUILDER_ASSETS/kubectl kustomize".
 func kustomize(t *testing.T, dir string) []*unstructured.Unstructured {
 	t.Helper()
-	kubectl := filepath.Join(assets(t), "kubectl")
-	_, err := os.Stat(kubectl)
+	assets(t) // skips without KUBEBUILDER_ASSETS
+	objs, err := framework.Kustomize(t.Context(), dir)
 	require.NoError(t, err, "kubectl is built by hack/testbin.sh (make testbin)")
-	var stdout, stderr bytes.Buffer
-	cmd := exec.Command(kubectl, "kustomize", dir)
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	require.NoError(t, cmd.Run(), "kubectl kustomize %s: %s", dir, stderr.String())
-	return decode(t, stdout.Bytes())
-}
-
-func decode(t *testing.T, raw []byte) []*unstructured.Unstructured {
-	t.Helper()
-	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(raw), 4096)
-	var objs []*unstructured.Unstructured
-	for {
-		var m map[string]any
-		err := dec.Decode(&m)
-		if errors.Is(err, io.EOF) {
-			return objs
-		}
-		require.NoError(t, err)
-		if len(m) > 0 {
-			objs = append(objs, &unstructured.Unstructured{Object: m})
-		}
-	}
+	return objs
 }
 
 func describe(o *unstructured.Unstructured) string {
