@@ -53,7 +53,8 @@ func TestIndexAgainstAPIServer(t *testing.T) {
 	if os.Getenv("KUBEBUILDER_ASSETS") == "" {
 		t.Fatal("KUBEBUILDER_ASSETS is not set: run make testbin and point it at the folder it prints, or run make test")
 	}
-	env := &envtest.Environment{CRDDirectoryPaths: []string{crdDir(t)}, ErrorIfCRDPathMissing: true}
+	// As test/framework does: a loaded 2-core machine starts an API server slowly.
+	env := &envtest.Environment{CRDDirectoryPaths: []string{crdDir(t)}, ErrorIfCRDPathMissing: true, ControlPlaneStartTimeout: time.Minute}
 	cfg, err := env.Start()
 	require.NoError(t, err, "start kube-apiserver and etcd (run make testbin)")
 	t.Cleanup(func() { assert.NoError(t, env.Stop()) })

@@ -49,7 +49,8 @@ func startAPIServer(t *testing.T) (*envtest.Environment, kubernetes.Interface) {
 		}
 	}
 	ctrllog.SetLogger(logr.Discard())
-	env := &envtest.Environment{BinaryAssetsDirectory: assets}
+	// As test/framework does: a loaded 2-core machine starts an API server slowly.
+	env := &envtest.Environment{BinaryAssetsDirectory: assets, ControlPlaneStartTimeout: time.Minute}
 	cfg, err := env.Start()
 	require.NoError(t, err, "start envtest")
 	t.Cleanup(func() { assert.NoError(t, env.Stop()) })
