@@ -40,8 +40,13 @@ func SVIDExpiry(name, help string, src x509svid.Source) prometheus.Collector {
 	})
 }
 
-// Register registers every collector in reg and reports every failure.
+// Register registers every collector in reg, or in a private registry when
+// reg is nil (counted, exposed nowhere), and reports every failure: a
+// collector registered twice means two services share a Registerer.
 func Register(reg prometheus.Registerer, cs ...prometheus.Collector) error {
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
 	var errs []error
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {

@@ -4,6 +4,8 @@ import (
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	promreg "github.com/credbroker/credbroker/internal/metrics"
 )
 
 // The reasons Verify refuses a token, the label values of
@@ -46,13 +48,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, r := range []string{"changed", "unchanged", "error"} {
 		m.fetches.WithLabelValues(r)
 	}
-	if reg == nil {
-		reg = prometheus.NewRegistry()
-	}
-	for _, c := range []prometheus.Collector{m.rejections, m.fetches} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("hubkeys: register metrics (are two Keys registered in the same Registerer?): %w", err)
-		}
+	if err := promreg.Register(reg, m.rejections, m.fetches); err != nil {
+		return nil, fmt.Errorf("hubkeys: %w", err)
 	}
 	return m, nil
 }

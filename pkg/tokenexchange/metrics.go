@@ -1,10 +1,9 @@
 package tokenexchange
 
 import (
-	"errors"
-	"fmt"
-
 	"github.com/prometheus/client_golang/prometheus"
+
+	promreg "github.com/credbroker/credbroker/internal/metrics"
 )
 
 // metrics are one Service's; each Service registers its own, so that two
@@ -34,28 +33,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help:      "TokenReview (authn) and SubjectAccessReview (authz) cache lookups by result (hit or miss).",
 		}, []string{"cache", "result"}),
 	}
-	if err := register(reg, m.exchanges, m.exchangeDuration, m.cacheLookups); err != nil {
+	if err := promreg.Register(reg, m.exchanges, m.exchangeDuration, m.cacheLookups); err != nil {
 		return nil, err
 	}
 	return m, nil
-}
-
-// register registers every collector in reg, or in a private registry when
-// reg is nil: the metrics are then counted but exposed nowhere.
-func register(reg prometheus.Registerer, cs ...prometheus.Collector) error {
-	if reg == nil {
-		reg = prometheus.NewRegistry()
-	}
-	var errs []error
-	for _, c := range cs {
-		if err := reg.Register(c); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("register metrics (is another Service registered in the same Registerer?): %w", err)
-	}
-	return nil
 }
 
 func cacheLabel(hit bool) string {

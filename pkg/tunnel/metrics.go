@@ -7,6 +7,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+
+	promreg "github.com/credbroker/credbroker/internal/metrics"
 )
 
 // metrics are one Server's own; each Server registers them, so that two in
@@ -50,13 +52,8 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Name:      "agent_requests_pending",
 		Help:      "Mints and revokes sent to agents and not answered yet; back to 0 once a fault has passed.",
 	}, func() float64 { return float64(s.Pending()) })
-	if reg == nil {
-		reg = prometheus.NewRegistry()
-	}
-	for _, c := range []prometheus.Collector{m.streams, m.mintDuration, m.revokes, connected, pending} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("tunnel: register metrics (are two Servers registered in the same Registerer?): %w", err)
-		}
+	if err := promreg.Register(reg, m.streams, m.mintDuration, m.revokes, connected, pending); err != nil {
+		return nil, fmt.Errorf("tunnel: %w", err)
 	}
 	return m, nil
 }
