@@ -100,7 +100,7 @@ func TestBench(t *testing.T) {
 	t.Run("profile", func(t *testing.T) { b.profile(t) })
 	_ = ctx
 
-	text := render(time.Since(began))
+	text := render("make bench", "", time.Since(began))
 	fmt.Println("\n" + text)
 	if path := os.Getenv("CREDBROKER_BENCH_DOC"); path != "" {
 		require.NoError(t, writeDoc(path, text))
