@@ -39,10 +39,13 @@ func (h redactHandler) Enabled(ctx context.Context, l slog.Level) bool { return 
 
 func (h redactHandler) Handle(ctx context.Context, r slog.Record) error {
 	out := slog.NewRecord(r.Time, r.Level, token.Redact(r.Message), r.PC)
+	// Added at once: one by one, the record's slice grows several times.
+	attrs := make([]slog.Attr, 0, r.NumAttrs())
 	r.Attrs(func(a slog.Attr) bool {
-		out.AddAttrs(redactAttr(a, true))
+		attrs = append(attrs, redactAttr(a, true))
 		return true
 	})
+	out.AddAttrs(attrs...)
 	return h.next.Handle(ctx, out)
 }
 
