@@ -99,6 +99,11 @@ bench: testbin build ## Benchmark the shipped binaries on real API servers again
 	$(ASSETS) CREDBROKER_BENCH=1 CREDBROKER_BENCH_BIN=$(CURDIR)/$(BIN) CREDBROKER_BENCH_OUT=$(CURDIR)/$(BIN)/bench \
 	  CREDBROKER_BENCH_DOC=$(CURDIR)/docs/benchmarks.md $(GO) test -count 1 -timeout 10m -run '^TestBench$$' -v ./test/bench/
 
+.PHONY: bench-fleet
+bench-fleet: testbin build ## Benchmark scenario f apart from make bench: one broker process with 5,000 ClusterProfiles and 2,000 simulated agent streams; writes its table to docs/benchmarks.md.
+	$(ASSETS) CREDBROKER_BENCH=1 CREDBROKER_BENCH_BIN=$(CURDIR)/$(BIN) CREDBROKER_BENCH_OUT=$(CURDIR)/$(BIN)/bench \
+	  CREDBROKER_BENCH_DOC=$(CURDIR)/docs/benchmarks.md $(GO) test -count 1 -timeout 20m -run '^TestBenchFleet$$' -v ./test/bench/
+
 .PHONY: bench-go
 bench-go: ## Run the packages' Go benchmarks (compare runs with benchstat) and the in-process exchange benchmark.
 	$(GO) test -run '^$$' -bench . -benchmem -count $(or $(COUNT),6) ./pkg/store/ ./pkg/tokenexchange/ ./pkg/spoke/

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -211,4 +212,30 @@ func TestAuditLoggerRedacts(t *testing.T) {
 	assert.Contains(t, out, `"ok"]`)
 	assert.Contains(t, out, `"code":"PermissionDenied"`)
 	assert.Contains(t, out, `"cacheHit":false`)
+}
+
+// The keys whose strings skip the token scan are those the services format
+// themselves, and no other: every key of a line that may carry a caller's
+// or an agent's string is scanned (the exchange's, the grants call's and
+// an agent stream's). A token under any of them is redacted.
+func TestAuditLoggerSkipsOnlyServiceFormattedKeys(t *testing.T) {
+	assert.Equal(t, map[string]bool{"code": true, "latency": true, "expiration": true, "method": true}, serviceFormatted)
+	const seg = "eyJhbGciOiJSUzI1NiIsImtpZCI6ImF0dGFja2VyLWNvbnRyb2xsZWQta2V5LWlkIn0"
+	for _, key := range []string{
+		// tokenexchange
+		"cluster", "requestedServiceAccount", "audiences", "user", "uid", "serviceAccount", "tokenAudiences", "credentialID", "reason",
+		// grants
+		"selectorCredentialID", "selectorUsername", "selectorCluster", "revokeReason", "revoked", "pending",
+		// tunnel
+		"spiffeID", "instance",
+	} {
+		var buf bytes.Buffer
+		AuditLogger(&buf).Info("line", key, seg)
+		assert.NotContains(t, buf.String(), seg[:24], key)
+		assert.Contains(t, buf.String(), `"`+key+`":"[redacted sha256:`, key)
+	}
+	// Inside a group, every string is scanned, whatever its key.
+	var buf bytes.Buffer
+	AuditLogger(&buf).Info("line", "g", slog.GroupValue(slog.String("code", seg)))
+	assert.NotContains(t, buf.String(), seg[:24])
 }

@@ -8,6 +8,12 @@
 // JSON lines of log/slog with --log-format=json. -v raises the verbosity
 // in both.
 //
+// The broker's audit log (AuditFlags, AuditLogger) is JSON lines apart
+// from the operational logs, every string a caller or an agent can
+// influence passed through token.Redact, written line by line
+// (--audit-log-mode=blocking) or in batches every BatchInterval
+// (--audit-log-mode=batch, NewBatchWriter).
+//
 // The FlagSet also accepts a long flag written with a single dash
 // (-broker-address=x), as Go's flag package did before the mains moved to
 // pflag, so existing command lines and exec configs keep working.

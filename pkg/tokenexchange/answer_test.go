@@ -46,6 +46,11 @@ func TestCheckAnswer(t *testing.T) {
 		{name: "exp at the latest allowed", resp: answer(spokeToken(sub, []string{"a", "b"}, t0.Add(time.Hour+MaxClockSkew), "j"), t0.Add(time.Hour+MaxClockSkew)), req: named},
 		{name: "expiration_time a second before exp", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-time.Second)), req: named},
 		{name: "expiration_time with nanoseconds", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-300*time.Millisecond)), req: named},
+		// kube-apiserver reads its clock for the status before admission and
+		// the live GET of the bound object (the agent's grant Secret), and
+		// again for exp: on a loaded API server, seconds apart.
+		{name: "expiration_time two seconds before exp, as a loaded API server answers", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-2*time.Second)), req: named},
+		{name: "expiration_time MaxClockSkew before exp", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-MaxClockSkew)), req: named},
 
 		{
 			name: "not a jwt", resp: answer("opaque", exp), req: named,
@@ -145,15 +150,15 @@ func TestCheckAnswer(t *testing.T) {
 		},
 		{
 			name: "expiration_time later than exp", req: named, resp: answer(spokeToken(sub, []string{"a", "b"}, t0.Add(10*time.Minute), "j"), exp),
-			wantCheck: "expiration_time", wantErr: "expiration_time: expiration_time 2026-01-01T01:00:00Z is not exp 2026-01-01T00:10:00Z",
+			wantCheck: "expiration_time", wantErr: "expiration_time: expiration_time 2026-01-01T01:00:00Z is not exp 2026-01-01T00:10:00Z, nor less than 1m0s before it",
 		},
 		{
 			name: "expiration_time a second after exp", req: named, resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(time.Second)),
-			wantCheck: "expiration_time", wantErr: "expiration_time: expiration_time 2026-01-01T01:00:01Z is not exp 2026-01-01T01:00:00Z",
+			wantCheck: "expiration_time", wantErr: "expiration_time: expiration_time 2026-01-01T01:00:01Z is not exp 2026-01-01T01:00:00Z, nor less than 1m0s before it",
 		},
 		{
-			name: "expiration_time two seconds before exp", req: named, resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-2*time.Second)),
-			wantCheck: "expiration_time", wantErr: "expiration_time: expiration_time 2026-01-01T00:59:58Z is not exp 2026-01-01T01:00:00Z",
+			name: "expiration_time more than MaxClockSkew before exp", req: named, resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-MaxClockSkew-time.Second)),
+			wantCheck: "expiration_time", wantErr: "expiration_time: expiration_time 2026-01-01T00:58:59Z is not exp 2026-01-01T01:00:00Z, nor less than 1m0s before it",
 		},
 	}
 	for _, tt := range tests {

@@ -2,6 +2,7 @@ package tokenexchange
 
 import (
 	"io"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -46,17 +47,32 @@ func BenchmarkAudit(b *testing.B) {
 }
 
 // BenchmarkExchangeCached is a whole cached exchange, without gRPC: with
-// the audit line discarded, and with it written as the broker binary does.
+// the audit line discarded, formatted as the broker binary does and
+// discarded, and written to a file in each --audit-log-mode.
 func BenchmarkExchangeCached(b *testing.B) {
+	file := func(mode string) func(b *testing.B) logr.Logger {
+		return func(b *testing.B) logr.Logger {
+			a := cmdflags.AuditFlags{Path: filepath.Join(b.TempDir(), "audit.log"), MaxSize: 100, Mode: mode}
+			w, err := a.Open()
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { _ = w.Close() })
+			return cmdflags.AuditLogger(w)
+		}
+	}
 	for _, bc := range []struct {
 		name  string
-		audit logr.Logger
+		audit func(b *testing.B) logr.Logger
 	}{
-		{"audit=discard", logr.Discard()},
-		{"audit=json", cmdflags.AuditLogger(io.Discard)},
+		{"audit=discard", func(*testing.B) logr.Logger { return logr.Discard() }},
+		{"audit=json", func(*testing.B) logr.Logger { return cmdflags.AuditLogger(io.Discard) }},
+		{"audit=file-blocking", file(cmdflags.AuditBlocking)},
+		{"audit=file-batch", file(cmdflags.AuditBatch)},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
-			f := newFixture(b, func(c *Config) { c.Audit = bc.audit })
+			audit := bc.audit(b)
+			f := newFixture(b, func(c *Config) { c.Audit = audit })
 			ctx := withBearer(consumerToken)
 			if _, err := f.svc.Exchange(ctx, fleetA()); err != nil {
 				b.Fatal(err)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 	authenticationv1 "k8s.io/api/authentication/v1"
@@ -99,7 +100,7 @@ func TestBench(t *testing.T) {
 	t.Run("profile", func(t *testing.T) { b.profile(t) })
 	_ = ctx
 
-	text := render(time.Since(began))
+	text := render("make bench", "", time.Since(began))
 	fmt.Println("\n" + text)
 	if path := os.Getenv("CREDBROKER_BENCH_DOC"); path != "" {
 		require.NoError(t, writeDoc(path, text))
@@ -107,20 +108,30 @@ func TestBench(t *testing.T) {
 	}
 }
 
+// startBroker runs the broker binary on new ports, with the profiling
+// endpoint, an audit log file named name, the raised consumer limits, and
+// args.
+func startBroker(t *testing.T, name string, args ...string) brokerProc {
+	var bp brokerProc
+	var err error
+	for _, p := range []*string{&bp.exchange, &bp.agent, &bp.metrics} {
+		*p, err = framework.FreeAddr()
+		require.NoError(t, err)
+	}
+	all := append([]string{"--profiling", "--audit-log-path=" + workDir + "/" + name}, consumerLimits...)
+	bp.Process, err = deployment.StartBrokerProcess(framework.BrokerProcessOptions{
+		Bin: brokerBin, ExchangeAddress: bp.exchange, AgentAddress: bp.agent, MetricsAddress: bp.metrics, Args: append(all, args...),
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { bp.Stop() })
+	return bp
+}
+
 func setup(t *testing.T) *bench {
 	ctx := t.Context()
 	b := &bench{root: t}
 	var err error
-	for _, p := range []*string{&b.broker.exchange, &b.broker.agent, &b.broker.metrics} {
-		*p, err = framework.FreeAddr()
-		require.NoError(t, err)
-	}
-	args := append([]string{"--profiling", "--audit-log-path=" + workDir + "/audit.log"}, consumerLimits...)
-	b.broker.Process, err = deployment.StartBrokerProcess(framework.BrokerProcessOptions{
-		Bin: brokerBin, ExchangeAddress: b.broker.exchange, AgentAddress: b.broker.agent, MetricsAddress: b.broker.metrics, Args: args,
-	})
-	require.NoError(t, err)
-	t.Cleanup(func() { b.broker.Stop() })
+	b.broker = startBroker(t, "audit.log")
 
 	// Consumers: distinct hub ServiceAccounts, allowed by their group.
 	group := "system:serviceaccounts:" + consumerNS
@@ -175,6 +186,12 @@ func (b *bench) runAgent(t *testing.T, profile string, args ...string) *framewor
 
 // waitServes returns once the broker serves a cold exchange for profile.
 func (b *bench) waitServes(t *testing.T, profile string, p *framework.Process) {
+	b.waitServesVia(t, b.clients[0], b.broker, profile, p)
+}
+
+// waitServesVia returns once broker serves, through client, a cold
+// exchange for profile.
+func (b *bench) waitServesVia(t *testing.T, client pb.TokenExchangeClient, broker brokerProc, profile string, p *framework.Process) {
 	deadline := time.Now().Add(time.Minute)
 	for {
 		// A readiness check that the cache cannot answer: the default
@@ -182,13 +199,13 @@ func (b *bench) waitServes(t *testing.T, profile string, p *framework.Process) {
 		// would be cached after the first success, so each try asks for a
 		// new audience... only until one succeeds.
 		ctx, cancel := context.WithTimeout(bearer(t.Context(), b.consumers[0].Token), 5*time.Second)
-		_, err := b.clients[0].Exchange(ctx, exchangeRequest(profile, b.coldAudience(t)))
+		_, err := client.Exchange(ctx, exchangeRequest(profile, b.coldAudience(t)))
 		cancel()
 		if err == nil {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the agent of %s did not serve: %v\nagent:\n%s\nbroker:\n%s", profile, err, tail(p.Output()), tail(b.broker.Output()))
+			t.Fatalf("the agent of %s did not serve: %v\nagent:\n%s\nbroker:\n%s", profile, err, tail(p.Output()), tail(broker.Output()))
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
@@ -291,11 +308,60 @@ func (b *bench) cached(t *testing.T) {
 		t.Logf("%d consumers: exchange %.0f/s %s; echo %.0f/s %s; TokenRequest %.0f/s %s", n,
 			ex.rps(), lat3(ex), ec.rps(), lat3(ec), tr.rps(), lat3(tr))
 	}
+	b.cachedBatch(t, callCtx, echoConns, size, warmup, measure)
 	addNote("a: each consumer is a distinct hub ServiceAccount with its own TLS connection to the broker process; "+
 		"the echo (a separate process, grpc-go, the broker's serving certificate) answers %d bytes, an exchange answer's size; "+
 		"TokenRequest is a direct CreateToken as the spoke admin, one connection per consumer, unthrottled. "+
 		"Each level runs %s after %s of warm-up. The broker runs with %s (per-consumer and review limits raised, as an operator sizing it would; "+
-		"cached answers spend no limit anyway).", size, measure, warmup, strings.Join(consumerLimits, " "))
+		"cached answers spend no limit anyway). The rows without a mode are the default --audit-log-mode=blocking (one write(2) per audit line, "+
+		"to a file); the rows marked --audit-log-mode=batch are a second broker process, with its own agent, idle until then, measured after the "+
+		"first beside a new echo run at the same concurrency.", size, measure, warmup, strings.Join(consumerLimits, " "))
+}
+
+// cachedBatch is scenario a again on a broker with --audit-log-mode=batch,
+// beside the echo at the same concurrency.
+func (b *bench) cachedBatch(t *testing.T, callCtx []context.Context, echoConns []*grpc.ClientConn, size int, warmup, measure time.Duration) {
+	ctx := t.Context()
+	bp := startBroker(t, "audit-batch.log", "--audit-log-mode=batch")
+	clients := make([]pb.TokenExchangeClient, maxConsumers)
+	for i := range clients {
+		var conn *grpc.ClientConn
+		var err error
+		clients[i], conn, err = deployment.ExchangeClient(bp.exchange)
+		require.NoError(t, err)
+		t.Cleanup(func() { conn.Close() })
+	}
+	agent, err := deployment.StartAgentProcess(ctx, spoke, framework.AgentProcessOptions{
+		Bin: agentBin, BrokerAddresses: []string{bp.agent}, ClusterProfile: spoke.Name,
+	})
+	require.NoError(t, err)
+	defer agent.Stop()
+	b.waitServesVia(t, clients[0], bp, spoke.Name, agent)
+	req := exchangeRequest(spoke.Name, "cached")
+	for i := range clients {
+		_, err := clients[i].Exchange(callCtx[i], req)
+		require.NoError(t, err)
+	}
+	for _, n := range []int{1, 16, 64} {
+		ex := load(ctx, n, warmup, measure, func(ctx context.Context, w int) error {
+			_, err := clients[w].Exchange(callCtx[w], req)
+			return err
+		})
+		ec := load(ctx, n, warmup, measure, func(ctx context.Context, w int) error { return echo(ctx, echoConns[w]) })
+		require.NoError(t, ex.err)
+		require.NoError(t, ec.err)
+		scen := fmt.Sprintf("a. cached exchange, %d consumer(s), --audit-log-mode=batch", n)
+		vsEcho := ex.rps() / ec.rps()
+		target, v := "", ""
+		if n == 64 {
+			target, v = "≥ 0.80 of echo", verdict(vsEcho >= 0.8)
+		}
+		addRow(row{scen, "throughput vs echo", fmt.Sprintf("%.0f/s", ex.rps()), fmt.Sprintf("echo %.0f/s", ec.rps()),
+			fmt.Sprintf("%.2f", vsEcho), target, v})
+		addRow(row{scen, "latency p50 / p99 / p99.9", lat3(ex), "echo " + lat3(ec),
+			fmt.Sprintf("p99 %.1f× echo", float64(ex.q(0.99))/float64(ec.q(0.99))), "", ""})
+		t.Logf("%d consumers, batch audit: exchange %.0f/s %s; echo %.0f/s %s", n, ex.rps(), lat3(ex), ec.rps(), lat3(ec))
+	}
 }
 
 func lat3(r loadResult) string {

@@ -39,14 +39,15 @@ func verdict(met bool) string {
 	return "missed"
 }
 
-// render is the table in Markdown, with the command, the machine and the
-// date above it and the notes below.
-func render(took time.Duration) string {
+// render is the table in Markdown, with the command (target, and the go
+// test arguments beyond ./test/bench), the machine and the date above it
+// and the notes below.
+func render(target, testArgs string, took time.Duration) string {
 	table.Lock()
 	defer table.Unlock()
 	var b strings.Builder
-	fmt.Fprintf(&b, "Command: `make bench` (`go test ./test/bench`, CREDBROKER_BENCH=1), %s, on %s.\n",
-		took.Round(time.Second), time.Now().UTC().Format("2006-01-02 15:04 MST"))
+	fmt.Fprintf(&b, "Command: `%s` (`go test %s./test/bench`, CREDBROKER_BENCH=1), %s, on %s.\n",
+		target, testArgs+strings.Repeat(" ", min(len(testArgs), 1)), took.Round(time.Second), time.Now().UTC().Format("2006-01-02 15:04 MST"))
 	fmt.Fprintf(&b, "Machine: nproc %d, memory %s, %s/%s, %s. The machine is shared with other builds and test runs;\n",
 		runtime.NumCPU(), memTotal(), runtime.GOOS, runtime.GOARCH, runtime.Version())
 	b.WriteString("the load generator shares its cores with the broker, the agents and the API servers.\n")
@@ -78,11 +79,18 @@ func memTotal() string {
 	return "unknown"
 }
 
-const beginMarker, endMarker = "<!-- bench:begin -->", "<!-- bench:end -->"
+const (
+	beginMarker, endMarker           = "<!-- bench:begin -->", "<!-- bench:end -->"
+	fleetBeginMarker, fleetEndMarker = "<!-- bench-fleet:begin -->", "<!-- bench-fleet:end -->"
+)
 
-// writeDoc replaces what lies between the markers in path with text, or
-// appends the markers and text when path has none.
-func writeDoc(path, text string) error {
+// writeDoc replaces what lies between the markers of `make bench` in path
+// with text, or appends the markers and text when path has none.
+func writeDoc(path, text string) error { return writeDocBetween(path, text, beginMarker, endMarker) }
+
+// writeDocBetween replaces what lies between beginMarker and endMarker in
+// path with text, or appends the markers and text when path has none.
+func writeDocBetween(path, text, beginMarker, endMarker string) error {
 	old, err := os.ReadFile(path)
 	if err != nil && !os.IsNotExist(err) {
 		return err

@@ -13,6 +13,13 @@
 // Files: --svid-dir holds <name>.crt and <name>.key pairs. Once every agent
 // is admitted it prints "admitted <n>" on stdout; it stops when stdin closes
 // and then prints "mints <n>", the mints it answered.
+//
+// An agent whose stream ends (the broker restarted, say) connects again as
+// pkg/tunnel's client does: over a new connection, after a wait jittered
+// between half and all of a backoff that starts at 500ms and doubles up to
+// 30s, and is reset by an admission. The broker-restart scenario of
+// test/bench (make bench-fleet) counts the streams back on the broker.
+// Thousands of agents fit: the process needs a file descriptor per agent.
 package main
 
 import (
@@ -25,6 +32,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	mrand "math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -36,6 +44,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/credbroker/credbroker/pkg/identity"
@@ -112,6 +121,7 @@ func run() error {
 		if err != nil {
 			return err
 		}
+		// Closed once the first stream ends: reconnects dial anew.
 		defer conn.Close()
 		client := pb.NewAgentTunnelClient(conn)
 		wg.Go(func() {
@@ -123,6 +133,7 @@ func run() error {
 				return
 			}
 			serve(stream, &mints)
+			reconnect(ctx, address, creds, &mints)
 		})
 	}
 	deadline := time.After(timeout)
@@ -156,6 +167,35 @@ func admitWithin(ctx context.Context, client pb.AgentTunnelClient, timeout time.
 			return nil, err
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// reconnect keeps an agent connected after its first stream ended, until
+// ctx ends: each attempt over a new connection, after a jittered,
+// doubling backoff, as pkg/tunnel's client does.
+func reconnect(ctx context.Context, address string, creds credentials.TransportCredentials, mints *atomic.Int64) {
+	const initial, most = 500 * time.Millisecond, 30 * time.Second
+	backoff := initial
+	for {
+		wait := backoff/2 + mrand.N(backoff/2+1)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(creds))
+		if err != nil {
+			return
+		}
+		stream, err := framework.AdmitFakeAgent(ctx, pb.NewAgentTunnelClient(conn), "fleetagents")
+		if err != nil {
+			_ = conn.Close()
+			backoff = min(2*backoff, most)
+			continue
+		}
+		backoff = initial
+		serve(stream, mints)
+		_ = conn.Close()
 	}
 }
 
