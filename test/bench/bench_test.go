@@ -97,6 +97,7 @@ func TestBench(t *testing.T) {
 	t.Run("c_herd", func(t *testing.T) { b.herd(t) })
 	t.Run("d_spoke_load", func(t *testing.T) { b.spokeLoad(t) })
 	t.Run("e_agent_qps", func(t *testing.T) { b.agentQPS(t) })
+	t.Run("g_plugin", func(t *testing.T) { b.plugin(t) })
 	t.Run("profile", func(t *testing.T) { b.profile(t) })
 	_ = ctx
 

@@ -22,6 +22,8 @@ var (
 	// brokerBin and agentBin are the shipped binaries: those `make build`
 	// wrote to $CREDBROKER_BENCH_BIN, else built from this tree.
 	brokerBin, agentBin string
+	// pluginBin is the shipped credbroker-plugin, as brokerBin.
+	pluginBin string
 	// workDir holds the certificates, kubeconfigs, audit log and profiles.
 	workDir string
 )
@@ -48,10 +50,13 @@ func run(m *testing.M) int {
 
 	if dir := os.Getenv("CREDBROKER_BENCH_BIN"); dir != "" {
 		brokerBin, agentBin = filepath.Join(dir, "broker"), filepath.Join(dir, "spoke-agent")
+		pluginBin = filepath.Join(dir, "credbroker-plugin")
 	} else {
 		brokerBin, agentBin = filepath.Join(workDir, "broker"), filepath.Join(workDir, "spoke-agent")
+		pluginBin = filepath.Join(workDir, "credbroker-plugin")
 		build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", workDir+"/",
-			"github.com/credbroker/credbroker/cmd/spoke-agent", "github.com/credbroker/credbroker/cmd/broker")
+			"github.com/credbroker/credbroker/cmd/spoke-agent", "github.com/credbroker/credbroker/cmd/broker",
+			"github.com/credbroker/credbroker/cmd/credbroker-plugin")
 		if out, err := build.CombinedOutput(); err != nil {
 			return fail(fmt.Errorf("build the binaries: %w\n%s", err, out))
 		}
