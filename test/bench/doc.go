@@ -6,7 +6,9 @@
 // Every figure is a distribution beside, or a ratio to, a baseline measured
 // in the same run at the same concurrency: a gRPC echo over the same
 // certificate, direct TokenRequests on the same spoke API server, and
-// direct TokenReview + SubjectAccessReview + TokenRequest calls. No test
+// direct TokenReview + SubjectAccessReview + TokenRequest calls, and
+// cluster-inventory-api's secretreader exec plugin, built from the module
+// cache, beside credbroker-plugin run as client-go runs it. No test
 // asserts a time; the herd scenario asserts a count, taken from the spoke
 // API server's own apiserver_request_total.
 //
