@@ -1211,34 +1211,35 @@ func describeRule(r rbacv1.PolicyRule) string {
 	return s
 }
 
-// klogLine matches a line of the broker's text log: severity and time,
-// pid, source, the quoted message, then key=value pairs.
-var (
-	klogLine = regexp.MustCompile(`^broker: [IWE]\d{4} [\d:.]+\s+\d+ \S+\] ("(?:[^"\\]|\\.)*") (.*)$`)
-	klogPair = regexp.MustCompile(`(\w+)=("(?:[^"\\]|\\.)*"|\[[^\]]*\]|\S+)`)
-)
-
-// auditRecord reads one of the broker's audit lines ("exchange" or
-// "grants", logger "audit") into its key/value pairs.
+// auditRecord reads one of the broker's audit lines, the JSON objects it
+// writes to standard output ("exchange" or "grants"), into strings.
 func auditRecord(line string) (map[string]string, bool) {
-	m := klogLine.FindStringSubmatch(line)
-	if m == nil {
+	_, js, ok := strings.Cut(line, ": ")
+	if !ok || !strings.HasPrefix(js, "{") {
 		return nil, false
 	}
-	msg, err := strconv.Unquote(m[1])
-	if err != nil || (msg != "exchange" && msg != "grants") {
+	var raw map[string]any
+	if json.Unmarshal([]byte(js), &raw) != nil {
 		return nil, false
 	}
-	rec := map[string]string{"msg": msg}
-	for _, kv := range klogPair.FindAllStringSubmatch(m[2], -1) {
-		v := kv[2]
-		if u, err := strconv.Unquote(v); err == nil {
-			v = u
+	if msg, _ := raw["msg"].(string); msg != "exchange" && msg != "grants" {
+		return nil, false
+	}
+	rec := map[string]string{}
+	for k, v := range raw {
+		switch v := v.(type) {
+		case string:
+			rec[k] = v
+		case float64:
+			if k == "latency" { // slog writes a time.Duration in nanoseconds
+				rec[k] = time.Duration(v).String()
+				continue
+			}
+			rec[k] = strconv.FormatFloat(v, 'f', -1, 64)
+		default:
+			b, _ := json.Marshal(v)
+			rec[k] = string(b)
 		}
-		rec[kv[1]] = v
-	}
-	if rec["logger"] != "audit" {
-		return nil, false
 	}
 	return rec, true
 }
