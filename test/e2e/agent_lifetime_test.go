@@ -25,7 +25,7 @@ import (
 func TestAgentStreamEndsWithItsSVID(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
-	const name, ttl = "expiring", 30 * time.Second
+	name, ttl := uniqueName(t, "expiring"), 30*time.Second
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)
@@ -68,7 +68,7 @@ func TestAgentStreamEndsWithItsSVID(t *testing.T) {
 func TestBundleWithoutTheCAClosesItsAgentsStreams(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
-	const name = "rotated"
+	name := uniqueName(t, "rotated")
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
 	require.NoError(t, err)
 

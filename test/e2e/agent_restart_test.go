@@ -43,7 +43,7 @@ func (c aheadClock) Since(t time.Time) time.Duration { return c.Now().Sub(t) }
 func TestRestartedAgentCollectsGrantsOfExpiredTokens(t *testing.T) {
 	ctx := context.Background()
 	cluster := env.Spokes[1]
-	const name = "restarted"
+	name := uniqueName(t, "restarted")
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(cluster))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)

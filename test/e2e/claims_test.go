@@ -80,13 +80,14 @@ func TestClusterProfileCannotClaimAnotherAgent(t *testing.T) {
 	c := newConsumer(t, "credbroker", spoke.Name)
 	optInAudiences(t, spoke, "claimed-sa", []string{"seen", "after-claim"}, c.username())
 
-	claimant(t, spoke, "other", "evil", framework.AgentID(spoke.Name))
-	require.NoError(t, env.Hub.GrantClusterProfileToken(context.Background(), "other", "evil", c.namespace, c.name))
-	seen(t, c, "other", "evil")
+	evil := uniqueName(t, "evil")
+	claimant(t, spoke, "other", evil, framework.AgentID(spoke.Name))
+	require.NoError(t, env.Hub.GrantClusterProfileToken(context.Background(), "other", evil, c.namespace, c.name))
+	seen(t, c, "other", evil)
 
 	for i, b := range deployment.Brokers {
 		client := exchangeClientAt(t, b.ExchangeAddr())
-		_, err := exchangeVia(t, client, c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "other", Name: "evil"}})
+		_, err := exchangeVia(t, client, c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "other", Name: evil}})
 		st := status.Convert(err)
 		assert.Equal(t, codes.FailedPrecondition, st.Code(), "replica %d: %s", i, st.Message())
 		assert.Contains(t, st.Message(), "reserved path /clusterprofile/")
@@ -104,29 +105,30 @@ func TestClusterProfileCannotClaimAnotherAgent(t *testing.T) {
 func TestClusterProfileCannotInheritATerminatingAgent(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, "victim", deployment.ClusterProfileAccess(spoke))
+	victim, heir := uniqueName(t, "victim"), uniqueName(t, "heir")
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, victim, deployment.ClusterProfileAccess(spoke))
 	require.NoError(t, err)
-	stop, err := deployment.StartAgent(ctx, spoke, framework.AgentID("victim"))
+	stop, err := deployment.StartAgent(ctx, spoke, framework.AgentID(victim))
 	require.NoError(t, err)
 	defer stop()
 
-	c := newConsumer(t, "credbroker", "victim")
+	c := newConsumer(t, "credbroker", victim)
 	optInAudiences(t, spoke, "victim-sa", []string{"seen"}, c.username())
-	_, err = exchange(t, c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: "victim"}})
+	_, err = exchange(t, c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: victim}})
 	require.NoError(t, err, "the victim serves before the attack")
 
-	claimant(t, spoke, "other", "heir", framework.AgentID("victim"))
-	require.NoError(t, env.Hub.GrantClusterProfileToken(ctx, "other", "heir", c.namespace, c.name))
-	seen(t, c, "other", "heir")
-	holdInTerminating(t, framework.FleetNamespace, "victim")
+	claimant(t, spoke, "other", heir, framework.AgentID(victim))
+	require.NoError(t, env.Hub.GrantClusterProfileToken(ctx, "other", heir, c.namespace, c.name))
+	seen(t, c, "other", heir)
+	holdInTerminating(t, framework.FleetNamespace, victim)
 
 	// The agent keeps reconnecting; give it time to be admitted for the
 	// claimant if the broker would.
 	deadline := time.Now().Add(3 * time.Second)
 	for time.Now().Before(deadline) {
 		for i, b := range deployment.Brokers {
-			assert.Zero(t, b.Connected("other", "heir"), "replica %d handed the victim's agent to other/heir", i)
-			_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "other", Name: "heir"}})
+			assert.Zero(t, b.Connected("other", heir), "replica %d handed the victim's agent to other/heir", i)
+			_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: "other", Name: heir}})
 			require.Error(t, err, "replica %d gave other/heir a token from the victim's spoke", i)
 			assert.Equal(t, codes.FailedPrecondition, status.Code(err), "replica %d: %v", i, err)
 		}

@@ -35,7 +35,7 @@ import (
 func TestRollingRestartLosesNoCall(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
-	const name = "rolling"
+	name := uniqueName(t, "rolling")
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)

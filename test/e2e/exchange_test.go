@@ -153,10 +153,11 @@ func TestRefusals(t *testing.T) {
 	spoke := env.Spokes[0]
 	// A ClusterProfile whose agent never connects. It has a server: one
 	// without is refused before the agent is asked.
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, "no-agent", spoke.Access(plugin.Name, nil))
+	noAgent := uniqueName(t, "no-agent")
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, noAgent, spoke.Access(plugin.Name, nil))
 	require.NoError(t, err)
 
-	granted := newConsumer(t, "credbroker", spoke.Name, "no-agent", "missing")
+	granted := newConsumer(t, "credbroker", spoke.Name, noAgent, "missing")
 	optIn(t, spoke, "granted-sa", granted.username())
 	notOptedIn := optIn(t, spoke, "closed-sa")
 
@@ -198,9 +199,9 @@ func TestRefusals(t *testing.T) {
 		{
 			name:     "cluster without an agent",
 			consumer: granted,
-			req:      &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: "no-agent"}},
+			req:      &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: noAgent}},
 			wantCode: codes.Unavailable,
-			wantMsg:  "no agent is connected for cluster fleet/no-agent",
+			wantMsg:  "no agent is connected for cluster fleet/" + noAgent,
 		},
 		{
 			name:     "the broker's own audience",

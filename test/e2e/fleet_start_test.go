@@ -37,8 +37,6 @@ import (
 const (
 	// fleetSize is the number of ClusterProfiles the controller starts with.
 	fleetSize = 1000
-	// fleetStartNamespace holds them on the hub, apart from the suite's fleet.
-	fleetStartNamespace = "fleet-start"
 	// fleetWorkers is the controller's concurrency at start-up.
 	fleetWorkers = 64
 )
@@ -106,6 +104,9 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	dir := t.TempDir()
+	// The ClusterProfiles live in a namespace of their own, apart from the
+	// suite's fleet.
+	namespace := uniqueName(t, "fleet-start")
 
 	// The simulated agents run outside the race-enabled test binary.
 	agentsBin := filepath.Join(dir, "fleetagents")
@@ -119,22 +120,22 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 		names[i] = fmt.Sprintf("cluster-%04d", i)
 	}
 	t.Cleanup(func() {
-		_ = env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(fleetStartNamespace).DeleteCollection(context.Background(),
+		_ = env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(namespace).DeleteCollection(context.Background(),
 			metav1.DeleteOptions{}, metav1.ListOptions{})
 	})
 	parallel(t, names, 32, func(name string) error {
-		ext, _ := json.Marshal(plugin.ExecConfig{ClusterProfile: &plugin.Reference{Namespace: fleetStartNamespace, Name: name}})
-		_, err := env.Hub.CreateClusterProfile(ctx, fleetStartNamespace, name, &framework.Access{
+		ext, _ := json.Marshal(plugin.ExecConfig{ClusterProfile: &plugin.Reference{Namespace: namespace, Name: name}})
+		_, err := env.Hub.CreateClusterProfile(ctx, namespace, name, &framework.Access{
 			ProviderName: plugin.Name, Server: "https://" + name + ".fleet.test:6443", CAData: env.Spokes[0].CAData, ExecConfig: ext,
 		})
 		return err
 	})
 
 	// The controller may ask for any ClusterProfile of the namespace.
-	c := consumer{namespace: fleetStartNamespace, name: "controller"}
+	c := consumer{namespace: namespace, name: "controller"}
 	_, err = env.Hub.CreateServiceAccount(ctx, c.namespace, c.name, nil)
 	require.NoError(t, err)
-	require.NoError(t, env.Hub.Grant(ctx, fleetStartNamespace, framework.ServiceAccountSubject(c.namespace, c.name), []rbacv1.PolicyRule{{
+	require.NoError(t, env.Hub.Grant(ctx, namespace, framework.ServiceAccountSubject(c.namespace, c.name), []rbacv1.PolicyRule{{
 		APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"clusterprofiles/token"}, Verbs: []string{"create"},
 	}}))
 	c.token, err = env.Hub.Token(ctx, c.namespace, c.name, []string{"credbroker"}, time.Hour)
@@ -161,7 +162,7 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 	require.NoError(t, os.Mkdir(svids, 0o700))
 	for _, name := range names {
 		certPEM, keyPEM, err := deployment.CA.IssueSVID(
-			"spiffe://"+framework.TrustDomain+"/clusterprofile/"+fleetStartNamespace+"/"+name, time.Hour)
+			"spiffe://"+framework.TrustDomain+"/clusterprofile/"+namespace+"/"+name, time.Hour)
 		require.NoError(t, err)
 		require.NoError(t, os.WriteFile(filepath.Join(svids, name+".crt"), certPEM, 0o600))
 		require.NoError(t, os.WriteFile(filepath.Join(svids, name+".key"), keyPEM, 0o600))
@@ -189,7 +190,7 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 	require.True(t, lines.Scan(), "the simulated agents stopped before they were admitted")
 	require.Equal(t, fmt.Sprintf("admitted %d", fleetSize), lines.Text())
 	t.Logf("%d simulated agents admitted in %s", fleetSize, time.Since(began).Round(time.Millisecond))
-	require.Equal(t, 1, b.Connected(fleetStartNamespace, names[fleetSize-1]))
+	require.Equal(t, 1, b.Connected(namespace, names[fleetSize-1]))
 
 	roots, err := brokerclient.LoadCAFile(deployment.CAFile)
 	require.NoError(t, err)
@@ -206,7 +207,7 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 	fetchAll := func(t *testing.T, gc *client.Client) time.Duration {
 		began := time.Now()
 		parallel(t, names, fleetWorkers, func(name string) error {
-			cfg, err := gc.RESTConfigFor(ctx, fleetStartNamespace, name)
+			cfg, err := gc.RESTConfigFor(ctx, namespace, name)
 			if err != nil {
 				return err
 			}
@@ -237,7 +238,7 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 
 	t.Run("beyond the limit, the consumer is told how long to wait, and that is enough", func(t *testing.T) {
 		x := pb.NewTokenExchangeClient(dialExchange(t, b.ExchangeAddr()))
-		cluster := &pb.ObjectReference{Namespace: fleetStartNamespace, Name: names[0]}
+		cluster := &pb.ObjectReference{Namespace: namespace, Name: names[0]}
 		var refusedReq *pb.ExchangeRequest
 		var trailer metadata.MD
 		// Every new audience is a new mint: spend what is left of the burst.
@@ -278,7 +279,7 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 		defer gc.Close()
 		began := time.Now()
 		parallel(t, names[:60], 16, func(name string) error {
-			_, err := gc.RESTConfigFor(ctx, fleetStartNamespace, name)
+			_, err := gc.RESTConfigFor(ctx, namespace, name)
 			return err
 		})
 		minted, _, refused := audit.take()

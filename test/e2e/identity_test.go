@@ -101,15 +101,16 @@ func TestAgentIdentity(t *testing.T) {
 	})
 
 	t.Run("deleting the ClusterProfile closes its streams", func(t *testing.T) {
-		_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, "short-lived", nil)
+		name := uniqueName(t, "short-lived")
+		_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, nil)
 		require.NoError(t, err)
-		stop, err := deployment.StartAgent(ctx, env.Spokes[1], framework.AgentID("short-lived"))
+		stop, err := deployment.StartAgent(ctx, env.Spokes[1], framework.AgentID(name))
 		require.NoError(t, err)
 		defer stop()
-		require.Equal(t, 1, deployment.Broker.Connected(framework.FleetNamespace, "short-lived"))
-		require.NoError(t, env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Delete(ctx, "short-lived", metav1.DeleteOptions{}))
+		require.Equal(t, 1, deployment.Broker.Connected(framework.FleetNamespace, name))
+		require.NoError(t, env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Delete(ctx, name, metav1.DeleteOptions{}))
 		require.Eventually(t, func() bool {
-			return deployment.Broker.Connected(framework.FleetNamespace, "short-lived") == 0
+			return deployment.Broker.Connected(framework.FleetNamespace, name) == 0
 		}, 10*time.Second, 20*time.Millisecond)
 	})
 }

@@ -37,8 +37,8 @@ import (
 func TestRotationWithoutAGap(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
+	name := uniqueName(t, "rotating")
 	const (
-		name      = "rotating"
 		agentTTL  = 6 * time.Second
 		brokerTTL = 14 * time.Second // the brokers read their files every 5 s
 		duration  = 21 * time.Second
@@ -197,7 +197,7 @@ func TestRotationWithoutAGap(t *testing.T) {
 func TestWorkloadAPIAgentRotates(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
-	const name = "workload-api"
+	name := uniqueName(t, "workload-api")
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
 	require.NoError(t, err)
 	api, err := fakeworkload.Start()

@@ -187,25 +187,26 @@ func fingerprint(pem []byte) string {
 func TestClusterProfileWithoutServer(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
-	ext, err := json.Marshal(plugin.ExecConfig{ClusterProfile: &plugin.Reference{Namespace: framework.FleetNamespace, Name: "no-server"}})
+	name := uniqueName(t, "no-server")
+	ext, err := json.Marshal(plugin.ExecConfig{ClusterProfile: &plugin.Reference{Namespace: framework.FleetNamespace, Name: name}})
 	require.NoError(t, err)
 	// The credbroker access provider lacks its server, and no other
 	// provider has one.
-	_, err = env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, "no-server", &framework.Access{ProviderName: plugin.Name, CAData: spoke.CAData, ExecConfig: ext})
+	_, err = env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, &framework.Access{ProviderName: plugin.Name, CAData: spoke.CAData, ExecConfig: ext})
 	require.NoError(t, err)
 	// An agent on spoke that serves that ClusterProfile, so that without the
 	// check the exchange would mint.
-	stop, err := deployment.StartAgent(ctx, spoke, framework.AgentID("no-server"))
+	stop, err := deployment.StartAgent(ctx, spoke, framework.AgentID(name))
 	require.NoError(t, err)
 	t.Cleanup(stop)
 
-	c := newConsumer(t, "credbroker", "no-server")
+	c := newConsumer(t, "credbroker", name)
 	ns := optIn(t, spoke, "serverless", c.username())
 
-	_, err = exchange(t, c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: "no-server"}})
+	_, err = exchange(t, c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: name}})
 	st := status.Convert(err)
 	assert.Equal(t, codes.FailedPrecondition, st.Code(), st.Message())
-	assert.Contains(t, st.Message(), "fleet/no-server")
+	assert.Contains(t, st.Message(), "fleet/"+name)
 	assert.Contains(t, st.Message(), `"credbroker"`)
 	assert.False(t, strings.Contains(logs.String(), `"msg"="minted spoke token" "spoke"="`+spoke.Name+`" "subject"="`+c.username()+`" "serviceAccount"="`+ns+`/serverless"`),
 		"the agent minted a token for a ClusterProfile without a server")

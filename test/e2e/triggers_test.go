@@ -85,7 +85,7 @@ func TestWithdrawnHubRBACRevokesIssuedTokens(t *testing.T) {
 func TestDeletedClusterProfileRevokesIssuedTokens(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
-	const profile = "revoked-with-profile"
+	profile := uniqueName(t, "revoked-with-profile")
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, profile, deployment.ClusterProfileAccess(spoke))
 	require.NoError(t, err)
 	stop, err := deployment.StartAgent(ctx, spoke, framework.AgentID(profile))
