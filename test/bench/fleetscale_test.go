@@ -55,11 +55,11 @@ func TestBenchFleet(t *testing.T) {
 	ctx := t.Context()
 
 	agentsBin := filepath.Join(workDir, "fleetagents")
-	out, err := exec.CommandContext(ctx, "go", "build", "-o", agentsBin, "github.com/credbroker/credbroker/test/fleetagents").CombinedOutput()
-	require.NoError(t, err, "build fleetagents: %s", out)
+	require.NoError(t, framework.Build(ctx, workDir, framework.Module+"/test/fleetagents"))
 
 	// The broker, on ports it keeps across its restart.
 	var bp brokerProc
+	var err error
 	for _, p := range []*string{&bp.exchange, &bp.agent, &bp.metrics} {
 		*p, err = framework.FreeAddr()
 		require.NoError(t, err)

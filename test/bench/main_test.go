@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -54,11 +53,8 @@ func run(m *testing.M) int {
 	} else {
 		brokerBin, agentBin = filepath.Join(workDir, "broker"), filepath.Join(workDir, "spoke-agent")
 		pluginBin = filepath.Join(workDir, "credbroker-plugin")
-		build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", workDir+"/",
-			"github.com/credbroker/credbroker/cmd/spoke-agent", "github.com/credbroker/credbroker/cmd/broker",
-			"github.com/credbroker/credbroker/cmd/credbroker-plugin")
-		if out, err := build.CombinedOutput(); err != nil {
-			return fail(fmt.Errorf("build the binaries: %w\n%s", err, out))
+		if err := framework.Build(ctx, workDir, "spoke-agent", "broker", "credbroker-plugin"); err != nil {
+			return fail(err)
 		}
 	}
 	if env, err = framework.Start(ctx, framework.Options{Spokes: 1}); err != nil {

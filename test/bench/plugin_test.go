@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -114,11 +115,9 @@ func (b *bench) plugin(t *testing.T) {
 	// <kubeconfig namespace>/<clusterName> on the hub as the same consumer,
 	// whose kubeconfig carries a hub token (audience the API server's) and
 	// the namespace, with the Role its README asks for.
-	secretreaderBin := filepath.Join(dir, "secretreader")
-	build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", secretreaderBin, secretreaderPkg)
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "build %s: %s", secretreaderPkg, out)
-	_, err = env.Hub.Client.CoreV1().Secrets(consumerNS).Create(ctx, &corev1.Secret{
+	require.NoError(t, framework.Build(ctx, dir, secretreaderPkg))
+	secretreaderBin := filepath.Join(dir, path.Base(secretreaderPkg))
+	_, err := env.Hub.Client.CoreV1().Secrets(consumerNS).Create(ctx, &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{Namespace: consumerNS, Name: spoke.Name},
 		Data:       map[string][]byte{"token": []byte("static-spoke-token")},
 	}, metav1.CreateOptions{})

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -56,7 +55,7 @@ var (
 const rateBurst = 5
 
 // revision is what the binaries are built with as the Makefile's REVISION.
-const revision = "binaries-test"
+const revision = framework.TestRevision
 
 func TestMain(m *testing.M) {
 	flag.Parse()
@@ -140,20 +139,12 @@ func wholeSuite() bool {
 // build builds the broker and the agent into dir with the Makefile's
 // version ldflags.
 func build(ctx context.Context, dir string) error {
-	raw, err := os.ReadFile("../../VERSION")
-	if err != nil {
+	var err error
+	if version, err = framework.Version(); err != nil {
 		return err
 	}
-	version = strings.TrimSpace(string(raw))
-	const pkg = "github.com/credbroker/credbroker/internal/version"
-	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath",
-		"-ldflags", "-X "+pkg+".Version="+version+" -X "+pkg+".Revision="+revision,
-		"-o", dir+"/", "github.com/credbroker/credbroker/cmd/broker", "github.com/credbroker/credbroker/cmd/spoke-agent")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("build the binaries: %w\n%s", err, out)
-	}
 	brokerBin, agentBin = filepath.Join(dir, "broker"), filepath.Join(dir, "spoke-agent")
-	return nil
+	return framework.Build(ctx, dir, "broker", "spoke-agent")
 }
 
 // installed are the kinds of deploy/ that the suite applies for real:

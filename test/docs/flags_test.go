@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/credbroker/credbroker/test/framework"
 )
 
 // binaries are the commands whose flags the docs describe.
@@ -88,13 +90,7 @@ func flagsOf(t *testing.T, bin string, args ...string) map[string]bool {
 func buildBinaries(t *testing.T) string {
 	t.Helper()
 	dir := t.TempDir()
-	pkgs := make([]string, 0, len(binaries))
-	for _, b := range binaries {
-		pkgs = append(pkgs, "github.com/credbroker/credbroker/cmd/"+b)
-	}
-	build := exec.Command("go", append([]string{"build", "-o", dir + string(os.PathSeparator)}, pkgs...)...)
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
+	require.NoError(t, framework.Build(t.Context(), dir, binaries...))
 	return dir
 }
 

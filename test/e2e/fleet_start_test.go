@@ -110,9 +110,7 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 
 	// The simulated agents run outside the race-enabled test binary.
 	agentsBin := filepath.Join(dir, "fleetagents")
-	build := exec.CommandContext(ctx, "go", "build", "-o", agentsBin, "github.com/credbroker/credbroker/test/fleetagents")
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "build fleetagents: %s", out)
+	require.NoError(t, framework.Build(ctx, dir, framework.Module+"/test/fleetagents"))
 
 	// 1,000 ClusterProfiles, each naming a spoke server of its own.
 	names := make([]string, fleetSize)
@@ -133,7 +131,7 @@ func TestFleetStartsAllAtOnce(t *testing.T) {
 
 	// The controller may ask for any ClusterProfile of the namespace.
 	c := consumer{namespace: namespace, name: "controller"}
-	_, err = env.Hub.CreateServiceAccount(ctx, c.namespace, c.name, nil)
+	_, err := env.Hub.CreateServiceAccount(ctx, c.namespace, c.name, nil)
 	require.NoError(t, err)
 	require.NoError(t, env.Hub.Grant(ctx, namespace, framework.ServiceAccountSubject(c.namespace, c.name), []rbacv1.PolicyRule{{
 		APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"clusterprofiles/token"}, Verbs: []string{"create"},

@@ -42,13 +42,12 @@ func TestKubeconfigWithKubectl(t *testing.T) {
 
 	dir := t.TempDir()
 	cli := filepath.Join(dir, "credbroker")
-	out, err := exec.Command("go", "build", "-o", cli, "github.com/credbroker/credbroker/cmd/credbroker").CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
+	require.NoError(t, framework.Build(ctx, dir, "credbroker"))
 	tokenFile := filepath.Join(dir, "token")
 	require.NoError(t, os.WriteFile(tokenFile, []byte(c.token), 0o600))
 	kubeconfig := filepath.Join(dir, "spoke.kubeconfig")
 
-	out, err = exec.Command(cli, "kubeconfig", "--cluster", framework.FleetNamespace+"/"+spoke.Name,
+	out, err := exec.Command(cli, "kubeconfig", "--cluster", framework.FleetNamespace+"/"+spoke.Name,
 		"--broker-address", deployment.Broker.ExchangeAddr(), "--ca-file", deployment.CAFile, "--token-file", tokenFile,
 		"--plugin-path", pluginBin, "-o", kubeconfig).CombinedOutput()
 	require.NoError(t, err, "credbroker kubeconfig: %s", out)

@@ -7,7 +7,6 @@ import (
 	"crypto/x509"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -52,9 +51,8 @@ func run(m *testing.M) int {
 	defer os.RemoveAll(dir)
 
 	pluginBin = filepath.Join(dir, "credbroker-plugin")
-	build := exec.CommandContext(ctx, "go", "build", "-o", pluginBin, "github.com/credbroker/credbroker/cmd/credbroker-plugin")
-	if out, err := build.CombinedOutput(); err != nil {
-		return fail(fmt.Errorf("build credbroker-plugin: %w\n%s", err, out))
+	if err := framework.Build(ctx, dir, "credbroker-plugin"); err != nil {
+		return fail(err)
 	}
 
 	if env, err = framework.Start(ctx, framework.Options{Spokes: 2}); err != nil {

@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sync/atomic"
 	"testing"
@@ -65,10 +64,8 @@ func run(m *testing.M) int {
 	defer os.RemoveAll(dir)
 
 	agentBin, brokerBin = filepath.Join(dir, "spoke-agent"), filepath.Join(dir, "broker")
-	build := exec.CommandContext(ctx, "go", "build", "-o", dir+"/",
-		"github.com/credbroker/credbroker/cmd/spoke-agent", "github.com/credbroker/credbroker/cmd/broker")
-	if out, err := build.CombinedOutput(); err != nil {
-		return fail(fmt.Errorf("build the binaries: %w\n%s", err, out))
+	if err := framework.Build(ctx, dir, "spoke-agent", "broker"); err != nil {
+		return fail(err)
 	}
 
 	if env, err = framework.Start(ctx, framework.Options{Spokes: 2}); err != nil {
