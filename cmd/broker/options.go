@@ -48,7 +48,7 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.DurationVar(&cfg.AgentMaxConnectionAge, "agent-max-connection-age", cfg.AgentMaxConnectionAge, "renew each agent connection after about this long, so that handshakes use current SVIDs and bundle")
 	fs.DurationVar(&cfg.AgentMaxConnectionAgeGrace, "agent-max-connection-age-grace", cfg.AgentMaxConnectionAgeGrace, "how long a renewed agent connection may finish its mints (at least --mint-timeout)")
 	fs.DurationVar(&cfg.AgentKeepaliveTime, "agent-keepalive-time", cfg.AgentKeepaliveTime, "ping an agent after its connection has been silent this long")
-	fs.DurationVar(&cfg.AgentKeepaliveTimeout, "agent-keepalive-timeout", cfg.AgentKeepaliveTimeout, "close an agent connection whose ping is not answered in this long; with --agent-keepalive-time, bounds how long a silent partition goes unnoticed (keep the sum under --mint-timeout)")
+	fs.DurationVar(&cfg.AgentKeepaliveTimeout, "agent-keepalive-timeout", cfg.AgentKeepaliveTimeout, "close an agent connection whose ping is not answered in this long; with --agent-keepalive-time, bounds how long a silent partition goes unnoticed (the sum must stay under --mint-timeout)")
 	fs.StringVar(&cfg.AccessProviderName, "access-provider", cfg.AccessProviderName, "ClusterProfile access provider whose server and CA are returned to consumers")
 	fs.DurationVar(&cfg.AuthnTTL, "authn-cache-ttl", cfg.AuthnTTL, "how long a successful TokenReview is reused (never past the token's expiry)")
 	fs.DurationVar(&cfg.AllowTTL, "authz-allow-ttl", cfg.AllowTTL, "how long an allowed SubjectAccessReview is reused")

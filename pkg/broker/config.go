@@ -224,6 +224,9 @@ func (c *Config) Validate() error {
 	need(c.AgentMaxConnectionAge > 0, "the agent connection age must be positive")
 	need(c.AgentKeepaliveTime >= time.Second && c.AgentKeepaliveTimeout >= time.Second,
 		"the agent keepalive time (%s) and timeout (%s) must be at least 1s", c.AgentKeepaliveTime, c.AgentKeepaliveTimeout)
+	need(c.AgentKeepaliveTime+c.AgentKeepaliveTimeout < c.MintTimeout,
+		"the agent keepalive time and timeout (%s + %s) must add up to less than the mint timeout (%s), so that a partitioned agent's stream closes before the mints on it time out",
+		c.AgentKeepaliveTime, c.AgentKeepaliveTimeout, c.MintTimeout)
 	need(c.AgentMaxConnectionAgeGrace >= c.MintTimeout, "the agent connection age grace (%s) must be at least the mint timeout (%s), so that mints in flight finish",
 		c.AgentMaxConnectionAgeGrace, c.MintTimeout)
 	need(c.DenyTTL <= c.AllowTTL, "denials must not be cached longer than approvals (%s > %s)", c.DenyTTL, c.AllowTTL)

@@ -49,6 +49,8 @@ func TestValidate(t *testing.T) {
 			want: "the RBAC debounce must be positive and at most its maximum (10s, 5s)"},
 		{name: "no RBAC debounce", mutate: func(c *Config) { c.RBACDebounce = 0 },
 			want: "the RBAC debounce must be positive and at most its maximum (0s, 5s)"},
+		{name: "keepalive outlasts the mint timeout", mutate: func(c *Config) { c.MintTimeout, c.AgentMaxConnectionAgeGrace = 8*time.Second, time.Minute },
+			want: "the agent keepalive time and timeout (5s + 3s) must add up to less than the mint timeout (8s), so that a partitioned agent's stream closes before the mints on it time out"},
 		{name: "grant reviews unlimited", mutate: func(c *Config) { c.GrantReviewRateLimit = math.Inf(1) },
 			want: "the grant review rate limit and burst must be positive and finite"},
 	}

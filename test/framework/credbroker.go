@@ -151,6 +151,11 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	cfg.ShutdownGrace = time.Second
 	if opts.MintTimeout > 0 {
 		cfg.MintTimeout = opts.MintTimeout
+		// A partitioned agent's stream must close before its mints time
+		// out (Config.Validate).
+		if cfg.AgentKeepaliveTime+cfg.AgentKeepaliveTimeout >= cfg.MintTimeout {
+			cfg.AgentKeepaliveTime, cfg.AgentKeepaliveTimeout = cfg.MintTimeout/2, cfg.MintTimeout/4
+		}
 	}
 	if opts.Tune != nil {
 		opts.Tune(&cfg)

@@ -181,6 +181,8 @@ func (d *Deployment) StartBrokerProcess(opts BrokerProcessOptions) (*Process, er
 		"--svid-cert-file=" + cfg.SVIDCertFile, "--svid-key-file=" + cfg.SVIDKeyFile, "--trust-bundle-file=" + d.CAFile,
 		"--trust-domain=" + TrustDomain,
 		"--mint-timeout=" + cfg.MintTimeout.String(),
+		"--agent-keepalive-time=" + cfg.AgentKeepaliveTime.String(),
+		"--agent-keepalive-timeout=" + cfg.AgentKeepaliveTimeout.String(),
 	}, opts.Args...)
 	return StartProcess(opts.Bin, args...)
 }
