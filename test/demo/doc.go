@@ -43,4 +43,7 @@
 // Everything it started is stopped (the agents and the broker with SIGTERM)
 // and its temporary folder removed when it exits, Ctrl-C included. It exits
 // with 1 when a step fails, and with 130 when interrupted.
+//
+// TestDemo runs the same story in `make test`, on binaries built as
+// `make build` builds them, and fails when a step fails or shows nothing.
 package main

@@ -1073,9 +1073,17 @@ func (d *demo) showHubState(ctx context.Context) error {
 
 	logs := d.logs.all()
 	d.say("the broker's audit log, one line per call:")
+	outcomes := map[string]bool{}
 	for _, line := range logs {
 		if rec, ok := auditRecord(line); ok {
 			d.say("  %s", describeAudit(rec))
+			outcomes[rec["msg"]+" "+rec["code"]] = true
+		}
+	}
+	// The story made calls of each kind; each must have its line.
+	for _, want := range []string{"exchange OK", "exchange PermissionDenied", "grants OK"} {
+		if !outcomes[want] {
+			return fmt.Errorf("the broker's audit log has no %q line: is it still writing JSON lines to stdout (--audit-log-path=-)?", want)
 		}
 	}
 	tokens := len(jwtIssuers([]byte(strings.Join(logs, "\n"))))
