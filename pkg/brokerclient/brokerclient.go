@@ -9,8 +9,10 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -156,17 +158,35 @@ func (bearer) RequireTransportSecurity() bool { return true }
 func (bearer) String() string   { return "bearer([redacted])" }
 func (bearer) GoString() string { return "bearer([redacted])" }
 
-// ValidateRequest checks what a client asks of every exchange: audiences
-// that are neither empty nor padded with spaces, and a lifetime that is not
-// negative (zero lets the broker choose).
-func ValidateRequest(audiences []string, expirationSeconds int64) error {
-	for _, a := range audiences {
+// DefaultTimeout bounds one exchange when a client's Timeout is zero.
+const DefaultTimeout = 30 * time.Second
+
+// Request is what a client asks of every exchange, as its Config says.
+type Request struct {
+	Audiences         []string
+	ExpirationSeconds int64
+	// Timeout bounds one exchange; zero means DefaultTimeout.
+	Timeout time.Duration
+}
+
+// Normalize checks r: audiences that are neither empty nor padded with
+// spaces, a lifetime that is not negative (zero lets the broker choose),
+// and a timeout that is not negative. It returns r with its own copy of
+// the audiences and the timeout defaulted.
+func (r Request) Normalize() (Request, error) {
+	for _, a := range r.Audiences {
 		if a == "" || strings.TrimSpace(a) != a {
-			return fmt.Errorf("audience %q is empty or has surrounding spaces", a)
+			return r, fmt.Errorf("audience %q is empty or has surrounding spaces", a)
 		}
 	}
-	if expirationSeconds < 0 {
-		return fmt.Errorf("expiration seconds %d is negative", expirationSeconds)
+	switch {
+	case r.ExpirationSeconds < 0:
+		return r, fmt.Errorf("expiration seconds %d is negative", r.ExpirationSeconds)
+	case r.Timeout < 0:
+		return r, fmt.Errorf("timeout %v is negative", r.Timeout)
+	case r.Timeout == 0:
+		r.Timeout = DefaultTimeout
 	}
-	return nil
+	r.Audiences = slices.Clone(r.Audiences)
+	return r, nil
 }

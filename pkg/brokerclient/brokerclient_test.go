@@ -8,6 +8,7 @@ import (
 	"os"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -93,4 +94,41 @@ func TestDialRetriesUnavailableOnce(t *testing.T) {
 			assert.Equal(t, tt.wantCalls, fake.calls.Load())
 		})
 	}
+}
+
+func TestRequestNormalize(t *testing.T) {
+	tests := []struct {
+		name    string
+		req     brokerclient.Request
+		want    brokerclient.Request
+		wantErr string
+	}{
+		{name: "defaults", want: brokerclient.Request{Timeout: brokerclient.DefaultTimeout}},
+		{name: "kept", req: brokerclient.Request{Audiences: []string{"a", "b"}, ExpirationSeconds: 600, Timeout: time.Second},
+			want: brokerclient.Request{Audiences: []string{"a", "b"}, ExpirationSeconds: 600, Timeout: time.Second}},
+		{name: "empty audience", req: brokerclient.Request{Audiences: []string{"a", ""}}, wantErr: `audience "" is empty or has surrounding spaces`},
+		{name: "padded audience", req: brokerclient.Request{Audiences: []string{" a"}}, wantErr: `audience " a" is empty or has surrounding spaces`},
+		{name: "negative expiration", req: brokerclient.Request{ExpirationSeconds: -1}, wantErr: "expiration seconds -1 is negative"},
+		{name: "negative timeout", req: brokerclient.Request{Timeout: -time.Second}, wantErr: "timeout -1s is negative"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := tt.req.Normalize()
+			if tt.wantErr != "" {
+				assert.EqualError(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, got)
+		})
+	}
+}
+
+// The normalized request owns its audiences: the caller's slice may change.
+func TestRequestNormalizeCopiesAudiences(t *testing.T) {
+	audiences := []string{"a"}
+	got, err := brokerclient.Request{Audiences: audiences}.Normalize()
+	require.NoError(t, err)
+	audiences[0] = "changed"
+	assert.Equal(t, []string{"a"}, got.Audiences)
 }

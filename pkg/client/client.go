@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -26,7 +25,7 @@ import (
 )
 
 // DefaultTimeout bounds one exchange when Config.Timeout is zero.
-const DefaultTimeout = 30 * time.Second
+const DefaultTimeout = brokerclient.DefaultTimeout
 
 // DefaultMaxRetryWait bounds, when Config.MaxRetryWait is zero, how long
 // one token fetch waits in all as the broker's retry-after tells it.
@@ -108,16 +107,11 @@ func New(cfg Config) (*Client, error) {
 		sa := *cfg.ServiceAccount
 		cfg.ServiceAccount = &sa
 	}
-	if err := brokerclient.ValidateRequest(cfg.Audiences, cfg.ExpirationSeconds); err != nil {
+	req, err := brokerclient.Request{Audiences: cfg.Audiences, ExpirationSeconds: cfg.ExpirationSeconds, Timeout: cfg.Timeout}.Normalize()
+	if err != nil {
 		return nil, err
 	}
-	cfg.Audiences = slices.Clone(cfg.Audiences)
-	switch {
-	case cfg.Timeout < 0:
-		return nil, fmt.Errorf("timeout %v is negative", cfg.Timeout)
-	case cfg.Timeout == 0:
-		cfg.Timeout = DefaultTimeout
-	}
+	cfg.Audiences, cfg.Timeout = req.Audiences, req.Timeout
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}

@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"time"
 
@@ -25,7 +24,7 @@ import (
 )
 
 // DefaultTimeout bounds one GetToken when Config.Timeout is zero.
-const DefaultTimeout = 30 * time.Second
+const DefaultTimeout = brokerclient.DefaultTimeout
 
 // Config configures a Provider.
 type Config struct {
@@ -90,16 +89,11 @@ func New(cfg Config) (*Provider, error) {
 		sa := *cfg.ServiceAccount
 		cfg.ServiceAccount = &sa
 	}
-	if err := brokerclient.ValidateRequest(cfg.Audiences, cfg.ExpirationSeconds); err != nil {
+	req, err := brokerclient.Request{Audiences: cfg.Audiences, ExpirationSeconds: cfg.ExpirationSeconds, Timeout: cfg.Timeout}.Normalize()
+	if err != nil {
 		return nil, err
 	}
-	cfg.Audiences = slices.Clone(cfg.Audiences)
-	switch {
-	case cfg.Timeout < 0:
-		return nil, fmt.Errorf("timeout %v is negative", cfg.Timeout)
-	case cfg.Timeout == 0:
-		cfg.Timeout = DefaultTimeout
-	}
+	cfg.Audiences, cfg.Timeout = req.Audiences, req.Timeout
 	cfg.TLS = cfg.TLS.Clone()
 	return &Provider{cfg: cfg, creds: creds}, nil
 }
