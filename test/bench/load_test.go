@@ -1,16 +1,13 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
+
+	"github.com/credbroker/credbroker/test/framework"
 )
 
 // loadResult is what a closed-loop load of a few workers measured.
@@ -104,34 +101,6 @@ func column(calls [][]time.Duration, j int) []time.Duration {
 	return c
 }
 
-// metricSum sums the samples of metric in a Prometheus text exposition
-// whose labels include every one of match (such as `resource="x"`).
-func metricSum(r io.Reader, metric string, match ...string) (float64, error) {
-	var sum float64
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if !strings.HasPrefix(line, metric+"{") && !strings.HasPrefix(line, metric+" ") {
-			continue
-		}
-		ok := true
-		for _, m := range match {
-			ok = ok && strings.Contains(line, m)
-		}
-		if !ok {
-			continue
-		}
-		fields := strings.Fields(line)
-		v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
-		if err != nil {
-			return 0, fmt.Errorf("%s: %w", line, err)
-		}
-		sum += v
-	}
-	return sum, sc.Err()
-}
-
 // spokeTokenRequests is the spoke API server's own count of TokenRequests
 // it has answered, from its /metrics, read with the admin credential.
 func spokeTokenRequests(ctx context.Context) (float64, error) {
@@ -139,22 +108,20 @@ func spokeTokenRequests(ctx context.Context) (float64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("scrape the spoke API server: %w", err)
 	}
-	return metricSum(strings.NewReader(string(raw)), "apiserver_request_total",
-		`resource="serviceaccounts"`, `subresource="token"`)
+	m, err := framework.ParseMetrics(string(raw))
+	if err != nil {
+		return 0, err
+	}
+	return m.Sum("apiserver_request_total", `resource="serviceaccounts"`, `subresource="token"`), nil
 }
 
 // brokerMetric sums a metric of the broker process's /metrics.
-func brokerMetric(ctx context.Context, metricsAddr, metric string, match ...string) (float64, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+metricsAddr+"/metrics", nil)
+func brokerMetric(ctx context.Context, metricsAddr, metric string, labels ...string) (float64, error) {
+	m, err := framework.ScrapeMetrics(ctx, metricsAddr)
 	if err != nil {
 		return 0, err
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	return metricSum(resp.Body, metric, match...)
+	return m.Sum(metric, labels...), nil
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.2f ms", float64(d.Microseconds())/1000) }

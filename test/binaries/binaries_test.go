@@ -1,7 +1,6 @@
 package binaries
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -128,37 +127,19 @@ func get(ctx context.Context, url string) (int, string, error) {
 	return resp.StatusCode, string(body), err
 }
 
-// page returns the /metrics page of addr.
-func page(t *testing.T, addr string) string {
+// scrape reads the /metrics page of addr.
+func scrape(t *testing.T, addr string) *framework.Metrics {
 	t.Helper()
-	code, body, err := get(t.Context(), "http://"+addr+"/metrics")
+	m, err := framework.ScrapeMetrics(t.Context(), addr)
 	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, code)
-	return body
+	return m
 }
 
-// sample returns the value of the series name{labels...} on the /metrics
-// page of addr, 0 when it is absent.
+// sample returns the sum of the series name{labels...} on the /metrics
+// page of addr, 0 when there is none.
 func sample(t *testing.T, addr, name string, labels ...string) float64 {
 	t.Helper()
-	sc := bufio.NewScanner(strings.NewReader(page(t, addr)))
-	for sc.Scan() {
-		line := sc.Text()
-		series, value, ok := strings.Cut(line, " ")
-		if !ok || (series != name && !strings.HasPrefix(series, name+"{")) {
-			continue
-		}
-		match := true
-		for _, l := range labels {
-			match = match && strings.Contains(series, l)
-		}
-		if match {
-			v, err := strconv.ParseFloat(strings.TrimSpace(value), 64)
-			require.NoError(t, err, line)
-			return v
-		}
-	}
-	return 0
+	return scrape(t, addr).Sum(name, labels...)
 }
 
 // --version of each binary prints the VERSION file's version and the
@@ -310,7 +291,8 @@ func TestHealthAndMetrics(t *testing.T) {
 				require.NoError(t, err)
 				assert.Equal(t, http.StatusOK, code, "%s: %s", path, body)
 			}
-			assert.Equal(t, 1.0, sample(t, p.addr, p.metric), "one agent stream, one connected cluster: %s", page(t, p.addr))
+			m := scrape(t, p.addr)
+			assert.Equal(t, 1.0, m.Sum(p.metric), "one agent stream, one connected cluster: %s", m.Text)
 			assert.Equal(t, 1.0, sample(t, p.addr, p.build, `version="`+version+`"`, `revision="`+revision+`"`), "built with the Makefile's ldflags")
 		})
 	}

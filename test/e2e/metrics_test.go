@@ -1,12 +1,9 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
-	"io"
 	"net/http"
 	"os"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -15,57 +12,17 @@ import (
 	"github.com/stretchr/testify/require"
 
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+	"github.com/credbroker/credbroker/test/framework"
 )
 
-// scrape is one /metrics page: the series' values by metric name (the
-// sum over their labels), and the names every family exposes (a histogram
-// x exposes x_bucket, x_sum and x_count).
-type scrape struct {
-	sums  map[string]float64
-	names map[string]bool
-	text  string
-}
-
-func scrapeMetrics(t *testing.T, addr string) scrape {
+// scrapeMetrics reads the /metrics page at addr.
+func scrapeMetrics(t *testing.T, addr string) *framework.Metrics {
 	t.Helper()
-	require.NotEmpty(t, addr, "the metrics listener is disabled")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
+	m, err := framework.ScrapeMetrics(ctx, addr)
 	require.NoError(t, err)
-	resp, err := http.DefaultClient.Do(req)
-	require.NoError(t, err)
-	defer resp.Body.Close()
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	raw, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-
-	s := scrape{sums: map[string]float64{}, names: map[string]bool{}, text: string(raw)}
-	sc := bufio.NewScanner(strings.NewReader(s.text))
-	for sc.Scan() {
-		line := sc.Text()
-		if f := strings.Fields(line); len(f) == 4 && f[0] == "#" && f[1] == "TYPE" {
-			s.names[f[2]] = true
-			if f[3] == "histogram" || f[3] == "summary" {
-				for _, suffix := range []string{"_bucket", "_sum", "_count"} {
-					s.names[f[2]+suffix] = true
-				}
-			}
-			continue
-		}
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		name, _, _ := strings.Cut(line, "{")
-		name, _, _ = strings.Cut(name, " ")
-		f := strings.Fields(line)
-		v, err := strconv.ParseFloat(f[len(f)-1], 64)
-		require.NoError(t, err, "sample line %q", line)
-		s.names[name] = true
-		s.sums[name] += v
-	}
-	require.NoError(t, sc.Err())
-	return s
+	return m
 }
 
 // monitoredNames reads deploy/monitoring/metric-names.txt, which
@@ -100,25 +57,25 @@ func TestMonitoredMetricsExist(t *testing.T) {
 	agentPage := scrapeMetrics(t, agents[0].MetricsAddr())
 
 	for _, name := range monitoredNames(t) {
-		assert.True(t, brokerPage.names[name] || agentPage.names[name], "neither the broker nor the agent exposes %s", name)
+		assert.True(t, brokerPage.Has(name) || agentPage.Has(name), "neither the broker nor the agent exposes %s", name)
 	}
 
 	// The values are the deployment's: each replica sees both spokes'
 	// agents, and its SVID is valid for about an hour.
-	assert.Equal(t, float64(len(env.Spokes)), brokerPage.sums["credbroker_connected_clusters"])
-	assert.GreaterOrEqual(t, brokerPage.sums["credbroker_cluster_profiles"], float64(len(env.Spokes)))
-	assert.Equal(t, 1.0, brokerPage.sums["credbroker_build_info"])
+	assert.Equal(t, float64(len(env.Spokes)), brokerPage.Sum("credbroker_connected_clusters"))
+	assert.GreaterOrEqual(t, brokerPage.Sum("credbroker_cluster_profiles"), float64(len(env.Spokes)))
+	assert.Equal(t, 1.0, brokerPage.Sum("credbroker_build_info"))
 	for _, p := range []struct {
-		page scrape
+		page *framework.Metrics
 		name string
 	}{{brokerPage, "credbroker_svid_expiry_timestamp_seconds"}, {agentPage, "credbroker_agent_svid_expiry_timestamp_seconds"}} {
-		assert.InDelta(t, float64(time.Now().Unix()), p.page.sums[p.name], float64(2*time.Hour/time.Second), p.name)
-		assert.Greater(t, p.page.sums[p.name], float64(time.Now().Unix()), p.name)
+		assert.InDelta(t, float64(time.Now().Unix()), p.page.Sum(p.name), float64(2*time.Hour/time.Second), p.name)
+		assert.Greater(t, p.page.Sum(p.name), float64(time.Now().Unix()), p.name)
 	}
-	assert.Contains(t, agentPage.text, `credbroker_agent_token_requests_total{code="201"}`)
-	assert.Equal(t, float64(len(deployment.Brokers)), agentPage.sums["credbroker_agent_broker_streams"], "one serving stream per broker replica")
-	assert.Equal(t, agentPage.sums["credbroker_agent_broker_target_addresses"], agentPage.sums["credbroker_agent_broker_target_streams"])
-	assert.NotContains(t, brokerPage.text, c.token, "a token in the metrics")
+	assert.Contains(t, agentPage.Text, `credbroker_agent_token_requests_total{code="201"}`)
+	assert.Equal(t, float64(len(deployment.Brokers)), agentPage.Sum("credbroker_agent_broker_streams"), "one serving stream per broker replica")
+	assert.Equal(t, agentPage.Sum("credbroker_agent_broker_target_addresses"), agentPage.Sum("credbroker_agent_broker_target_streams"))
+	assert.NotContains(t, brokerPage.Text, c.token, "a token in the metrics")
 }
 
 // Two broker replicas in one process keep their own counters: an exchange
@@ -130,14 +87,14 @@ func TestMetricsPerReplica(t *testing.T) {
 	ns := optIn(t, spoke, "metrics", c.username())
 
 	const counter = "credbroker_exchanges_total"
-	before0 := scrapeMetrics(t, deployment.Brokers[0].MetricsAddr()).sums[counter]
-	before1 := scrapeMetrics(t, deployment.Brokers[1].MetricsAddr()).sums[counter]
+	before0 := scrapeMetrics(t, deployment.Brokers[0].MetricsAddr()).Sum(counter)
+	before1 := scrapeMetrics(t, deployment.Brokers[1].MetricsAddr()).Sum(counter)
 	_, err := exchangeVia(t, exchangeClientAt(t, deployment.Brokers[0].ExchangeAddr()), c,
 		&pb.ExchangeRequest{Cluster: clusterRef(spoke), ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "metrics"}})
 	require.NoError(t, err)
 
-	assert.Equal(t, before0+1, scrapeMetrics(t, deployment.Brokers[0].MetricsAddr()).sums[counter], "replica 0 counts its exchange")
-	assert.Equal(t, before1, scrapeMetrics(t, deployment.Brokers[1].MetricsAddr()).sums[counter], "replica 1 counts replica 0's exchange")
+	assert.Equal(t, before0+1, scrapeMetrics(t, deployment.Brokers[0].MetricsAddr()).Sum(counter), "replica 0 counts its exchange")
+	assert.Equal(t, before1, scrapeMetrics(t, deployment.Brokers[1].MetricsAddr()).Sum(counter), "replica 1 counts replica 0's exchange")
 }
 
 // Without --profiling, the metrics port serves no profile: goroutine stacks

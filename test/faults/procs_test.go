@@ -14,8 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -81,59 +79,13 @@ func ready(addr string) bool {
 	return resp.StatusCode == http.StatusOK
 }
 
-// scrape returns the samples of the metrics at addr, summed over their
-// labels, and those of the named families by label string ("code=OK,…").
-func scrape(addr string, byLabel ...string) (map[string]float64, map[string]map[string]float64, error) {
-	resp, err := http.Get("http://" + addr + "/metrics")
-	if err != nil {
-		return nil, nil, err
-	}
-	defer resp.Body.Close()
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		return nil, nil, err
-	}
-	sums, labelled := map[string]float64{}, map[string]map[string]float64{}
-	for name, fam := range families {
-		for _, m := range fam.GetMetric() {
-			var v float64
-			switch {
-			case m.GetGauge() != nil:
-				v = m.GetGauge().GetValue()
-			case m.GetCounter() != nil:
-				v = m.GetCounter().GetValue()
-			case m.GetUntyped() != nil:
-				v = m.GetUntyped().GetValue()
-			default:
-				continue
-			}
-			sums[name] += v
-			for _, want := range byLabel {
-				if want != name {
-					continue
-				}
-				var ls []string
-				for _, l := range m.GetLabel() {
-					ls = append(ls, l.GetName()+"="+l.GetValue())
-				}
-				if labelled[name] == nil {
-					labelled[name] = map[string]float64{}
-				}
-				labelled[name][strings.Join(ls, ",")] += v
-			}
-		}
-	}
-	return sums, labelled, nil
-}
-
 func (f *procFleet) brokerMetric(t *testing.T, name string) float64 {
 	t.Helper()
-	m, _, err := scrape(f.brokerOpts.MetricsAddress)
+	m, err := framework.ScrapeMetrics(t.Context(), f.brokerOpts.MetricsAddress)
 	if err != nil {
 		return -1
 	}
-	return m[name]
+	return m.Sum(name)
 }
 
 // usage is what a process's /metrics tell of its resources.
@@ -162,11 +114,11 @@ func settledUsage(t *testing.T, addr string) usage {
 		if i > 0 {
 			time.Sleep(500 * time.Millisecond) // spacing the samples, not synchronization
 		}
-		m, _, err := scrape(addr)
+		m, err := framework.ScrapeMetrics(t.Context(), addr)
 		require.NoError(t, err)
-		u.Goroutines = min(u.Goroutines, m["go_goroutines"])
-		u.RSS = min(u.RSS, m["process_resident_memory_bytes"])
-		u.HeapGoal = min(u.HeapGoal, m["go_memstats_next_gc_bytes"])
+		u.Goroutines = min(u.Goroutines, m.Sum("go_goroutines"))
+		u.RSS = min(u.RSS, m.Sum("process_resident_memory_bytes"))
+		u.HeapGoal = min(u.HeapGoal, m.Sum("go_memstats_next_gc_bytes"))
 	}
 	return u
 }

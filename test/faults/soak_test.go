@@ -110,12 +110,12 @@ func TestSoak(t *testing.T) {
 		return f.brokerMetric(t, "credbroker_agent_requests_pending") == 0
 	})
 	endBroker, endAgent := settledUsage(t, f.brokerOpts.MetricsAddress), settledUsage(t, f.agentMetrics)
-	_, byCode, err := scrape(f.brokerOpts.MetricsAddress, "credbroker_exchanges_total")
+	m, err := framework.ScrapeMetrics(t.Context(), f.brokerOpts.MetricsAddress)
 	require.NoError(t, err)
 	t.Logf("soak for %s: broker start %s, end %s (a process restarted at a third); agent start %s, end %s (restarted at two thirds)",
 		time.Since(start).Round(time.Second), startBroker, endBroker, startAgent, endAgent)
 	t.Logf("soak calls by kind and code: %s", load.summary())
-	t.Logf("soak: the restarted broker's credbroker_exchanges_total: %v", byCode["credbroker_exchanges_total"])
+	t.Logf("soak: the restarted broker's credbroker_exchanges_total: %v", m.ByLabels("credbroker_exchanges_total"))
 
 	load.mu.Lock()
 	defer load.mu.Unlock()
