@@ -14,7 +14,6 @@ import (
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
-	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/broker"
 	"github.com/credbroker/credbroker/pkg/plugin"
 	"github.com/credbroker/credbroker/pkg/publish"
@@ -55,45 +54,17 @@ func TestOnlyTheLeaseHolderPublishes(t *testing.T) {
 	replicas := map[string]*replica{}
 	for _, id := range []string{"replica-a", "replica-b"} {
 		writes := &statusWrites{}
-		cfg := deployment.BrokerConfig()
-		cfg.Hub = rest.CopyConfig(cfg.Hub)
-		cfg.Hub.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { writes.next = rt; return writes }
-		cfg.PublishAccessProvider = true
-		cfg.PublishLeaseNamespace, cfg.PublishLeaseName, cfg.PublishIdentity = "default", name, id
-		cfg.PublishDisconnectGrace = time.Second
-		b, err := broker.New(cfg)
-		require.NoError(t, err)
-		bctx, cancel := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- b.Run(bctx) }()
-		stopped := false
-		r := &replica{b: b, writes: writes, stop: func() {
-			if !stopped {
-				stopped = true
-				cancel()
-				require.NoError(t, <-done)
-			}
-		}}
-		t.Cleanup(r.stop)
-		replicas[id] = r
+		b, stop := startPublisher(t, name, id, func(cfg *broker.Config) {
+			cfg.Hub = rest.CopyConfig(cfg.Hub)
+			cfg.Hub.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { writes.next = rt; return writes }
+		})
+		replicas[id] = &replica{b: b, writes: writes, stop: stop}
 	}
-
-	stopAgent, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{
-		ID: framework.AgentID(name), Cluster: framework.FleetNamespace + "/" + name,
-		Tune: func(c *agent.Config) {
-			for _, r := range replicas {
-				c.BrokerAddresses = append(c.BrokerAddresses, r.b.AgentAddr())
-			}
-			c.AdvertiseServer, c.AdvertiseCAData = spoke.Server, spoke.CAData
-		},
-	})
-	require.NoError(t, err)
-	agentStopped := false
-	t.Cleanup(func() {
-		if !agentStopped {
-			stopAgent()
-		}
-	})
+	brokers := make([]*broker.Broker, 0, len(replicas))
+	for _, r := range replicas {
+		brokers = append(brokers, r.b)
+	}
+	stopAgent := startAdvertisingAgent(t, spoke, name, brokers...)
 
 	get := func() *v1alpha1.ClusterProfile {
 		cp, err := profiles.Get(ctx, name, metav1.GetOptions{})
@@ -137,7 +108,6 @@ func TestOnlyTheLeaseHolderPublishes(t *testing.T) {
 
 	// The next change is the new holder's to write.
 	stopAgent()
-	agentStopped = true
 	require.Eventually(t, func() bool { return connected(get(), metav1.ConditionFalse) }, 30*time.Second, 100*time.Millisecond,
 		"the new holder turns the condition False when the agent goes")
 	assert.Positive(t, replicas[follower].writes.count.Load(), "the new Lease holder wrote nothing")

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -24,6 +25,57 @@ import (
 	"github.com/credbroker/credbroker/pkg/publish"
 	"github.com/credbroker/credbroker/test/framework"
 )
+
+// startPublisher runs a broker with the deployment's config that publishes
+// its access provider into ClusterProfiles, holding the Lease default/lease
+// as identity (the broker's default identity when empty); tune may change
+// more. The returned stop, which the test's end also calls, stops it once.
+func startPublisher(t *testing.T, lease, identity string, tune func(*broker.Config)) (*broker.Broker, func()) {
+	t.Helper()
+	cfg := deployment.BrokerConfig()
+	cfg.PublishAccessProvider = true
+	cfg.PublishLeaseNamespace, cfg.PublishLeaseName = "default", lease
+	if identity != "" {
+		cfg.PublishIdentity = identity
+	}
+	cfg.PublishDisconnectGrace = time.Second
+	if tune != nil {
+		tune(&cfg)
+	}
+	b, err := broker.New(cfg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.Run(ctx) }()
+	stop := sync.OnceFunc(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	t.Cleanup(stop)
+	return b, stop
+}
+
+// startAdvertisingAgent starts an agent on spoke for the ClusterProfile
+// fleet/name that advertises spoke's server and CA, connected to the
+// deployment's replicas (through which the framework revokes the agent's
+// grants when it stops) and to the publishers. The returned stop, which
+// the test's end also calls, stops it once.
+func startAdvertisingAgent(t *testing.T, spoke *framework.Cluster, name string, publishers ...*broker.Broker) func() {
+	t.Helper()
+	stop, err := deployment.StartAgentWith(context.Background(), spoke, framework.AgentOptions{
+		ID: framework.AgentID(name), Cluster: framework.FleetNamespace + "/" + name,
+		Tune: func(c *agent.Config) {
+			for _, b := range publishers {
+				c.BrokerAddresses = append(c.BrokerAddresses, b.AgentAddr())
+			}
+			c.AdvertiseServer, c.AdvertiseCAData = spoke.Server, spoke.CAData
+		},
+	})
+	require.NoError(t, err)
+	once := sync.OnceFunc(stop)
+	t.Cleanup(once)
+	return once
+}
 
 // The broker, with --publish-access-provider, writes its access provider
 // into a ClusterProfile whose status starts empty, from what the agent
@@ -50,33 +102,8 @@ func TestBrokerPublishesAccessProvider(t *testing.T) {
 	require.NoError(t, err)
 
 	// A broker that publishes.
-	cfg := deployment.BrokerConfig()
-	cfg.PublishAccessProvider = true
-	cfg.PublishLeaseNamespace, cfg.PublishLeaseName = "default", name
-	cfg.PublishDisconnectGrace = time.Second
-	b, err := broker.New(cfg)
-	require.NoError(t, err)
-	bctx, stopBroker := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- b.Run(bctx) }()
-	t.Cleanup(func() { stopBroker(); require.NoError(t, <-done) })
-
-	stopAgent, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{
-		ID: framework.AgentID(name), Cluster: framework.FleetNamespace + "/" + name,
-		Tune: func(c *agent.Config) {
-			// Also to the deployment's replicas, through which the
-			// framework revokes the agent's grants when it stops.
-			c.BrokerAddresses = append(c.BrokerAddresses, b.AgentAddr())
-			c.AdvertiseServer, c.AdvertiseCAData = spoke.Server, spoke.CAData
-		},
-	})
-	require.NoError(t, err)
-	agentStopped := false
-	t.Cleanup(func() {
-		if !agentStopped {
-			stopAgent()
-		}
-	})
+	b, _ := startPublisher(t, name, "", nil)
+	stopAgent := startAdvertisingAgent(t, spoke, name, b)
 
 	get := func() *v1alpha1.ClusterProfile {
 		cp, err := profiles.Get(ctx, name, metav1.GetOptions{})
@@ -128,7 +155,6 @@ func TestBrokerPublishesAccessProvider(t *testing.T) {
 
 	// The agent goes: the condition turns False; the rest stays.
 	stopAgent()
-	agentStopped = true
 	var gone *v1alpha1.ClusterProfile
 	require.Eventually(t, func() bool {
 		gone = get()
