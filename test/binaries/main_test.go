@@ -277,47 +277,97 @@ func grantedRules(objs []*unstructured.Unstructured, subject rbacv1.Subject) ([]
 	return out, nil
 }
 
-// startBroker runs bin/broker as deploy/hub's ServiceAccount, with the
-// flags an operator would pass, and waits until /readyz answers 200.
+// startBroker runs the suite's bin/broker, as deploy/hub's ServiceAccount,
+// and waits until /readyz answers 200.
 func startBroker(ctx context.Context, dir string) error {
-	kubeconfig, err := env.Hub.WriteServiceAccountKubeconfig(ctx, dir, brokerAccount.Namespace, brokerAccount.Name, time.Hour)
+	p, err := launchBroker(ctx, dir, fmt.Sprintf("--rate-burst=%d", rateBurst), "--shutdown-grace=2s", "--shutdown-delay=0s")
 	if err != nil {
 		return err
 	}
-	var addrs [3]string
-	for i := range addrs {
-		if addrs[i], err = framework.FreeAddr(); err != nil {
-			return err
-		}
-	}
-	exchangeAddr, brokerAgentAddr, brokerMetrics = addrs[0], addrs[1], addrs[2]
-	if broker, err = deployment.StartBrokerProcess(framework.BrokerProcessOptions{
-		Bin: brokerBin, Kubeconfig: kubeconfig,
-		ExchangeAddress: addrs[0], AgentAddress: addrs[1], MetricsAddress: addrs[2],
-		Args: []string{fmt.Sprintf("--rate-burst=%d", rateBurst), "--shutdown-grace=2s", "--shutdown-delay=0s"},
-	}); err != nil {
-		return err
-	}
-	return waitReady(ctx, "broker", broker, brokerMetrics)
+	broker, exchangeAddr, brokerAgentAddr, brokerMetrics = p.Process, p.exchange, p.agent, p.metrics
+	return nil
 }
 
-// startAgent runs bin/spoke-agent as deploy/spoke's ServiceAccount against
-// the broker, and waits until /readyz answers 200: its stream is admitted.
+// startAgent runs the suite's bin/spoke-agent against the broker, as
+// deploy/spoke's ServiceAccount, and waits until /readyz answers 200: its
+// stream is admitted.
 func startAgent(ctx context.Context, dir string) error {
+	var err error
+	agent, agentMetrics, err = launchAgent(ctx, dir, brokerAgentAddr, "--shutdown-grace=2s")
+	return err
+}
+
+// brokerProcess is a bin/broker process and its addresses.
+type brokerProcess struct {
+	*framework.Process
+	exchange, agent, metrics string
+}
+
+// processes are every process the suite started, whose output
+// noTokenInOutput reads.
+var processes struct {
+	sync.Mutex
+	all []namedProcess
+}
+
+type namedProcess struct {
+	name string
+	*framework.Process
+}
+
+func started(name string, p *framework.Process) {
+	processes.Lock()
+	defer processes.Unlock()
+	processes.all = append(processes.all, namedProcess{name, p})
+}
+
+// launchBroker runs bin/broker with args, as deploy/hub's ServiceAccount
+// with a kubeconfig written into dir, on free ports, and waits until
+// /readyz answers 200.
+func launchBroker(ctx context.Context, dir string, args ...string) (brokerProcess, error) {
+	kubeconfig, err := env.Hub.WriteServiceAccountKubeconfig(ctx, dir, brokerAccount.Namespace, brokerAccount.Name, time.Hour)
+	if err != nil {
+		return brokerProcess{}, err
+	}
+	var p brokerProcess
+	for _, addr := range []*string{&p.exchange, &p.agent, &p.metrics} {
+		if *addr, err = framework.FreeAddr(); err != nil {
+			return p, err
+		}
+	}
+	if p.Process, err = deployment.StartBrokerProcess(framework.BrokerProcessOptions{
+		Bin: brokerBin, Kubeconfig: kubeconfig,
+		ExchangeAddress: p.exchange, AgentAddress: p.agent, MetricsAddress: p.metrics,
+		Args: args,
+	}); err != nil {
+		return p, err
+	}
+	started("broker", p.Process)
+	return p, waitReady(ctx, "broker", p.Process, p.metrics)
+}
+
+// launchAgent runs bin/spoke-agent with args against the broker agent port
+// brokerAddr, as deploy/spoke's ServiceAccount with a kubeconfig written
+// into dir, and waits until /readyz answers 200. It returns the process
+// and its metrics address.
+func launchAgent(ctx context.Context, dir, brokerAddr string, args ...string) (*framework.Process, string, error) {
 	kubeconfig, err := spoke.WriteServiceAccountKubeconfig(ctx, dir, agentAccount.Namespace, agentAccount.Name, time.Hour)
 	if err != nil {
-		return err
+		return nil, "", err
 	}
-	if agentMetrics, err = framework.FreeAddr(); err != nil {
-		return err
+	metrics, err := framework.FreeAddr()
+	if err != nil {
+		return nil, "", err
 	}
-	if agent, err = deployment.StartAgentProcess(ctx, spoke, framework.AgentProcessOptions{
-		Bin: agentBin, Kubeconfig: kubeconfig, BrokerAddresses: []string{brokerAgentAddr},
-		Args: []string{"--metrics-address=" + agentMetrics, "--shutdown-grace=2s"},
-	}); err != nil {
-		return err
+	p, err := deployment.StartAgentProcess(ctx, spoke, framework.AgentProcessOptions{
+		Bin: agentBin, Kubeconfig: kubeconfig, BrokerAddresses: []string{brokerAddr},
+		Args: append([]string{"--metrics-address=" + metrics}, args...),
+	})
+	if err != nil {
+		return nil, "", err
 	}
-	return waitReady(ctx, "spoke-agent", agent, agentMetrics)
+	started("spoke-agent", p)
+	return p, metrics, waitReady(ctx, "spoke-agent", p, metrics)
 }
 
 // waitReady waits up to 60s for http://addr/readyz to answer 200, or for
@@ -360,17 +410,18 @@ var minted struct {
 }
 
 // noTokenInOutput checks, after the whole suite, that no token it saw is
-// in the broker's or the agent's output (operational log and audit lines).
+// in the output (operational log and audit lines) of a broker or an agent
+// it started.
 func noTokenInOutput() error {
 	minted.Lock()
 	defer minted.Unlock()
+	processes.Lock()
+	defer processes.Unlock()
 	var errs []error
-	for _, p := range []struct {
-		name string
-		out  string
-	}{{"broker", broker.Output()}, {"spoke-agent", agent.Output()}} {
+	for _, p := range processes.all {
+		out := p.Output()
 		for _, tok := range slices.Concat(minted.spoke, minted.hub) {
-			if strings.Contains(p.out, tok) {
+			if strings.Contains(out, tok) {
 				errs = append(errs, fmt.Errorf("a token reached the output of %s", p.name))
 			}
 		}
