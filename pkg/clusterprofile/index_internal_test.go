@@ -5,8 +5,10 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/stretchr/testify/assert"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 )
 
 // A tombstone whose last known state is lost still names the key, and the
@@ -22,4 +24,39 @@ func TestOnDeleteTombstoneWithoutObject(t *testing.T) {
 	i.onDelete(cache.DeletedFinalStateUnknown{Key: "a/b/c"}) // unusable key: logged, not reported
 	i.onDelete("not a ClusterProfile")
 	assert.Equal(t, []string{"fleet/east-1 "}, got)
+}
+
+// A resync hands the handler the same object twice; OnChange promises no
+// call for it. A ClusterProfile replaced unseen, same name and another UID,
+// is a change for both UIDs. The informer resyncs only with a resync
+// period, which the broker does not set, so it is tested here.
+func TestOnUpdateSkipsResyncs(t *testing.T) {
+	i := &Index{td: spiffeid.RequireTrustDomainFromString("fleet.example")}
+	i.indexer = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{agentIDIndex: i.indexAgentID})
+	var got []string
+	i.OnChange(func(key types.NamespacedName, uid types.UID) {
+		got = append(got, key.String()+" "+string(uid))
+	})
+	cp := func(uid, rv string) *v1alpha1.ClusterProfile {
+		return &v1alpha1.ClusterProfile{ObjectMeta: metav1.ObjectMeta{
+			Namespace: "fleet", Name: "east-1", UID: types.UID(uid), ResourceVersion: rv,
+		}}
+	}
+
+	tests := []struct {
+		name     string
+		old, now *v1alpha1.ClusterProfile
+		want     []string
+	}{
+		{name: "resync", old: cp("uid-1", "10"), now: cp("uid-1", "10")},
+		{name: "update", old: cp("uid-1", "10"), now: cp("uid-1", "11"), want: []string{"fleet/east-1 uid-1"}},
+		{name: "replaced", old: cp("uid-1", "10"), now: cp("uid-2", "12"), want: []string{"fleet/east-1 uid-1", "fleet/east-1 uid-2"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got = nil
+			i.onUpdate(tt.old, tt.now)
+			assert.Equal(t, tt.want, got)
+		})
+	}
 }

@@ -463,6 +463,16 @@ func TestIndexLookups(t *testing.T) {
 		}
 	})
 
+	// A ClusterProfile read from the API server before the informer has
+	// seen it claims nothing yet: an agent ID that nobody claims is free,
+	// and one that another profile holds is still refused.
+	t.Run("CheckAgent of a profile the cache has not seen", func(t *testing.T) {
+		require.NoError(t, h.idx.CheckAgent(withUID(profile("fleet", "unseen-1"), "uid-unseen")))
+		err := h.idx.CheckAgent(withUID(profile("fleet", "unseen-2", "spiffe://fleet.example/agents/west"), "uid-unseen"))
+		require.ErrorIs(t, err, errdefs.ErrFailedPrecondition)
+		assert.ErrorContains(t, err, "which clusterprofile fleet/west-1 claimed first and holds")
+	})
+
 	t.Run("bad and contested annotations are logged", func(t *testing.T) {
 		all := strings.Join(h.logs.get(), "\n")
 		for _, want := range []string{
