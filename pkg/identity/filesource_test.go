@@ -227,3 +227,26 @@ func runFileSource(t *testing.T, cert, key, bundle string) (*identity.FileSource
 	})
 	return src, logs, first
 }
+
+// SVIDChanges reports a rotation of the SVID, not every change of the
+// source: a new trust bundle alone makes the agent open no new streams.
+func TestSVIDChangesIgnoresABundleChange(t *testing.T) {
+	ca := newCA(t, "example.test")
+	vol := newProjectedDir(t)
+	files := svidFiles(t, ca, agentID, ca)
+	vol.write(files)
+	src, _, _ := runFileSource(t, vol.path("tls.crt"), vol.path("tls.key"), vol.path("ca.crt"))
+	var rotations, changes atomic.Int32
+	identity.SVIDChanges(src, func(*x509svid.SVID) { rotations.Add(1) })
+	// Registered after SVIDChanges, so it runs after SVIDChanges' callback.
+	src.OnChange(func() { changes.Add(1) })
+
+	files["ca.crt"] = append(files["ca.crt"], newCA(t, "example.test").BundlePEM()...)
+	vol.write(files)
+	require.Eventually(t, func() bool { return changes.Load() == 1 }, 5*time.Second, pollInterval)
+	assert.Zero(t, rotations.Load(), "a bundle change is not a rotation")
+
+	vol.write(svidFiles(t, ca, agentID, ca))
+	require.Eventually(t, func() bool { return changes.Load() == 2 }, 5*time.Second, pollInterval)
+	assert.EqualValues(t, 1, rotations.Load())
+}

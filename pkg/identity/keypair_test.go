@@ -121,3 +121,27 @@ func TestKeyPairFileReload(t *testing.T) {
 	waitForError(t, logs, "failed to find any PEM data in certificate input")
 	assert.Equal(t, "second.example", servedName())
 }
+
+// Under GODEBUG=x509keypairleaf=0, tls.X509KeyPair leaves Leaf nil; the
+// key pair still serves its parsed certificate, whose NotAfter the reload
+// log and the callers read.
+func TestKeyPairFileParsesTheLeafItself(t *testing.T) {
+	t.Setenv("GODEBUG", "x509keypairleaf=0")
+	ca := newCA(t, "example.test")
+	certPEM, keyPEM, err := ca.IssueServing([]string{"broker.example"}, time.Hour)
+	require.NoError(t, err)
+	leafless, err := tls.X509KeyPair(certPEM, keyPEM)
+	require.NoError(t, err)
+	require.Nil(t, leafless.Leaf, "GODEBUG=x509keypairleaf=0 no longer leaves Leaf nil; this test tests nothing")
+
+	dir := t.TempDir()
+	certFile, keyFile := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	require.NoError(t, os.WriteFile(certFile, certPEM, 0o600))
+	require.NoError(t, os.WriteFile(keyFile, keyPEM, 0o600))
+	kp, err := identity.NewKeyPairFile(certFile, keyFile, 0, logr.Discard())
+	require.NoError(t, err)
+	cert, err := kp.GetCertificate(nil)
+	require.NoError(t, err)
+	require.NotNil(t, cert.Leaf)
+	assert.Equal(t, []string{"broker.example"}, cert.Leaf.DNSNames)
+}

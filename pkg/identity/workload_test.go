@@ -159,9 +159,92 @@ func TestWorkloadSourceNoAnswer(t *testing.T) {
 	require.ErrorContains(t, err, "no X.509-SVID from the Workload API at "+api.Addr()+" within 200ms")
 }
 
+// Any one of the files next to a socket is ambiguous, whichever it is.
 func TestNewSourceNeedsOneKind(t *testing.T) {
-	_, err := identity.NewSource(context.Background(), identity.SourceConfig{
-		CertFile: "c", EndpointSocket: "unix:///x.sock", TrustDomain: td,
+	tests := []struct {
+		name string
+		cfg  identity.SourceConfig
+	}{
+		{name: "certificate", cfg: identity.SourceConfig{CertFile: "c"}},
+		{name: "key", cfg: identity.SourceConfig{KeyFile: "k"}},
+		{name: "bundle", cfg: identity.SourceConfig{BundleFile: "b"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := tt.cfg
+			// A short Wait, so that a source that did try the socket fails fast.
+			cfg.EndpointSocket, cfg.TrustDomain, cfg.Wait = "unix:///x.sock", td, time.Millisecond
+			_, err := identity.NewSource(context.Background(), cfg)
+			require.ErrorContains(t, err, "either the Workload API socket or the SVID and bundle files, not both")
+		})
+	}
+}
+
+// A zero Wait means DefaultWait, not "give up at once": a source built
+// from flags left at zero still gets its SVID.
+func TestWorkloadSourceZeroWaitIsTheDefault(t *testing.T) {
+	ca := newCA(t, td.Name())
+	api := startWorkloadAPI(t)
+	require.NoError(t, api.Set(ca.BundlePEM(), issue(t, ca, brokerID)))
+	src, err := identity.NewWorkloadSource(context.Background(), identity.WorkloadSourceConfig{
+		Address: api.Addr(), TrustDomain: td, ID: spiffeid.RequireFromString(brokerID),
 	})
-	require.ErrorContains(t, err, "either the Workload API socket or the SVID and bundle files, not both")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = src.Close() })
+	svid, err := src.GetX509SVID()
+	require.NoError(t, err)
+	assert.Equal(t, brokerID, svid.ID.String())
+}
+
+// CheckSourceChoice judges the flags of the broker and the agent: exactly
+// one source, and a whole one.
+func TestCheckSourceChoice(t *testing.T) {
+	tests := []struct {
+		name                    string
+		socket, cert, key, bndl string
+		wantErr                 string
+	}{
+		{name: "socket", socket: "unix:///run/spire/agent.sock"},
+		{name: "files", cert: "c", key: "k", bndl: "b"},
+		{name: "socket and a certificate", socket: "unix:///run/spire/agent.sock", cert: "c", wantErr: "not both"},
+		{name: "socket and a key", socket: "unix:///run/spire/agent.sock", key: "k", wantErr: "not both"},
+		{name: "socket and a bundle", socket: "unix:///run/spire/agent.sock", bndl: "b", wantErr: "not both"},
+		{name: "unusable socket", socket: "http://spire", wantErr: `the Workload API socket (--spiffe-endpoint-socket) "http://spire"`},
+		{name: "nothing", wantErr: "an SVID source is required"},
+		{name: "no certificate", key: "k", bndl: "b", wantErr: "an SVID source is required"},
+		{name: "no key", cert: "c", bndl: "b", wantErr: "an SVID source is required"},
+		{name: "no bundle", cert: "c", key: "k", wantErr: "an SVID source is required"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := identity.CheckSourceChoice(tt.socket, tt.cert, tt.key, tt.bndl)
+			if tt.wantErr == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tt.wantErr)
+		})
+	}
+}
+
+// NewSource builds the source its config names.
+func TestNewSourcePicksTheKind(t *testing.T) {
+	ca := newCA(t, td.Name())
+
+	vol := newProjectedDir(t)
+	vol.write(svidFiles(t, ca, agentID, ca))
+	src, err := identity.NewSource(context.Background(), identity.SourceConfig{
+		CertFile: vol.path("tls.crt"), KeyFile: vol.path("tls.key"), BundleFile: vol.path("ca.crt"), TrustDomain: td,
+	})
+	require.NoError(t, err)
+	assert.IsType(t, &identity.FileSource{}, src)
+
+	api := startWorkloadAPI(t)
+	require.NoError(t, api.Set(ca.BundlePEM(), issue(t, ca, brokerID)))
+	src, err = identity.NewSource(context.Background(), identity.SourceConfig{
+		EndpointSocket: api.Addr(), TrustDomain: td, Wait: 5 * time.Second,
+	})
+	require.NoError(t, err)
+	require.IsType(t, &identity.WorkloadSource{}, src)
+	t.Cleanup(func() { _ = src.(*identity.WorkloadSource).Close() })
 }
