@@ -122,6 +122,15 @@ func TestGetToken(t *testing.T) {
 			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
 		},
 		{
+			// A caller that builds the ExecCredential in Go may give the
+			// config as an object rather than raw JSON.
+			name: "cluster from spec.cluster.config as an object",
+			in: withCluster(execCredential(""), func(c *clientauthenticationv1.Cluster) {
+				c.Config = runtime.RawExtension{Object: &runtime.Unknown{Raw: []byte(prodConfig), ContentType: runtime.ContentTypeJSON}}
+			}),
+			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+		},
+		{
 			name: "all request fields",
 			cfg: func(c *plugin.Config) {
 				c.ServiceAccount = ref("apps", "deployer")

@@ -32,6 +32,8 @@ func TestCanonicalServer(t *testing.T) {
 		{in: "https://spoke.example/k8s/clusters/c-1/", want: "https://spoke.example:443/k8s/clusters/c-1"},
 		{in: "https://spoke.example/K8s/Clusters", want: "https://spoke.example:443/K8s/Clusters"},
 		{in: "https://spoke.example/a%2Fb", want: "https://spoke.example:443/a%2Fb"},
+		// Every end of the ranges of a DNS name's characters.
+		{in: "https://az.AZ-09_x.example", want: "https://az.az-09_x.example:443"},
 		{in: "", wantErr: "empty"},
 		{in: "spoke.example:6443", wantErr: "not an http or https URL"},
 		{in: "127.0.0.1:6443", wantErr: "not a URL"},
