@@ -7,10 +7,12 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr/funcr"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	authenticationv1 "k8s.io/api/authentication/v1"
@@ -531,4 +533,100 @@ func TestRunRetriesAfterDeleteFails(t *testing.T) {
 	grants.setDeleteErr(nil)
 	clk.Step(DefaultCollectInterval)
 	require.Eventually(t, func() bool { return len(grants.Keys()) == 0 }, 5*time.Second, time.Millisecond)
+}
+
+// A sweep that cannot revoke a grant its ServiceAccount no longer allows
+// says so, once per failed grant, so a spoke admin learns that a token
+// withdrawn from a hub subject still works; a revoke that succeeds logs
+// no failure.
+func TestSweepLogsARevokeThatFails(t *testing.T) {
+	tests := []struct {
+		name     string
+		delErr   error
+		wantLine string
+		failures int
+	}{
+		{name: "delete fails", delErr: apierrors.NewInternalError(errors.New("boom")), wantLine: "failed to revoke a grant its ServiceAccount no longer allows", failures: 1},
+		{name: "delete succeeds", wantLine: `"revoked grant"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clk := testingclock.NewFakeClock(issuedAt)
+			// apps/deployer allows argocd only: the grant of flux goes.
+			grants := newFakeGrants(grantOf("apps", "flux-default", "deployer", flux, ""))
+			grants.deleteErr = tt.delErr
+			var (
+				mu    sync.Mutex
+				lines strings.Builder
+			)
+			log := funcr.New(func(_, args string) {
+				mu.Lock()
+				defer mu.Unlock()
+				lines.WriteString(args + "\n")
+			}, funcr.Options{})
+			logged := func() string { mu.Lock(); defer mu.Unlock(); return lines.String() }
+			m, err := New(withGrants(Config{Tokens: &fakeTokens{}, Clock: clk, Log: log,
+				ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
+			require.NoError(t, err)
+			startRun(t, m, grants, clk)
+
+			require.Eventually(t, func() bool { return strings.Contains(logged(), tt.wantLine) }, 5*time.Second, time.Millisecond)
+			assert.Equal(t, tt.failures, strings.Count(logged(), "failed to revoke"))
+		})
+	}
+}
+
+// inFlightTokens is a TokenCreator that reads the grant a token is bound to
+// while the token is minted, as a sweep of Run could at that moment.
+type inFlightTokens struct {
+	fakeTokens
+	grants     *fakeGrants
+	expiration string
+}
+
+func (f *inFlightTokens) CreateToken(ctx context.Context, namespace, name string, req *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error) {
+	f.expiration = f.grants.Get(namespace + "/" + req.Spec.BoundObjectRef.Name).Annotations[GrantExpirationAnnotation]
+	return f.fakeTokens.CreateToken(ctx, namespace, name, req)
+}
+
+// A grant is created before its token, and a sweep may read it before the
+// mint records the token's expiry: until then it says the latest the token
+// can expire, not a time a sweep would collect it at, which would revoke
+// the token being handed out.
+func TestGrantInFlightCarriesTheLatestExpiry(t *testing.T) {
+	grants := newFakeGrants()
+	tokens := &inFlightTokens{grants: grants}
+	m, err := New(withGrants(Config{Tokens: tokens, Clock: testingclock.NewFakeClock(issuedAt),
+		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
+	require.NoError(t, err)
+	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	require.NoError(t, err)
+	assert.Equal(t, issuedAt.Add(900*time.Second).Format(time.RFC3339), tokens.expiration)
+}
+
+// The grant of a failed mint that cannot be deleted is logged, since it
+// lives until it expires; one already gone is not.
+func TestMintLogsAGrantItCannotDelete(t *testing.T) {
+	tests := []struct {
+		name   string
+		delErr error
+		logged bool
+	}{
+		{name: "delete fails", delErr: apierrors.NewInternalError(errors.New("boom")), logged: true},
+		{name: "already gone", delErr: apierrors.NewNotFound(secretsResource, "credbroker-grant-1")},
+		{name: "deleted"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			grants := newFakeGrants()
+			grants.deleteErr = tt.delErr
+			log, lines := capture()
+			m, err := New(withGrants(Config{Tokens: &fakeTokens{err: apierrors.NewInternalError(errors.New("mint failed"))}, Log: log,
+				ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
+			require.NoError(t, err)
+			_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+			require.ErrorIs(t, err, errdefs.ErrUnavailable)
+			assert.Equal(t, tt.logged, strings.Contains(lines.String(), "failed to delete the grant of a failed mint"))
+		})
+	}
 }

@@ -492,6 +492,38 @@ func TestMinterIntegration(t *testing.T) {
 		_, err = cs.CoreV1().Secrets(testNamespace).Get(t.Context(), opaque, metav1.GetOptions{})
 		assert.NoError(t, err, "the collector deleted a Secret that is not a grant")
 	})
+
+	// Revoke looks up each credential id the cache does not know: one
+	// grant by its jti label, not every grant of the spoke; a jti too long
+	// for a label value falls back to every grant rather than fail.
+	t.Run("ListCredential selects the grant by its jti label", func(t *testing.T) {
+		future := time.Now().Add(time.Hour).UTC().Format(time.RFC3339)
+		withJTI := func(prefix, jti string) string {
+			name := createSecret(t, cs, prefix, GrantType, future)
+			patch, err := mintedPatch("JTI="+jti, time.Now().Add(time.Hour))
+			require.NoError(t, err)
+			require.NoError(t, NewGrantStore(cs, "").Patch(t.Context(), testNamespace, name, patch))
+			return name
+		}
+		a := withJTI("jti-a-", "list-a")
+		b := withJTI("jti-b-", "list-b")
+		names := func(list []corev1.Secret) []string {
+			var out []string
+			for _, s := range list {
+				out = append(out, s.Name)
+			}
+			return out
+		}
+		store := NewGrantStore(cs, testNamespace)
+
+		got, err := store.ListCredential(t.Context(), "JTI=list-a")
+		require.NoError(t, err)
+		assert.Equal(t, []string{a}, names(got))
+
+		got, err = store.ListCredential(t.Context(), "JTI="+strings.Repeat("x", 64))
+		require.NoError(t, err)
+		assert.Subset(t, names(got), []string{a, b})
+	})
 }
 
 // startGrantInformer runs on cs the grant informer the agent runs, until
