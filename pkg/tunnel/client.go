@@ -198,7 +198,6 @@ func (c *Client) Run(ctx context.Context) error {
 		})
 		return g, nil
 	}
-	jitter := func(d time.Duration) time.Duration { return d/2 + rand.N(d/2+1) }
 
 	backoff := c.cfg.InitialBackoff
 	cur, err := start()
@@ -270,6 +269,10 @@ func (c *Client) Run(ctx context.Context) error {
 		}
 	}
 }
+
+// jitter returns a wait between half of d and d, both included, so that
+// agents that lost their broker together do not all come back together.
+func jitter(d time.Duration) time.Duration { return d/2 + rand.N(d/2+1) }
 
 // generation is one connection and its stream.
 type generation struct {

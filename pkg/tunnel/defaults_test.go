@@ -137,3 +137,21 @@ func TestHelloReachesTheBroker(t *testing.T) {
 	assert.Equal(t, "https://spoke.example:6443", server)
 	assert.Equal(t, 2, live)
 }
+
+// Each reconnect waits between half the backoff and the whole of it, and
+// reaches both ends (the whole less a nanosecond for an odd one).
+func TestJitterStaysWithinTheBackoff(t *testing.T) {
+	for _, d := range []time.Duration{0, 1, 2, 3, 10} {
+		lo, hi := d, time.Duration(0)
+		for range 1000 {
+			w := jitter(d)
+			require.GreaterOrEqual(t, w, d/2, "backoff %d", d)
+			require.LessOrEqual(t, w, d, "backoff %d", d)
+			lo, hi = min(lo, w), max(hi, w)
+		}
+		assert.Equal(t, d/2, lo, "backoff %d: the shortest wait is never drawn", d)
+		assert.Equal(t, d/2*2, hi, "backoff %d: the longest wait is never drawn", d)
+	}
+	w := jitter(time.Second)
+	assert.True(t, w >= 500*time.Millisecond && w <= time.Second, "backoff 1s: waited %v", w)
+}
