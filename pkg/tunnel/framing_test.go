@@ -1,0 +1,114 @@
+package tunnel
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/go-logr/logr"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// sizedGrants returns n grants whose grantSize is size each.
+func sizedGrants(t *testing.T, prefix string, n, size int) []*pb.Grant {
+	t.Helper()
+	out := make([]*pb.Grant, n)
+	for i := range out {
+		id := fmt.Sprintf("JTI=%s-%d-", prefix, i)
+		g := &pb.Grant{}
+		for pad := size; pad >= 0; pad-- {
+			g.CredentialId = id + strings.Repeat("x", pad)
+			if grantSize(g) == size {
+				break
+			}
+		}
+		require.Equal(t, size, grantSize(g), "no grant of size %d", size)
+		out[i] = g
+	}
+	return out
+}
+
+// A hello carries as many grants as fit in grantChunkBytes with the rest of
+// the hello, and no more than grantChunk; the others follow as updates.
+func TestHelloFillsItsBudgetExactly(t *testing.T) {
+	exact := grantChunkBytes / 256 // grants of 256 bytes that fill a frame
+	tests := []struct {
+		name      string
+		hello     *pb.Hello
+		grants    []*pb.Grant
+		wantHello int
+	}{
+		{name: "grants that fill the budget exactly", hello: &pb.Hello{}, grants: sizedGrants(t, "a", exact, 256), wantHello: exact},
+		{name: "one grant more", hello: &pb.Hello{}, grants: sizedGrants(t, "b", exact+1, 256), wantHello: exact},
+		{
+			name:      "the hello's own fields count",
+			hello:     &pb.Hello{Server: "https://spoke.example:6443", AgentVersion: "v1"},
+			grants:    sizedGrants(t, "c", exact, 256),
+			wantHello: exact - 1,
+		},
+		{name: "more grants than a frame holds", hello: &pb.Hello{}, grants: grantsNamed("d", grantChunk+1), wantHello: grantChunk},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := NewClient(ClientConfig{
+				Address: "broker:443", Credentials: insecure.NewCredentials(), Minter: &fakeMinter{},
+				Hello: tt.hello, Grants: &fakeAgentGrants{snapshots: [][]*pb.Grant{tt.grants}},
+			})
+			require.NoError(t, err)
+			hello, rest := c.hello(logr.Discard())
+			assert.Len(t, hello.GetGrants(), tt.wantHello)
+			assert.LessOrEqual(t, proto.Size(hello), grantChunkBytes+64)
+			sent := grantIDs(hello.GetGrants())
+			for _, u := range rest {
+				sent = append(sent, grantIDs(u.GetAdded())...)
+			}
+			assert.Equal(t, grantIDs(tt.grants), sent, "every grant is reported once, in order")
+			assert.Empty(t, tt.hello.GetGrants(), "the configured hello is not modified")
+		})
+	}
+}
+
+// A grant update frame holds grants up to grantChunkBytes exactly, and up
+// to grantChunk of them; a single grant of exactly grantChunkBytes is sent,
+// one byte more is dropped.
+func TestSplitUpdateBoundsAreExact(t *testing.T) {
+	exact := grantChunkBytes / 256
+	tests := []struct {
+		name        string
+		in          *pb.GrantUpdate
+		wantFrames  []int // grants and ids per frame
+		wantDropped int
+	}{
+		{name: "a frame filled exactly", in: &pb.GrantUpdate{Added: sizedGrants(t, "a", exact, 256)}, wantFrames: []int{exact}},
+		{name: "one byte over", in: &pb.GrantUpdate{Added: append(sizedGrants(t, "b", exact-1, 256), sizedGrants(t, "c", 1, 257)...)}, wantFrames: []int{exact - 1, 1}},
+		{name: "as many grants as a frame holds", in: &pb.GrantUpdate{Added: grantsNamed("d", grantChunk)}, wantFrames: []int{grantChunk}},
+		{name: "a grant of a whole frame", in: &pb.GrantUpdate{Added: sizedGrants(t, "e", 1, grantChunkBytes)}, wantFrames: []int{1}},
+		{name: "a grant over a whole frame", in: &pb.GrantUpdate{Added: sizedGrants(t, "f", 1, grantChunkBytes+1)}, wantDropped: 1},
+		{
+			name:       "removals count by their size",
+			in:         &pb.GrantUpdate{Removed: []string{strings.Repeat("r", 252)}, Added: sizedGrants(t, "g", exact-1, 256)},
+			wantFrames: []int{exact},
+		},
+		{
+			name:       "a removal one byte over",
+			in:         &pb.GrantUpdate{Removed: []string{strings.Repeat("r", 253)}, Added: sizedGrants(t, "h", exact-1, 256)},
+			wantFrames: []int{exact - 1, 1},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			out, dropped := splitUpdate(tt.in)
+			assert.Equal(t, tt.wantDropped, dropped)
+			var frames []int
+			for _, u := range out {
+				frames = append(frames, len(u.GetAdded())+len(u.GetRemoved()))
+			}
+			assert.Equal(t, tt.wantFrames, frames)
+		})
+	}
+}
