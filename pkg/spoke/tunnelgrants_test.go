@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
 	testingclock "k8s.io/utils/clock/testing"
 
@@ -256,7 +257,12 @@ func TestSnapshot(t *testing.T) {
 	delete(unminted.Annotations, GrantCredentialIDAnnotation)
 	notAGrant := profileGrant("apps", "db-password", "deployer", argocd, "fleet/a")
 	notAGrant.Type = corev1.SecretTypeOpaque
-	m := grantsMinter(t, newFakeGrants(other, full, unminted, notAGrant))
+	// An expiration the broker cannot read: the latest its token can live,
+	// its creation plus MaxExpiration (1h).
+	garbled := profileGrant("apps", "garbled", "deployer", argocd, "fleet/a")
+	garbled.Annotations[GrantExpirationAnnotation] = "tomorrow"
+	garbled.CreationTimestamp = metav1.NewTime(issuedAt)
+	m := grantsMinter(t, newFakeGrants(other, full, unminted, notAGrant, garbled))
 
 	want := []*credbrokerv1alpha1.Grant{
 		{
@@ -268,6 +274,14 @@ func TestSnapshot(t *testing.T) {
 			Audiences:      []string{"vault", "sts"},
 			ExpirationTime: timestamppb.New(issuedAt.Add(30 * time.Minute)),
 			Secret:         ref("apps", "full"),
+		},
+		{
+			CredentialId:   "JTI=jti-garbled",
+			Cluster:        ref("fleet", "a"),
+			Subject:        &credbrokerv1alpha1.Subject{Username: argocd},
+			ServiceAccount: ref("apps", "deployer"),
+			ExpirationTime: timestamppb.New(issuedAt.Add(time.Hour)),
+			Secret:         ref("apps", "garbled"),
 		},
 		{
 			CredentialId:   "JTI=jti-other",
