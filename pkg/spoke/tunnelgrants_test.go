@@ -3,6 +3,7 @@ package spoke
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -435,4 +436,21 @@ func FuzzHubGroups(f *testing.F) {
 		}
 		assert.Equal(t, groups, splitGroups(joinGroups(groups)))
 	})
+}
+
+// A broker can name at most maxLookups credential ids the cache does not
+// know per RevokeRequest; the agent asks the API server about those and
+// no more, so one request cannot make it list grants without end. The ids
+// past the bound are left out of the answer, for the broker to retry.
+func TestRevokeBoundsItsLookups(t *testing.T) {
+	grants := newFakeGrants()
+	m := grantsMinter(t, grants)
+	ids := make([]string, maxLookups+1)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("JTI=unknown-%d", i)
+	}
+	resp, err := m.Revoke(admitted(t, "fleet/a"), &credbrokerv1alpha1.RevokeRequest{CredentialIds: ids})
+	require.NoError(t, err)
+	assert.Equal(t, ids[:maxLookups], grants.Lookups())
+	assert.Equal(t, ids[:maxLookups], resp.GetCredentialIds(), "an id found nowhere is gone")
 }
