@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/credentials/insecure"
@@ -109,6 +110,40 @@ func TestSplitUpdateBoundsAreExact(t *testing.T) {
 				frames = append(frames, len(u.GetAdded())+len(u.GetRemoved()))
 			}
 			assert.Equal(t, tt.wantFrames, frames)
+		})
+	}
+}
+
+// A grant too large for any frame is left out of the report, and the agent
+// says how many it left out; it says nothing when it leaves out none.
+func TestHelloLogsTheGrantsItLeavesOut(t *testing.T) {
+	tests := []struct {
+		name   string
+		grants []*pb.Grant
+		want   string
+	}{
+		{name: "none left out", grants: sizedGrants(t, "a", 2, 256)},
+		{
+			name:   "one too large",
+			grants: append(sizedGrants(t, "b", 1, 256), sizedGrants(t, "c", 1, grantChunkBytes+1)...),
+			want:   `"level"=0 "msg"="grants too large to report to the broker were left out" "grants"=1`,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var lines []string
+			log := funcr.New(func(prefix, args string) { lines = append(lines, args) }, funcr.Options{})
+			c, err := NewClient(ClientConfig{
+				Address: "broker:443", Credentials: insecure.NewCredentials(), Minter: &fakeMinter{},
+				Grants: &fakeAgentGrants{snapshots: [][]*pb.Grant{tt.grants}},
+			})
+			require.NoError(t, err)
+			c.hello(log)
+			if tt.want == "" {
+				assert.Empty(t, lines)
+				return
+			}
+			assert.Equal(t, []string{tt.want}, lines)
 		})
 	}
 }
