@@ -34,6 +34,10 @@ func TestAgentMessage(t *testing.T) {
 		{name: "clipped", msg: strings.Repeat("a", maxAgentMessage+1), want: strings.Repeat("a", maxAgentMessage) + "..."},
 		{name: "exactly the limit", msg: strings.Repeat("a", maxAgentMessage), want: strings.Repeat("a", maxAgentMessage)},
 		{name: "clipped on a rune boundary", msg: "a" + strings.Repeat("é", maxAgentMessage), want: "a" + strings.Repeat("é", (maxAgentMessage-1)/2) + "..."},
+		// Only the first 4*maxAgentMessage bytes are read: a message of
+		// exactly that many is read whole, one byte more is clipped.
+		{name: "read whole", msg: "ok" + strings.Repeat("\n", 4*maxAgentMessage-2), want: "ok"},
+		{name: "one byte past what is read", msg: "ok" + strings.Repeat("\n", 4*maxAgentMessage-1), want: "ok..."},
 		{name: "huge", msg: strings.Repeat("\n", 1<<20) + "x", want: "..."},
 		{name: "links cannot grow it past the clip", msg: strings.Repeat("a:// ", maxAgentMessage), want: strings.Repeat(urlRemoved+" ", maxAgentMessage/(len(urlRemoved)+1)) + "[lin..."},
 	}

@@ -221,11 +221,11 @@ func waitConnected(t *testing.T, h *harness, c ClusterRef, n int) {
 func TestMintRoundTrip(t *testing.T) {
 	h := newHarness(t, 5*time.Second)
 	var (
-		got     *pb.MintRequest
-		profile string
+		got          *pb.MintRequest
+		profile, uid string
 	)
 	m := &fakeMinter{fn: func(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
-		got, profile = req, AdmittedClusterProfile(ctx)
+		got, profile, uid = req, AdmittedClusterProfile(ctx), AdmittedClusterProfileUID(ctx)
 		return &pb.MintResponse{Token: testToken, ExpirationTime: timestamppb.New(time.Unix(2e9, 0))}, nil
 	}}
 	h.agent(t, agentA, m)
@@ -238,7 +238,9 @@ func TestMintRoundTrip(t *testing.T) {
 	assert.Equal(t, "system:serviceaccount:hub:c", got.GetSubject().GetUsername())
 	assert.Equal(t, []string{"x"}, got.GetAudiences())
 	assert.Equal(t, clusterA.String(), profile, "the Minter must learn the ClusterProfile the broker admitted the stream for")
+	assert.Equal(t, string(clusterA.UID), uid, "and the UID of its incarnation, which the grant records")
 	assert.Empty(t, AdmittedClusterProfile(context.Background()))
+	assert.Empty(t, AdmittedClusterProfileUID(context.Background()))
 }
 
 func TestMintErrors(t *testing.T) {
