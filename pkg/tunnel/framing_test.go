@@ -1,15 +1,18 @@
 package tunnel
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/funcr"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -144,6 +147,52 @@ func TestHelloLogsTheGrantsItLeavesOut(t *testing.T) {
 				return
 			}
 			assert.Equal(t, []string{tt.want}, lines)
+		})
+	}
+}
+
+// A hello, and a grant update, of exactly MaxGrantsPerFrame grants is
+// taken; one more closes the stream (TestOversizedGrantFramesCloseTheStream).
+func TestFramesOfMaxGrantsAreTaken(t *testing.T) {
+	reg := &fakeRegistry{}
+	h := newHarness(t, time.Second, withRegistry(reg))
+	stream := h.rawStream(t, agentA)
+	grants := make([]*pb.Grant, MaxGrantsPerFrame)
+	for i := range grants {
+		grants[i] = &pb.Grant{CredentialId: fmt.Sprintf("JTI=%d", i)}
+	}
+	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{Grants: grants}}}))
+	waitConnected(t, h, clusterA, 1)
+	require.Eventually(t, func() bool { return reg.replaces() == 1 }, 10*time.Second, 5*time.Millisecond)
+
+	removed := grantIDs(grants)
+	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_GrantUpdate{GrantUpdate: &pb.GrantUpdate{Removed: removed}}}))
+	require.Eventually(t, func() bool { return len(reg.known()) == 0 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, 1, h.srv.Connected(clusterA), "the stream stays open")
+}
+
+// An agent's instance header is kept when it is one value of 1 to 64
+// bytes; anything else is no instance.
+func TestInstanceOf(t *testing.T) {
+	tests := []struct {
+		name   string
+		values []string
+		want   string
+	}{
+		{name: "none"},
+		{name: "one", values: []string{"abc"}, want: "abc"},
+		{name: "64 bytes", values: []string{strings.Repeat("i", 64)}, want: strings.Repeat("i", 64)},
+		{name: "65 bytes", values: []string{strings.Repeat("i", 65)}},
+		{name: "empty", values: []string{""}},
+		{name: "two values", values: []string{"a", "b"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			md := metadata.MD{}
+			if tt.values != nil {
+				md.Append(instanceHeader, tt.values...)
+			}
+			assert.Equal(t, tt.want, instanceOf(metadata.NewIncomingContext(context.Background(), md)))
 		})
 	}
 }
