@@ -3,6 +3,7 @@ package tunnel
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -193,6 +194,53 @@ func TestInstanceOf(t *testing.T) {
 				md.Append(instanceHeader, tt.values...)
 			}
 			assert.Equal(t, tt.want, instanceOf(metadata.NewIncomingContext(context.Background(), md)))
+		})
+	}
+}
+
+// A revoke batch holds up to n ids and size bytes, both included; an id
+// longer than size goes alone. Repeated and empty ids are dropped.
+func TestBatchesAreExact(t *testing.T) {
+	id := func(prefix string, i int) string { return fmt.Sprintf("%s%09d", prefix, i) } // 10 bytes
+	ids := func(prefix string, n int) []string {
+		out := make([]string, n)
+		for i := range out {
+			out[i] = id(prefix, i)
+		}
+		return out
+	}
+	long := strings.Repeat("l", 50)
+	tests := []struct {
+		name    string
+		ids     []string
+		n, size int
+		want    []int // ids per batch
+	}{
+		{name: "none", n: 10, size: 30},
+		{name: "bytes filled exactly", ids: ids("a", 3), n: 10, size: 30, want: []int{3}},
+		{name: "one byte over", ids: ids("b", 4), n: 10, size: 30, want: []int{3, 1}},
+		{name: "count filled exactly", ids: ids("c", 2), n: 2, size: 100, want: []int{2}},
+		{name: "one id over the count", ids: ids("d", 3), n: 2, size: 100, want: []int{2, 1}},
+		{name: "an id longer than a batch", ids: []string{long}, n: 10, size: 30, want: []int{1}},
+		{name: "a long id between others", ids: []string{id("e", 0), long, id("e", 1)}, n: 10, size: 30, want: []int{1, 1, 1}},
+		{name: "repeats and empty ids", ids: []string{"", id("f", 0), id("f", 0), "", id("f", 1)}, n: 10, size: 30, want: []int{2}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var got []int
+			var all []string
+			for _, b := range batches(tt.ids, tt.n, tt.size) {
+				got = append(got, len(b))
+				all = append(all, b...)
+			}
+			assert.Equal(t, tt.want, got)
+			var want []string
+			for _, id := range tt.ids {
+				if id != "" && !slices.Contains(want, id) {
+					want = append(want, id)
+				}
+			}
+			assert.Equal(t, want, all, "every distinct id once, in order")
 		})
 	}
 }
