@@ -15,6 +15,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	"k8s.io/apimachinery/pkg/types"
 
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -243,4 +245,44 @@ func TestBatchesAreExact(t *testing.T) {
 			assert.Equal(t, want, all, "every distinct id once, in order")
 		})
 	}
+}
+
+// ConnectedClusters counts the clusters with a stream that takes requests
+// (credbroker_connected_clusters), and Pending the requests waiting for an
+// agent's answer (credbroker_agent_requests_pending), back to 0 once
+// answered.
+func TestConnectedClustersAndPending(t *testing.T) {
+	h := newHarness(t, 5*time.Second)
+	clusterB := ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"}
+	agentB := "spiffe://test.example/clusterprofile/fleet/b"
+	h.resolver.set(agentB, &clusterB)
+	assert.Zero(t, h.srv.ConnectedClusters())
+
+	release := make(chan struct{})
+	h.agent(t, agentA, &fakeMinter{fn: func(ctx context.Context, _ *pb.MintRequest) (*pb.MintResponse, error) {
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return &pb.MintResponse{Token: testToken, ExpirationTime: timestamppb.New(time.Unix(2e9, 0))}, nil
+	}})
+	waitConnected(t, h, clusterA, 1)
+	assert.Equal(t, 1, h.srv.ConnectedClusters())
+	leaving := h.hello(t, agentB)
+	waitConnected(t, h, clusterB, 1)
+	assert.Equal(t, 2, h.srv.ConnectedClusters())
+	require.NoError(t, leaving.Send(goodbye()))
+	waitConnected(t, h, clusterB, 0)
+	assert.Equal(t, 1, h.srv.ConnectedClusters(), "a cluster whose only stream said goodbye is not connected")
+
+	assert.Zero(t, h.srv.Pending())
+	minted := make(chan error, 1)
+	go func() {
+		_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+		minted <- err
+	}()
+	require.Eventually(t, func() bool { return h.srv.Pending() == 1 }, 5*time.Second, time.Millisecond)
+	close(release)
+	require.NoError(t, <-minted)
+	assert.Zero(t, h.srv.Pending())
 }
