@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -83,6 +84,7 @@ func newCA(t *testing.T, td string) *testpki.CA {
 type logRecorder struct {
 	mu     sync.Mutex
 	errors []error
+	infos  []string // each message with its key/value pairs, at any level
 }
 
 func (r *logRecorder) logger() logr.Logger { return logr.New(recorderSink{r}) }
@@ -105,6 +107,13 @@ func (r *logRecorder) hasError(substr string) bool {
 	return false
 }
 
+// hasInfo reports whether an info line containing substr was logged.
+func (r *logRecorder) hasInfo(substr string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.ContainsFunc(r.infos, func(l string) bool { return strings.Contains(l, substr) })
+}
+
 // waitForError waits until the poller has logged an error containing substr.
 func waitForError(t *testing.T, r *logRecorder, substr string) {
 	t.Helper()
@@ -114,9 +123,13 @@ func waitForError(t *testing.T, r *logRecorder, substr string) {
 
 type recorderSink struct{ r *logRecorder }
 
-func (recorderSink) Init(logr.RuntimeInfo)    {}
-func (recorderSink) Enabled(level int) bool   { return true }
-func (recorderSink) Info(int, string, ...any) {}
+func (recorderSink) Init(logr.RuntimeInfo)  {}
+func (recorderSink) Enabled(level int) bool { return true }
+func (s recorderSink) Info(_ int, msg string, kv ...any) {
+	s.r.mu.Lock()
+	defer s.r.mu.Unlock()
+	s.r.infos = append(s.r.infos, strings.TrimSpace(fmt.Sprintln(append([]any{msg}, kv...)...)))
+}
 func (s recorderSink) Error(err error, _ string, _ ...any) {
 	s.r.mu.Lock()
 	defer s.r.mu.Unlock()

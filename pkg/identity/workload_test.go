@@ -122,12 +122,14 @@ func TestWorkloadSourceWithoutID(t *testing.T) {
 }
 
 // A rotation pushed by the Workload API reaches GetX509SVID, OnChange and
-// SVIDChanges; the bundle of another trust domain is never served.
+// SVIDChanges, and is logged at V(1) with the ID; the bundle of another
+// trust domain is never served.
 func TestWorkloadSourceRotation(t *testing.T) {
 	ca := newCA(t, td.Name())
 	api := startWorkloadAPI(t)
 	require.NoError(t, api.Set(ca.BundlePEM(), issue(t, ca, brokerID)))
-	src, err := newWorkloadSource(t, api, spiffeid.RequireFromString(brokerID), nil)
+	log := &logRecorder{}
+	src, err := newWorkloadSource(t, api, spiffeid.RequireFromString(brokerID), log)
 	require.NoError(t, err)
 	var changes, rotations atomic.Int32
 	src.OnChange(func() { changes.Add(1) })
@@ -141,6 +143,7 @@ func TestWorkloadSourceRotation(t *testing.T) {
 	svid, err := src.GetX509SVID()
 	require.NoError(t, err)
 	assert.NotEqual(t, first.Certificates[0].SerialNumber, svid.Certificates[0].SerialNumber)
+	assert.True(t, log.hasInfo("Workload API update id "+brokerID), "the update is logged with its SPIFFE ID")
 
 	bundle, err := src.GetX509BundleForTrustDomain(td)
 	require.NoError(t, err)
