@@ -23,7 +23,7 @@ func Access(cp *v1alpha1.ClusterProfile, preferred string) (server string, caDat
 		return "", nil, false
 	}
 	lists := [][]v1alpha1.AccessProvider{cp.Status.AccessProviders, cp.Status.CredentialProviders}
-	seen := make(map[string]bool, len(lists[0])+len(lists[1]))
+	seen := map[string]bool{}
 	var first *v1alpha1.AccessProvider
 	for _, list := range lists {
 		for k := range list {
