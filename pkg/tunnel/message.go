@@ -55,8 +55,9 @@ func agentMessage(msg string) string {
 	}
 	msg = urlPattern.ReplaceAllLiteralString(strings.TrimSpace(b.String()), urlRemoved)
 	if len(msg) > maxAgentMessage {
+		// msg is valid UTF-8, so msg[0] starts a rune and the loop ends.
 		cut := maxAgentMessage
-		for cut > 0 && !utf8.RuneStart(msg[cut]) {
+		for !utf8.RuneStart(msg[cut]) {
 			cut--
 		}
 		msg, clipped = msg[:cut], true

@@ -202,13 +202,18 @@ func (h *harness) agent(t *testing.T, id string, m Minter, tune ...func(*ClientC
 // rawStream opens a Connect stream as agent id, without the Client.
 func (h *harness) rawStream(t *testing.T, id string) grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame] {
 	t.Helper()
+	return h.rawStreamContext(t, context.Background(), id)
+}
+
+// rawStreamContext is rawStream on a stream that ends with ctx.
+func (h *harness) rawStreamContext(t *testing.T, ctx context.Context, id string) grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame] {
+	t.Helper()
 	conn, err := grpc.NewClient("passthrough:///bufnet",
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return h.lis.DialContext(ctx) }))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
-	ctx := metadata.AppendToOutgoingContext(context.Background(), "test-agent-id", id)
-	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
+	stream, err := pb.NewAgentTunnelClient(conn).Connect(metadata.AppendToOutgoingContext(ctx, "test-agent-id", id))
 	require.NoError(t, err)
 	return stream
 }
@@ -596,4 +601,63 @@ func TestBundleChangeDuringHelloIsNotMissed(t *testing.T) {
 		t.Fatal("a stream that the new bundle does not trust was admitted")
 	}
 	assert.Equal(t, 0, h.srv.Connected(clusterA))
+}
+
+// The agent logs how many grants it reported, in its hello and the
+// updates after it together.
+func TestAgentLogsTheGrantsItReported(t *testing.T) {
+	h := newHarness(t, time.Second)
+	log := &lineLog{}
+	h.agent(t, agentA, &fakeMinter{}, func(cfg *ClientConfig) {
+		cfg.Log = funcr.New(log.add, funcr.Options{})
+		cfg.Grants = &fakeAgentGrants{snapshots: [][]*pb.Grant{grantsNamed("g", grantChunk+1)}}
+	})
+	waitConnected(t, h, clusterA, 1)
+	assert.Contains(t, log.String(), fmt.Sprintf(`"msg"="connected to broker" "broker"="passthrough:///bufnet" "cluster"="fleet/a" "grants"=%d`, grantChunk+1))
+}
+
+// The broker audits the end of an agent's stream with the status it ended
+// on: an agent that closes its stream ends it cleanly (OK), one that goes
+// away without closing it does not.
+func TestAgentStreamEndIsAudited(t *testing.T) {
+	tests := []struct {
+		name string
+		end  func(stream grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], cancel context.CancelFunc)
+		want string
+	}{
+		{
+			name: "closed",
+			end: func(stream grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], _ context.CancelFunc) {
+				assert.NoError(t, stream.CloseSend())
+			},
+			want: `"code"="OK"`,
+		},
+		{
+			name: "gone",
+			end:  func(_ grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], cancel context.CancelFunc) { cancel() },
+			want: `"code"="Canceled" "reason"=`,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			audit := &lineLog{}
+			h := newHarness(t, time.Second, func(cfg *ServerConfig) { cfg.Audit = funcr.New(audit.add, funcr.Options{}) })
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			stream := h.rawStreamContext(t, ctx, agentA)
+			require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}))
+			waitConnected(t, h, clusterA, 1)
+
+			tt.end(stream, cancel)
+			waitConnected(t, h, clusterA, 0)
+			require.Eventually(t, func() bool { return audit.count("agent disconnected") == 1 }, 10*time.Second, 5*time.Millisecond)
+			var end string
+			for _, line := range strings.Split(audit.String(), "\n") {
+				if strings.Contains(line, `"msg"="agent disconnected"`) {
+					end = line
+				}
+			}
+			assert.Contains(t, end, tt.want)
+		})
+	}
 }
