@@ -233,6 +233,7 @@ func TestRevoke(t *testing.T) {
 		want     []string
 		wantCode codes.Code
 		wantMsg  string
+		ignored  int // ids of the agent's answer that were not asked, logged
 	}{
 		{
 			name: "every id gone", ids: []string{"JTI=a", "JTI=b"},
@@ -253,7 +254,7 @@ func TestRevoke(t *testing.T) {
 			revoke: func(context.Context, *pb.RevokeRequest) (*pb.RevokeResponse, error) {
 				return &pb.RevokeResponse{CredentialIds: []string{"JTI=a", "JTI=other", "JTI=a", ""}}, nil
 			},
-			cluster: clusterA, want: []string{"JTI=a"},
+			cluster: clusterA, want: []string{"JTI=a"}, ignored: 3,
 		},
 		{
 			name: "no ids", cluster: clusterA,
@@ -310,11 +311,18 @@ func TestRevoke(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			h := newHarness(t, 300*time.Millisecond)
+			log := &lineLog{}
+			h := newHarness(t, 300*time.Millisecond, func(cfg *ServerConfig) { cfg.Log = funcr.New(log.add, funcr.Options{}) })
 			ag := &fakeAgentGrants{revoke: tt.revoke}
 			h.agent(t, agentA, &fakeMinter{}, withAgentGrants(ag))
 			waitConnected(t, h, clusterA, 1)
 			got, err := h.srv.Revoke(context.Background(), tt.cluster, tt.ids, "test reason")
+			const ignoredLine = "agent answered a revoke with credential ids it was not asked about"
+			if tt.ignored > 0 {
+				assert.Contains(t, log.String(), fmt.Sprintf(`%s; ignored them" "cluster"="fleet/a" "ignored"=%d`, ignoredLine, tt.ignored))
+			} else {
+				assert.Zero(t, log.count(ignoredLine))
+			}
 			if tt.wantCode != codes.OK {
 				require.Error(t, err)
 				assert.Equal(t, tt.wantCode, errdefs.Code(err))
