@@ -163,8 +163,9 @@ type Minter struct {
 
 	subMu sync.RWMutex
 	// subscribers are called with every change to the grants (Subscribe).
-	subscribers map[int]func(*credbrokerv1alpha1.GrantUpdate)
-	nextSub     int
+	// Each is keyed by a pointer of its own, which Subscribe's unsubscribe
+	// deletes.
+	subscribers map[*func(*credbrokerv1alpha1.GrantUpdate)]struct{}
 }
 
 // New returns a Minter, or an error if cfg is incomplete or its expiration
@@ -228,7 +229,7 @@ func New(cfg Config) (*Minter, error) {
 		clock:          clk,
 		log:            cfg.Log,
 		timers:         map[types.UID]clock.Timer{},
-		subscribers:    map[int]func(*credbrokerv1alpha1.GrantUpdate){},
+		subscribers:    map[*func(*credbrokerv1alpha1.GrantUpdate)]struct{}{},
 	}, nil
 }
 

@@ -106,8 +106,8 @@ func (m *Minter) enqueueServiceAccount(namespace, name string) {
 func (m *Minter) publish(u *credbrokerv1alpha1.GrantUpdate) {
 	m.subMu.RLock()
 	defer m.subMu.RUnlock()
-	for _, fn := range m.subscribers {
-		fn(proto.CloneOf(u))
+	for fn := range m.subscribers {
+		(*fn)(proto.CloneOf(u))
 	}
 }
 
@@ -119,13 +119,12 @@ func (m *Minter) publish(u *credbrokerv1alpha1.GrantUpdate) {
 func (m *Minter) Subscribe(fn func(*credbrokerv1alpha1.GrantUpdate)) (unsubscribe func()) {
 	m.subMu.Lock()
 	defer m.subMu.Unlock()
-	id := m.nextSub
-	m.nextSub++
-	m.subscribers[id] = fn
+	key := &fn
+	m.subscribers[key] = struct{}{}
 	return func() {
 		m.subMu.Lock()
 		defer m.subMu.Unlock()
-		delete(m.subscribers, id)
+		delete(m.subscribers, key)
 	}
 }
 
