@@ -35,6 +35,7 @@ var foreign = map[string]string{
 	"namespace":                    "kubectl (also ours)",
 	"update":                       "go test in test/monitoring",
 	"timeout-coefficient":          "gremlins unleash (make mutate)",
+	"workers":                      "gremlins unleash (make mutate)",
 }
 
 // aliases are flag names our binaries accept but do not list in --help.
