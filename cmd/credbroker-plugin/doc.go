@@ -12,6 +12,13 @@
 // insecure-skip-tls-verify, no proxy-url and no tls-server-name other than
 // the server's host (see package plugin).
 //
+// Each flag takes one value: a flag given again with another value is a bad
+// flag, so that a ClusterProfile's additional-args, which cluster-inventory-api
+// appends to the provider file's args under profileSourcedCLIArgsPolicy:
+// Append, cannot send the hub token to another broker address, CA or token
+// file. The same value again is taken. Several audiences go in one
+// comma-separated --audience.
+//
 // Exit status: 0 with an ExecCredential on stdout; 1 when no token could be
 // had, or it was refused for another server, CA or transport; 2 for bad
 // flags. Errors go to

@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -142,6 +143,19 @@ func TestBinary(t *testing.T) {
 	withBase := func(args ...string) []string { return append(append([]string(nil), base...), args...) }
 	const prod = `{"clusterProfile":{"namespace":"fleet","name":"prod-eu-1"}}`
 
+	// A ClusterProfile's additional-args, appended after the provider
+	// file's (profileSourcedCLIArgsPolicy: Append), point at a listener
+	// that the plugin would trust: same CA, the attacker's server. It must
+	// never see a connection, in any case below.
+	evil := startRecorder(t, cert)
+	evilCA, err := testpki.NewCA("attacker.test")
+	require.NoError(t, err)
+	evilCAFile, err := evilCA.WriteBundle(t.TempDir())
+	require.NoError(t, err)
+	attackerToken := filepath.Join(dir, "api-audience-token")
+	require.NoError(t, os.WriteFile(attackerToken, []byte(hubToken+"\n"), 0o600))
+	const overridden = "a ClusterProfile's additional-args may not override it"
+
 	tests := []struct {
 		name     string
 		args     []string
@@ -174,14 +188,42 @@ func TestBinary(t *testing.T) {
 		{name: "no cluster", args: base, execInfo: execInfo(""), wantCode: 1, wantStderr: "[credbroker] no ClusterProfile to get a token for"},
 		{name: "no exec info", args: base, wantCode: 1, wantStderr: "[credbroker] failed to read KUBERNETES_EXEC_INFO"},
 		{
-			name: "missing token file", args: withBase("--token-file", filepath.Join(dir, "missing")), execInfo: execInfo(prod),
+			name: "missing token file", args: append(base[:4:4], "--token-file", filepath.Join(dir, "missing")), execInfo: execInfo(prod),
 			wantCode: 1, wantStderr: "[credbroker] read hub token: open " + filepath.Join(dir, "missing"),
 		},
 		{name: "bad flag", args: []string{"--ca-file", caFile}, execInfo: execInfo(prod), wantCode: 2, wantStderr: "[credbroker] --broker-address is required"},
+		{
+			name: "broker address given twice", args: withBase("--broker-address", evil.addr()), execInfo: execInfo(prod),
+			wantCode: 2, wantStderr: `"--broker-address"`,
+		},
+		{
+			name: "broker address given twice, with =", args: withBase("--broker-address=" + evil.addr()), execInfo: execInfo(prod),
+			wantCode: 2, wantStderr: overridden,
+		},
+		{
+			name: "CA file given twice", args: withBase("--ca-file", evilCAFile), execInfo: execInfo(prod),
+			wantCode: 2, wantStderr: `"--ca-file"`,
+		},
+		{name: "token file given twice", args: withBase("--token-file", attackerToken), execInfo: execInfo(prod), wantCode: 2, wantStderr: `"--token-file"`},
+		{name: "cluster given twice", args: withBase("--cluster", "fleet/staging", "--cluster", "fleet/prod-eu-1"), execInfo: execInfo(prod), wantCode: 2, wantStderr: `"--cluster"`},
+		{
+			name: "service account given twice", args: withBase("--service-account", "apps/a", "--service-account=apps/b"), execInfo: execInfo(prod),
+			wantCode: 2, wantStderr: `"--service-account"`,
+		},
+		{name: "audience given twice", args: withBase("--audience", "a", "--audience", "sts.amazonaws.com"), execInfo: execInfo(prod), wantCode: 2, wantStderr: `"--audience"`},
+		{name: "expiration given twice", args: withBase("--expiration-seconds", "600", "--expiration-seconds", "86400"), execInfo: execInfo(prod), wantCode: 2, wantStderr: `"--expiration-seconds"`},
+		{name: "timeout given twice", args: withBase("--timeout", "1s"), execInfo: execInfo(prod), wantCode: 2, wantStderr: `"--timeout"`},
+		{
+			// pkg/access appends a profile's additional-args again on every
+			// BuildConfigFromCP of one process, so the same flags come many
+			// times over.
+			name: "identical repeats", args: append(withBase(base...), append(base, "--cluster", "fleet/staging", "--cluster=fleet/staging")...),
+			execInfo: execInfo(prod), wantCluster: "fleet/staging",
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			before := len(fake.received())
+			before, dialed := len(fake.received()), evil.connections()
 			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 			defer cancel()
 			cmd := exec.CommandContext(ctx, bin, tt.args...)
@@ -199,6 +241,7 @@ func TestBinary(t *testing.T) {
 			} else {
 				require.NoError(t, err)
 			}
+			assert.Equal(t, dialed, evil.connections(), "the plugin connected to the address that a second --broker-address named")
 			require.Equal(t, tt.wantCode, code, "stderr: %s", stderr.String())
 			assert.NotContains(t, stderr.String(), hubToken)
 			assert.NotContains(t, stdout.String(), hubToken)
@@ -298,3 +341,33 @@ func TestBinary(t *testing.T) {
 		assert.Equal(t, "prod-eu-1", got[0].GetCluster().GetName())
 	})
 }
+
+// recorder is a TLS listener that counts the connections it accepts and
+// closes them at once.
+type recorder struct {
+	lis net.Listener
+	n   atomic.Int64
+}
+
+func startRecorder(t *testing.T, cert tls.Certificate) *recorder {
+	t.Helper()
+	lis, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{cert}})
+	require.NoError(t, err)
+	r := &recorder{lis: lis}
+	go func() {
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			r.n.Add(1)
+			_ = c.Close()
+		}
+	}()
+	t.Cleanup(func() { _ = lis.Close() })
+	return r
+}
+
+func (r *recorder) addr() string { return r.lis.Addr().String() }
+
+func (r *recorder) connections() int64 { return r.n.Load() }

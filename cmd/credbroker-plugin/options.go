@@ -43,10 +43,40 @@ func newFlagSet(o *options) (*pflag.FlagSet, *cmdflags.Common) {
 	fs.StringVar(&o.tokenFile, "token-file", defaultTokenFile, "file holding the projected hub ServiceAccount token, audience \"credbroker\"; read on every call")
 	fs.StringVar(&o.cluster, "cluster", "", "ClusterProfile `<namespace>/<name>` to get a token for; overrides ExecCredential spec.cluster.config")
 	fs.StringVar(&o.serviceAccount, "service-account", "", "spoke ServiceAccount `<namespace>/<name>` to get a token for; default: the single one that allows the caller")
-	fs.Var(&o.audiences, "audience", "`audience` of the spoke token; repeatable or comma-separated; default: the spoke API server's")
+	fs.Var(&o.audiences, "audience", "`audience` of the spoke token; several comma-separated; default: the spoke API server's")
 	fs.Int64Var(&o.expirationSeconds, "expiration-seconds", 0, "requested token lifetime in seconds; 0 means the broker's maximum")
 	fs.DurationVar(&o.timeout, "timeout", plugin.DefaultTimeout, "bound on one token request, connection included")
+	fs.VisitAll(func(f *pflag.Flag) { f.Value = &onceValue{Value: f.Value} })
 	return fs, common
+}
+
+// onceValue is a flag that takes one value. cluster-inventory-api's
+// pkg/access, with a provider's profileSourcedCLIArgsPolicy: Append, appends
+// a ClusterProfile's additional-args to the provider file's, and pflag keeps
+// a flag's last value: a status writer could send the hub token to a
+// broker address, CA or token file of theirs. So a second value that
+// differs from the first is refused. The same value again is taken, since
+// pkg/access appends the same additional-args again on every
+// BuildConfigFromCP of one process.
+type onceValue struct {
+	pflag.Value
+	first *string
+}
+
+func (v *onceValue) Set(s string) error {
+	if v.first != nil {
+		if s == *v.first {
+			return nil
+		}
+		return fmt.Errorf("given before as %q, and a ClusterProfile's additional-args may not override it: give each flag "+
+			"of credbroker-plugin once, in the provider file's args, and leave profileSourcedCLIArgsPolicy unset for the %s provider",
+			*v.first, plugin.Name)
+	}
+	if err := v.Value.Set(s); err != nil {
+		return err
+	}
+	v.first = &s
+	return nil
 }
 
 // newProvider parses args and builds the Provider. It returns an error
@@ -123,7 +153,7 @@ func loadCAFile(name string) (*x509.CertPool, error) {
 	return pool, nil
 }
 
-// listFlag is a repeatable flag whose values may also be comma-separated.
+// listFlag is a flag of comma-separated values.
 type listFlag []string
 
 func (l *listFlag) String() string { return strings.Join(*l, ",") }

@@ -51,7 +51,7 @@ func TestParseArgs(t *testing.T) {
 		{
 			name: "everything",
 			args: with("--token-file", "/tok", "--cluster", "fleet/prod-eu-1", "--service-account", "apps/deployer",
-				"--audience", "a,b", "--audience", " c ", "--expiration-seconds", "3600", "--timeout", "5s"),
+				"--audience", "a,b, c ", "--expiration-seconds", "3600", "--timeout", "5s"),
 			check: func(t *testing.T, cfg plugin.Config) {
 				assert.Equal(t, "/tok", cfg.TokenFile)
 				assert.Equal(t, &plugin.Reference{Namespace: "fleet", Name: "prod-eu-1"}, cfg.Cluster)
@@ -77,6 +77,21 @@ func TestParseArgs(t *testing.T) {
 		{name: "no log format on the plugin", args: with("--log-format=json"), wantErr: "unknown flag: --log-format"},
 		{name: "zero timeout", args: with("--timeout", "0s"), wantErr: "--timeout 0s is not positive"},
 		{name: "unknown flag", args: with("--kubeconfig", "x"), wantErr: "unknown flag: --kubeconfig (see --help)"},
+		{
+			name: "a flag given twice", args: with("--broker-address", "evil.example:443"),
+			wantErr: `invalid argument "evil.example:443" for "--broker-address" flag: given before as "broker.example:8443", ` +
+				`and a ClusterProfile's additional-args may not override it`,
+		},
+		{name: "an empty value after another", args: with("--cluster", "fleet/a", "--cluster="), wantErr: `for "--cluster" flag: given before as "fleet/a"`},
+		{name: "a list given twice", args: with("--audience", "a", "--audience", "a,b"), wantErr: `for "--audience" flag: given before as "a"`},
+		{
+			name: "the same flags again",
+			args: append(with("--cluster", "fleet/a", "--audience", "a,b"), with("--cluster=fleet/a", "--audience", "a,b")...),
+			check: func(t *testing.T, cfg plugin.Config) {
+				assert.Equal(t, &plugin.Reference{Namespace: "fleet", Name: "a"}, cfg.Cluster)
+				assert.Equal(t, []string{"a", "b"}, cfg.Audiences, "a value given again is taken once")
+			},
+		},
 		{name: "positional argument", args: with("extra"), wantErr: "unexpected arguments"},
 	}
 	for _, tt := range tests {

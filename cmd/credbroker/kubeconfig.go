@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -86,8 +87,10 @@ func (o *kubeconfigOptions) config() (kubeconfigConfig, error) {
 		cfg.ServiceAccount = &sa
 		args = append(args, "--service-account", sa.String())
 	}
-	for _, a := range o.audiences {
-		args = append(args, "--audience", a)
+	// The plugin takes each flag once, so that a ClusterProfile's
+	// additional-args cannot override one: the audiences go in one.
+	if len(o.audiences) > 0 {
+		args = append(args, "--audience", strings.Join(o.audiences, ","))
 	}
 	if o.expirationSeconds > 0 {
 		args = append(args, "--expiration-seconds", strconv.FormatInt(o.expirationSeconds, 10))

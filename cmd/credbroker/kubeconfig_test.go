@@ -79,6 +79,7 @@ func TestKubeconfig(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	code := run(context.Background(), []string{"kubeconfig", "--cluster", "fleet/spoke-1", "--broker", addr,
 		"--ca-file", filepath.Base(caFile), "--token-file", tokenFile, "--service-account", "apps/reader",
+		"--audience", "a", "--audience", "b",
 		"--plugin-path", "/opt/bin/credbroker-plugin"}, streams{out: &stdout, err: &stderr})
 	require.Equal(t, exitOK, code, stderr.String())
 	assert.NotContains(t, stdout.String()+stderr.String(), spokeToken)
@@ -104,7 +105,8 @@ func TestKubeconfig(t *testing.T) {
 	assert.Equal(t, "client.authentication.k8s.io/v1", u.Exec.APIVersion)
 	assert.True(t, u.Exec.ProvideClusterInfo)
 	assert.Equal(t, []string{"--broker-address", addr, "--ca-file", caFile, "--token-file", tokenFile,
-		"--cluster", "fleet/spoke-1", "--service-account", "apps/reader"}, u.Exec.Args)
+		"--cluster", "fleet/spoke-1", "--service-account", "apps/reader", "--audience", "a,b"}, u.Exec.Args,
+		"the plugin takes each flag once, so the audiences go in one")
 }
 
 func TestKubeconfigToFile(t *testing.T) {
