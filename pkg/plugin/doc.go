@@ -34,9 +34,10 @@
 // for the ClusterProfile it got the token for, and returns the token only
 // when they are the same server. Spelling aside, they must match exactly:
 // scheme and host are compared without case, an IP address in its canonical
-// form (IPv6 without brackets), a missing port as the scheme's default
-// (https 443, http 80), and the path without trailing slashes; a URL with
-// user information, a query, a fragment or an IPv6 zone matches nothing.
+// form (IPv6 without brackets), a missing port as 443, and the path without
+// trailing slashes; a URL with user information, a query, a fragment or an
+// IPv6 zone matches nothing, and so does one that is not https, from either
+// side: client-go sends the bearer token over http too, in cleartext.
 // On a mismatch, or when the broker reports no server, GetToken returns an
 // error naming both URLs (errdefs.ErrPermissionDenied), and the binary
 // exits 1 with nothing on stdout.
@@ -59,6 +60,7 @@
 //     name bundles by size and SHA-256, never by content. The bundles are
 //     compared as bytes, not parsed: the broker and client-go both read
 //     them from the same ClusterProfile field, so an honest pair is equal.
+//   - server must be an https URL.
 //   - insecure-skip-tls-verify must be false.
 //   - proxy-url must be empty. The broker reports no proxy for a cluster,
 //     so there is nothing to check a proxy against, and a proxy of the
@@ -80,8 +82,8 @@
 //     providers rarely need a TLS server name, and they can be supported
 //     when the broker reports one.
 //
-// insecure-skip-tls-verify, proxy-url and tls-server-name are checked
-// before the exchange, so they cost no mint; the CA, like the server, only
+// The server's scheme, insecure-skip-tls-verify, proxy-url and
+// tls-server-name are checked before the exchange, so they cost no mint; the CA, like the server, only
 // after it, since the broker answers the cluster's with the token.
 //
 // When the ExecCredential carries no server (provideClusterInfo: false, or

@@ -113,9 +113,9 @@ func (p *Provider) Name() string { return Name }
 // in.Spec.Cluster.CertificateAuthorityData is the CA bundle the broker
 // reports, surrounding white space aside (both empty is the same). Otherwise
 // the error wraps errdefs.ErrPermissionDenied and names both servers, or
-// both bundles by size and SHA-256. Exec info with InsecureSkipTLSVerify, a
-// ProxyURL, or a TLSServerName other than the server's host is refused the
-// same way before any token is asked for. Without in.Spec.Cluster.Server,
+// both bundles by size and SHA-256. Exec info with a server that is not
+// https, InsecureSkipTLSVerify, a ProxyURL, or a TLSServerName other than
+// the server's host is refused the same way before any token is asked for. Without in.Spec.Cluster.Server,
 // GetToken asks for no token and returns an error wrapping
 // errdefs.ErrFailedPrecondition.
 func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecCredential) (clientauthenticationv1.ExecCredentialStatus, error) {

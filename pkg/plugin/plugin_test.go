@@ -83,6 +83,15 @@ func respondWithCA(ca []byte) func(*credbrokerv1alpha1.ExchangeRequest) (*credbr
 	}
 }
 
+// respondWithServer is okResponse with server as the cluster's server.
+func respondWithServer(server string) func(*credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
+	return func(req *credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
+		resp, err := okResponse(req)
+		resp.Server = server
+		return resp, err
+	}
+}
+
 // caPEM returns the PEM certificate of a new CA.
 func caPEM(t *testing.T, name string) []byte {
 	t.Helper()
@@ -321,6 +330,31 @@ func TestGetToken(t *testing.T) {
 				c.TLSServerName = "Spoke.Example"
 			}),
 			want: &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+		},
+		{
+			// client-go sends the bearer token whatever the scheme: over
+			// http anyone on the path reads it.
+			name:    "exec info server is plain http, as the broker answers",
+			respond: respondWithServer("http://spoke.example:6443"),
+			in:      execCredentialFor("http://spoke.example:6443", prodConfig),
+			wantErr: []string{"fleet/prod-eu-1", "http://spoke.example:6443", "not an https URL", "cleartext"},
+			code:    codes.PermissionDenied,
+			is:      errdefs.ErrPermissionDenied,
+		},
+		{
+			name:    "exec info server is plain http in upper case",
+			respond: respondWithServer("HTTP://spoke.example"),
+			in:      execCredentialFor("HTTP://spoke.example", prodConfig),
+			wantErr: []string{"HTTP://spoke.example", "not an https URL"},
+			code:    codes.PermissionDenied,
+		},
+		{
+			name:    "broker answers a plain http server",
+			respond: respondWithServer("http://spoke.example:443"),
+			in:      execCredentialFor("https://spoke.example:443", prodConfig),
+			want:    &credbrokerv1alpha1.ExchangeRequest{Cluster: objRef("fleet", "prod-eu-1")},
+			wantErr: []string{"http://spoke.example:443", "from the broker, is unusable", "not an https URL"},
+			code:    codes.PermissionDenied,
 		},
 		{
 			name: "broker returns no server",

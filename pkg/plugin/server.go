@@ -17,16 +17,18 @@ import (
 )
 
 // canonicalServer returns the canonical form of an API server URL, so that
-// two spellings of one server compare equal: the scheme (http or https) and
-// the host in lower case, an IP address in its canonical form without
-// brackets, the port always present (https 443, http 80 when absent), and
+// two spellings of one server compare equal: the scheme and the host in
+// lower case, an IP address in its canonical form without brackets, the
+// port always present (443 when absent), and
 // the path without trailing slashes ("" for none or "/"). The path is
 // otherwise kept as it is, case and escapes included, since a path can lead
 // to another cluster behind one proxy. A URL with a user, a query or a
 // fragment is refused, and so is an IPv6 zone: an API server URL has none of
-// them, and none is compared.
+// them, and none is compared. So is a URL that is not https: client-go sends
+// the bearer token whatever the scheme, so over http it travels in
+// cleartext.
 //
-// The result is "<scheme>://<host>:<port><path>", with an IPv6 host in
+// The result is "https://<host>:<port><path>", with an IPv6 host in
 // brackets. Errors quote no user information.
 func canonicalServer(raw string) (string, error) {
 	if raw == "" {
@@ -37,17 +39,9 @@ func canonicalServer(raw string) (string, error) {
 		return "", errors.New("it is not a URL")
 	}
 	scheme := strings.ToLower(u.Scheme)
-	var defaultPort string
-	switch scheme {
-	case "https":
-		defaultPort = "443"
-	case "http":
-		defaultPort = "80"
-	default:
-		return "", errors.New("it is not an http or https URL")
-	}
-	if u.Opaque != "" {
-		return "", errors.New("it is not an http or https URL")
+	const defaultPort = "443"
+	if scheme != "https" || u.Opaque != "" {
+		return "", errNotHTTPS
 	}
 	if u.User != nil {
 		return "", errors.New("it has user information")
@@ -87,6 +81,16 @@ func canonicalServer(raw string) (string, error) {
 
 	path := strings.TrimRight(u.EscapedPath(), "/")
 	return scheme + "://" + net.JoinHostPort(host, strconv.FormatUint(n, 10)) + path, nil
+}
+
+// errNotHTTPS is the reason canonicalServer gives for a URL that is not
+// https.
+var errNotHTTPS = errors.New("it is not an https URL")
+
+// isHTTPS reports whether raw is a URL with the https scheme, case aside.
+func isHTTPS(raw string) bool {
+	u, err := url.Parse(raw)
+	return err == nil && strings.EqualFold(u.Scheme, "https") && u.Opaque == ""
 }
 
 // notHostRune reports whether r cannot appear in a DNS name.
@@ -135,11 +139,15 @@ func sameServer(cluster Reference, execServer, brokerServer string) error {
 
 // checkTransport refuses, before any token is asked for, exec info whose
 // client would send the token to the server by a path the broker cannot
-// vouch for: without verifying the server's certificate, through a proxy,
-// or verifying it for another name than the server's host. It names every
-// such setting.
+// vouch for: without TLS (a server that is not https), without verifying
+// the server's certificate, through a proxy, or verifying it for another
+// name than the server's host. It names every such setting.
 func checkTransport(cluster Reference, c *clientauthenticationv1.Cluster) error {
 	var problems []string
+	if !isHTTPS(c.Server) {
+		problems = append(problems, fmt.Sprintf("the server %s is not an https URL, so the client would send the token "+
+			"in cleartext", displayServer(c.Server)))
+	}
 	if c.InsecureSkipTLSVerify {
 		problems = append(problems, "insecure-skip-tls-verify is true, so the client would not verify the server it sends the token to")
 	}

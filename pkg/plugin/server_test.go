@@ -22,9 +22,6 @@ func TestCanonicalServer(t *testing.T) {
 		{in: "https://spoke.example", want: "https://spoke.example:443"},
 		{in: "https://spoke.example:443/", want: "https://spoke.example:443"},
 		{in: "https://spoke.example:0443", want: "https://spoke.example:443"},
-		{in: "http://spoke.example", want: "http://spoke.example:80"},
-		{in: "http://spoke.example:80", want: "http://spoke.example:80"},
-		{in: "http://spoke.example:443", want: "http://spoke.example:443"},
 		{in: "https://127.0.0.1:6443", want: "https://127.0.0.1:6443"},
 		{in: "https://[::1]:6443", want: "https://[::1]:6443"},
 		{in: "https://[0:0:0:0:0:0:0:1]:6443/", want: "https://[::1]:6443"},
@@ -35,11 +32,11 @@ func TestCanonicalServer(t *testing.T) {
 		// Every end of the ranges of a DNS name's characters.
 		{in: "https://az.AZ-09_x.example", want: "https://az.az-09_x.example:443"},
 		{in: "", wantErr: "empty"},
-		{in: "spoke.example:6443", wantErr: "not an http or https URL"},
+		{in: "spoke.example:6443", wantErr: "not an https URL"},
 		{in: "127.0.0.1:6443", wantErr: "not a URL"},
-		{in: "//spoke.example:6443", wantErr: "not an http or https URL"},
-		{in: "ftp://spoke.example", wantErr: "not an http or https URL"},
-		{in: "https:spoke.example", wantErr: "not an http or https URL"},
+		{in: "//spoke.example:6443", wantErr: "not an https URL"},
+		{in: "ftp://spoke.example", wantErr: "not an https URL"},
+		{in: "https:spoke.example", wantErr: "not an https URL"},
 		{in: "https://", wantErr: "no host"},
 		{in: "https://:6443", wantErr: "no host"},
 		{in: "https://spoke.example:", wantErr: "empty port"},
@@ -54,7 +51,12 @@ func TestCanonicalServer(t *testing.T) {
 		{in: "https://[::1%eth0]", wantErr: "not a URL"},
 		{in: "https://[spoke.example]", wantErr: "not a URL"},
 		{in: "https://[fe80::1%25eth0]:6443", wantErr: "IPv6 zone"},
-		{in: "http://%25", wantErr: "neither an IP address nor a DNS name"},
+		{in: "https://%25", wantErr: "neither an IP address nor a DNS name"},
+		// client-go sends the token over http too, in cleartext.
+		{in: "http://spoke.example", wantErr: "not an https URL"},
+		{in: "http://spoke.example:443", wantErr: "not an https URL"},
+		{in: "HTTP://spoke.example:6443", wantErr: "not an https URL"},
+		{in: "ws://spoke.example", wantErr: "not an https URL"},
 		{in: "https://spök.example", wantErr: "neither an IP address nor a DNS name"},
 	}
 	for _, tt := range tests {
@@ -91,7 +93,11 @@ func TestSameServer(t *testing.T) {
 		},
 		{
 			name: "other scheme", exec: "http://prod.example:6443", broker: "https://prod.example:6443",
-			wantErr: []string{"http://prod.example:6443", "https://prod.example:6443"},
+			wantErr: []string{"http://prod.example:6443", "not an https URL"},
+		},
+		{
+			name: "both plain http", exec: "http://prod.example:6443", broker: "http://prod.example:6443",
+			wantErr: []string{"http://prod.example:6443", "not an https URL"},
 		},
 		{
 			name: "broker has none", exec: "https://prod.example:6443", broker: "",
