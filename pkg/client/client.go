@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -159,7 +160,9 @@ func (c *Client) Close() error { return c.conn.Close() }
 //
 // RESTConfigFor gets a token at once, so an error tells what the caller
 // cannot do now: its errdefs.Code is the broker's gRPC code. An answer
-// without a server is refused with errdefs.ErrFailedPrecondition.
+// without a server is refused with errdefs.ErrFailedPrecondition, and one
+// whose server is not https, where the token would travel in cleartext,
+// with errdefs.ErrPermissionDenied.
 func (c *Client) RESTConfigFor(ctx context.Context, namespace, name string) (*rest.Config, error) {
 	if namespace == "" || name == "" {
 		return nil, fmt.Errorf("ClusterProfile needs a namespace and a name: %w", errdefs.ErrInvalidArgument)
@@ -310,6 +313,11 @@ func answerToken(ref Reference, resp *pb.ExchangeResponse, fetched time.Time) (*
 	case resp.GetServer() == "":
 		return nil, fmt.Errorf("exchange for cluster %s: broker returned no server: the ClusterProfile lists no "+
 			"access provider to reach the spoke: %w", ref, errdefs.ErrFailedPrecondition)
+	case !isHTTPS(resp.GetServer()):
+		// client-go sends the bearer token whatever the scheme.
+		return nil, fmt.Errorf("exchange for cluster %s: refusing its token: its server %s is not an https URL, so the "+
+			"token would travel in cleartext; its cluster manager must give the ClusterProfile an https server: %w",
+			ref, redactedURL(resp.GetServer()), errdefs.ErrPermissionDenied)
 	case resp.GetExpirationTime() == nil:
 		return nil, fmt.Errorf("exchange for cluster %s: broker returned no expiration time", ref)
 	}
@@ -328,4 +336,21 @@ func answerToken(ref Reference, resp *pb.ExchangeResponse, fetched time.Time) (*
 		fetched: fetched,
 		exp:     resp.GetExpirationTime().AsTime(),
 	}, nil
+}
+
+// isHTTPS reports whether raw is a URL with the https scheme, case aside.
+func isHTTPS(raw string) bool {
+	u, err := url.Parse(raw)
+	return err == nil && strings.EqualFold(u.Scheme, "https") && u.Opaque == "" && u.Host != ""
+}
+
+// redactedURL is raw as an error may show it: without a password.
+func redactedURL(raw string) string {
+	if u, err := url.Parse(raw); err == nil {
+		return u.Redacted()
+	}
+	if strings.Contains(raw, "@") {
+		return "(a URL with user information)"
+	}
+	return raw
 }

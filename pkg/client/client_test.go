@@ -6,9 +6,11 @@ import (
 	"encoding/base64"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"reflect"
+	"sync"
 	"testing"
 	"time"
 
@@ -176,6 +178,32 @@ func TestServerPin(t *testing.T) {
 		require.ErrorIs(t, err, errdefs.ErrFailedPrecondition)
 		assert.Nil(t, cfg)
 		assert.Contains(t, err.Error(), "fleet/spoke")
+	})
+	t.Run("answer with a plain http server", func(t *testing.T) {
+		b, c, _ := setup(t)
+		var mu sync.Mutex
+		var seen []string
+		plain := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			seen = append(seen, r.Header.Get("Authorization"))
+			mu.Unlock()
+			w.WriteHeader(http.StatusNotFound)
+		}))
+		t.Cleanup(plain.Close)
+		b.AnswerServer(plain.URL)
+		cfg, err := c.RESTConfigFor(t.Context(), "fleet", "spoke")
+		if err == nil {
+			get(t, cfg) // what the caller does next
+		}
+		mu.Lock()
+		assert.Empty(t, seen, "a request reached the http server, the token in cleartext")
+		mu.Unlock()
+		require.ErrorIs(t, err, errdefs.ErrPermissionDenied)
+		assert.Nil(t, cfg)
+		assert.Contains(t, err.Error(), "fleet/spoke")
+		assert.Contains(t, err.Error(), plain.URL)
+		assert.Contains(t, err.Error(), "not an https URL")
+		assert.NotContains(t, err.Error(), "spoke-token-")
 	})
 	t.Run("server changed after the config was built", func(t *testing.T) {
 		b, c, clk := setup(t)
