@@ -317,6 +317,8 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	out, err := m.tokens.CreateToken(ctx, sa.Namespace, sa.Name, tr)
 	if err == nil && (out == nil || out.Status.Token == "") {
 		err = fmt.Errorf("spoke API server returned no token for ServiceAccount %s: %w", ref, errdefs.ErrUnavailable)
+	} else if grantDeleted(err) {
+		err = m.revokedDuringMint(sa, grant)
 	} else if err != nil {
 		err = createTokenError(ctx, ref, err)
 	}
@@ -341,7 +343,11 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 		// A grant without its credential id cannot be traced; revoke the
 		// token by deleting it rather than hand it out.
 		m.deleteGrant(ctx, grant)
-		err = fmt.Errorf("record credential id %s on grant %s: %v: %w", id, grantRef, err, errdefs.ErrUnavailable)
+		if grantDeleted(err) {
+			err = m.revokedDuringMint(sa, grant)
+		} else {
+			err = fmt.Errorf("record credential id %s on grant %s: %v: %w", id, grantRef, err, errdefs.ErrUnavailable)
+		}
 		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref, "grant", grantRef)
 		return nil, err
 	}
@@ -377,6 +383,31 @@ func (m *Minter) recheck(sa *corev1.ServiceAccount, grant *corev1.Secret) error 
 		return fmt.Errorf("spoke ServiceAccount %s changed its policy while the token was minted: %s: %w", ref, why, errdefs.ErrPermissionDenied)
 	}
 	return nil
+}
+
+// grantDeleted reports whether err is the spoke API server saying that a
+// grant Secret is not found: the TokenRequest's bound object, or the grant
+// a patch names. A ServiceAccount that is not found is another answer.
+func grantDeleted(err error) bool {
+	var status apierrors.APIStatus
+	if !apierrors.IsNotFound(err) || !errors.As(err, &status) {
+		return false
+	}
+	d := status.Status().Details
+	return d != nil && d.Group == "" && d.Kind == "secrets"
+}
+
+// revokedDuringMint returns the error of a mint whose grant was deleted,
+// which revokes its token, before the token was handed out: Reconcile
+// deleted it because the ServiceAccount changed its policy, which recheck
+// then names, or someone revoked it. Either wraps ErrPermissionDenied,
+// never ErrNotFound: the ServiceAccount exists.
+func (m *Minter) revokedDuringMint(sa *corev1.ServiceAccount, grant *corev1.Secret) error {
+	if err := m.recheck(sa, grant); err != nil {
+		return err
+	}
+	return fmt.Errorf("the grant %s/%s of the token for spoke ServiceAccount %s/%s was deleted while the token was minted, which revokes the token; ask again: %w",
+		grant.Namespace, grant.Name, sa.Namespace, sa.Name, errdefs.ErrPermissionDenied)
 }
 
 // deleteGrant deletes the grant of a mint that failed. It outlives ctx, as
