@@ -581,6 +581,9 @@ func (c clusterLookup) Cluster(namespace, name string) (tokenexchange.Cluster, e
 			"in its status has a cluster.server; its cluster manager must set status.accessProviders[name=%s].cluster.server: %w",
 			namespace, name, c.provider, c.provider, errdefs.ErrFailedPrecondition)
 	}
+	if err := checkHTTPS(namespace, name, c.provider, server); err != nil {
+		return tokenexchange.Cluster{}, err
+	}
 	return tokenexchange.Cluster{
 		Ref:    tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID},
 		Server: server,
