@@ -160,6 +160,13 @@ func TestRefusals(t *testing.T) {
 	granted := newConsumer(t, "credbroker", spoke.Name, noAgent, "missing")
 	optIn(t, spoke, "granted-sa", granted.username())
 	notOptedIn := optIn(t, spoke, "closed-sa")
+	// Without hub RBAC the answer is the same whether the ClusterProfile
+	// exists or not: authorization comes before the lookup.
+	noRBAC := newConsumer(t, "credbroker")
+	rbacDenied := func(name string) string {
+		return `hub RBAC does not allow "` + noRBAC.username() + `" to create clusterprofiles.multicluster.x-k8s.io/token "` +
+			name + `" in namespace "` + framework.FleetNamespace + `"`
+	}
 
 	tests := []struct {
 		name     string
@@ -170,10 +177,17 @@ func TestRefusals(t *testing.T) {
 	}{
 		{
 			name:     "no hub RBAC",
-			consumer: newConsumer(t, "credbroker"),
+			consumer: noRBAC,
 			req:      &pb.ExchangeRequest{Cluster: clusterRef(spoke)},
 			wantCode: codes.PermissionDenied,
-			wantMsg:  "hub RBAC does not allow",
+			wantMsg:  rbacDenied(spoke.Name),
+		},
+		{
+			name:     "no hub RBAC, unknown ClusterProfile",
+			consumer: noRBAC,
+			req:      &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: "missing"}},
+			wantCode: codes.PermissionDenied,
+			wantMsg:  rbacDenied("missing"),
 		},
 		{
 			name:     "hub token for the API server's default audience",
