@@ -184,6 +184,9 @@ func New(cfg Config) (b *Broker, err error) {
 			return nil, fmt.Errorf("broker: %w", err)
 		}
 	}
+	if err := b.registry.Register(advertisedConflicts(b)); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
 
 	if b.keys, err = newIssuerKeys(cfg, hubClient, b.registry); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)

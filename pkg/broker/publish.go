@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -28,12 +29,34 @@ const fieldManager = "credbroker-broker"
 // tunnelSource reports the agents of a ClusterProfile from the tunnel.
 type tunnelSource struct{ b *Broker }
 
-func (s tunnelSource) Advertised(key types.NamespacedName) (string, []byte, int) {
+func (s tunnelSource) Advertised(key types.NamespacedName) ([]publish.Advertisement, int) {
 	cp, err := s.b.profiles.Get(key.Namespace, key.Name)
 	if err != nil {
-		return "", nil, 0
+		return nil, 0
 	}
-	return s.b.tunnel.Advertised(tunnel.ClusterRef{NamespacedName: key, UID: cp.UID})
+	ads, live := s.b.tunnel.Advertised(tunnel.ClusterRef{NamespacedName: key, UID: cp.UID})
+	out := make([]publish.Advertisement, 0, len(ads))
+	for _, a := range ads {
+		out = append(out, publish.Advertisement{Server: a.Server, CAData: a.CAData, Streams: a.Streams})
+	}
+	return out, live
+}
+
+// advertisedConflicts is the gauge of the ClusterProfiles whose agents'
+// advertised servers conflict, on the replica that publishes; every
+// replica exposes it, at 0 when it does not publish.
+func advertisedConflicts(b *Broker) prometheus.Collector {
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: "credbroker",
+		Name:      "advertised_server_conflicts",
+		Help: "ClusterProfiles whose live agent streams to this replica advertise servers or CAs that disagree with each other " +
+			"or with the published access provider, or a server that is not https; 0 on a replica that does not publish.",
+	}, func() float64 {
+		if b.publisher == nil {
+			return 0
+		}
+		return float64(b.publisher.Conflicts())
+	})
 }
 
 // newPublisher builds the publisher of the access provider, and hooks it to

@@ -31,11 +31,20 @@ const (
 	ExecExtensionName = "client.authentication.k8s.io/exec"
 )
 
-// Source tells what the agents of a ClusterProfile advertised: the newest
-// live stream's server URL and CA (empty when none advertised one), and
-// how many streams are live. The broker passes its tunnel server.
+// Advertisement is one server URL and CA that live agent streams of a
+// ClusterProfile advertised in their hellos, and how many streams did.
+type Advertisement struct {
+	Server  string
+	CAData  []byte
+	Streams int
+}
+
+// Source tells what the agents of a ClusterProfile advertised: every
+// distinct server and CA of its live streams (none when no stream
+// advertised one), and how many streams are live, those that advertise
+// nothing included. The broker passes its tunnel server.
 type Source interface {
-	Advertised(key types.NamespacedName) (server string, caData []byte, live int)
+	Advertised(key types.NamespacedName) (ads []Advertisement, live int)
 }
 
 // Config configures a Publisher.
@@ -74,6 +83,9 @@ type Publisher struct {
 	queue   workqueue.TypedRateLimitingInterface[types.NamespacedName] // nil when not running
 	started time.Time
 	lostAt  map[types.NamespacedName]time.Time
+	// conflicts holds, for each ClusterProfile whose advertisements are in
+	// conflict, the last conflict logged.
+	conflicts map[types.NamespacedName]string
 }
 
 // New checks cfg and returns a Publisher that is not running.
@@ -87,7 +99,7 @@ func New(cfg Config) (*Publisher, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	return &Publisher{cfg: cfg, lostAt: map[types.NamespacedName]time.Time{}}, nil
+	return &Publisher{cfg: cfg, lostAt: map[types.NamespacedName]time.Time{}, conflicts: map[types.NamespacedName]string{}}, nil
 }
 
 func (p *Publisher) rateLimiter() workqueue.TypedRateLimiter[types.NamespacedName] {
@@ -117,10 +129,12 @@ func (p *Publisher) Run(ctx context.Context, all []types.NamespacedName) {
 	p.mu.Lock()
 	p.queue, p.started = q, p.cfg.Clock.Now()
 	clear(p.lostAt)
+	clear(p.conflicts)
 	p.mu.Unlock()
 	defer func() {
 		p.mu.Lock()
 		p.queue = nil
+		clear(p.conflicts) // another replica judges them now
 		p.mu.Unlock()
 	}()
 	for _, k := range all {
@@ -160,10 +174,13 @@ func (p *Publisher) Reconcile(ctx context.Context, key types.NamespacedName) (ti
 	}
 	if cp == nil || cp.DeletionTimestamp != nil {
 		p.forget(key)
+		p.noteConflict(key, verdict{}, nil)
 		return 0, nil
 	}
-	server, caData, live := p.cfg.Source.Advertised(key)
+	ads, live := p.cfg.Source.Advertised(key)
 	entry, cond := p.observed(cp)
+	v := decide(entry, ads)
+	p.noteConflict(key, v, ads)
 
 	var want *v1alpha1.AccessProvider
 	var status metav1.ConditionStatus
@@ -172,9 +189,17 @@ func (p *Publisher) Reconcile(ctx context.Context, key types.NamespacedName) (ti
 		p.forget(key)
 		status, reason = metav1.ConditionTrue, ReasonAgentConnected
 		message = "An agent of this cluster is connected to credbroker."
-		if server != "" {
-			want = p.entry(key, server, caData)
-		} else {
+		if v.server != "" {
+			want = p.entry(key, v.server, v.caData)
+		}
+		switch {
+		case v.conflict == conflictPinned:
+			message += " Its agents disagree with the published server or CA, or with each other; the published entry stays until an admin removes it."
+		case v.conflict == conflictAgents:
+			message += " Its agents disagree on the server or CA they advertise, so no access provider is published until they all agree."
+		case v.conflict == conflictRefused && want == nil:
+			message += " It advertises a server that is not an https URL with a host, which is never published."
+		case want == nil:
 			message += " It advertises no server, so no access provider is published."
 		}
 	} else {
@@ -186,7 +211,9 @@ func (p *Publisher) Reconcile(ctx context.Context, key types.NamespacedName) (ti
 		}
 		status, reason = metav1.ConditionFalse, ReasonNoAgentConnected
 		message = "No agent of this cluster is connected to credbroker; exchanges fail with Unavailable until one is."
-		want = entry // the last server and CA stay; the condition says they do not work now
+		if v.server != "" {
+			want = entry // the last server and CA stay; the condition says they do not work now
+		}
 	}
 	if sameEntry(entry, want) && cond != nil && cond.Status == status && cond.Reason == reason &&
 		cond.Message == message && cond.ObservedGeneration == cp.Generation {
@@ -215,7 +242,7 @@ func (p *Publisher) Reconcile(ctx context.Context, key types.NamespacedName) (ti
 	if err := p.cfg.Apply(ctx, key, raw); err != nil {
 		return 0, fmt.Errorf("clusterprofile %s: apply status: %w", key, err)
 	}
-	p.cfg.Log.V(1).Info("access provider published", "cluster", key.String(), "condition", string(status), "server", server)
+	p.cfg.Log.V(1).Info("access provider published", "cluster", key.String(), "condition", string(status), "server", clipURL(v.server))
 	return 0, nil
 }
 
@@ -306,6 +333,7 @@ func (p *Publisher) graceLeft(key types.NamespacedName) time.Duration {
 	return lost.Add(p.cfg.DisconnectGrace).Sub(now)
 }
 
+// forget drops the loss time of key.
 func (p *Publisher) forget(key types.NamespacedName) {
 	p.mu.Lock()
 	delete(p.lostAt, key)

@@ -15,14 +15,23 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 )
 
+// fakeSource reports live streams that all advertise server and ca, or,
+// when ads is set, those advertisements.
 type fakeSource struct {
 	server string
 	ca     []byte
 	live   int
+	ads    []Advertisement
 }
 
-func (f *fakeSource) Advertised(types.NamespacedName) (string, []byte, int) {
-	return f.server, f.ca, f.live
+func (f *fakeSource) Advertised(types.NamespacedName) ([]Advertisement, int) {
+	if f.ads != nil {
+		return f.ads, f.live
+	}
+	if f.server == "" {
+		return nil, f.live
+	}
+	return []Advertisement{{Server: f.server, CAData: f.ca, Streams: f.live}}, f.live
 }
 
 // fakeHub applies the body's entry and condition to its ClusterProfile by
@@ -95,10 +104,14 @@ func TestReconcileWritesOnlyOnChange(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 1, hub.writes)
 
+	// Agents that advertise another server change the condition's
+	// message, not the published server.
 	src.server = "https://spoke-new:6443"
 	_, err = p.Reconcile(ctx, key)
 	require.NoError(t, err)
-	assert.Equal(t, 2, hub.writes, "a new server is published")
+	assert.Equal(t, 2, hub.writes, "the condition says the agents disagree")
+	assert.Equal(t, "https://spoke:6443", hub.cp.Status.AccessProviders[0].Cluster.Server, "the published server is pinned")
+	assert.Contains(t, hub.cp.Status.Conditions[0].Message, "disagree")
 
 	// The agent goes: nothing within the grace, then False once.
 	src.server, src.ca, src.live = "", nil, 0
@@ -116,7 +129,7 @@ func TestReconcileWritesOnlyOnChange(t *testing.T) {
 	require.Len(t, hub.cp.Status.Conditions, 1)
 	assert.Equal(t, metav1.ConditionFalse, hub.cp.Status.Conditions[0].Status)
 	assert.Equal(t, ReasonNoAgentConnected, hub.cp.Status.Conditions[0].Reason)
-	assert.Equal(t, "https://spoke-new:6443", hub.cp.Status.AccessProviders[0].Cluster.Server, "the last entry stays")
+	assert.Equal(t, "https://spoke:6443", hub.cp.Status.AccessProviders[0].Cluster.Server, "the last entry stays")
 }
 
 func TestReconcileAgentBackWithinGraceWritesNothing(t *testing.T) {

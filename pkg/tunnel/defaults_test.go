@@ -111,31 +111,50 @@ func TestNewServerDefaults(t *testing.T) {
 }
 
 // The broker learns the spoke's server and CA from the hello the Client is
-// configured with, and reports those of the newest stream that gave any.
+// configured with, and reports every distinct one of the live streams,
+// oldest first, without picking one: a newer stream that advertises
+// another server does not replace the first.
 func TestHelloReachesTheBroker(t *testing.T) {
-	h := newHarness(t, 5*time.Second)
+	h := newHarness(t, 5*time.Second, func(c *ServerConfig) { c.MaxStreamsPerCluster = 8 })
 	ca := []byte("-----BEGIN CERTIFICATE-----\nspoke CA\n-----END CERTIFICATE-----\n")
-	server, caData, live := h.srv.Advertised(clusterA)
-	assert.Empty(t, server)
-	assert.Nil(t, caData)
+	ads, live := h.srv.Advertised(clusterA)
+	assert.Empty(t, ads)
 	assert.Zero(t, live)
 
-	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) {
-		c.Hello = &pb.Hello{AgentVersion: "test", Server: "https://spoke.example:6443", CertificateAuthorityData: ca}
-	})
+	hello := &pb.Hello{AgentVersion: "test", Server: "https://spoke.example:6443", CertificateAuthorityData: ca}
+	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) { c.Hello = hello })
 	waitConnected(t, h, clusterA, 1)
-	server, caData, live = h.srv.Advertised(clusterA)
-	assert.Equal(t, "https://spoke.example:6443", server)
-	assert.Equal(t, ca, caData)
+	ads, live = h.srv.Advertised(clusterA)
+	assert.Equal(t, []Advertisement{{Server: "https://spoke.example:6443", CAData: ca, Streams: 1}}, ads)
 	assert.Equal(t, 1, live)
 
-	// A second agent of the cluster that advertises nothing leaves the
-	// first one's answer in place.
+	// A second agent of the cluster that advertises nothing adds nothing.
 	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) { c.Hello = &pb.Hello{AgentVersion: "test"} })
 	waitConnected(t, h, clusterA, 2)
-	server, _, live = h.srv.Advertised(clusterA)
-	assert.Equal(t, "https://spoke.example:6443", server)
+	ads, live = h.srv.Advertised(clusterA)
+	assert.Equal(t, []Advertisement{{Server: "https://spoke.example:6443", CAData: ca, Streams: 1}}, ads)
 	assert.Equal(t, 2, live)
+
+	// One that advertises the same server and CA is counted with the
+	// first; one with another CA, and one with another server, are listed
+	// after it.
+	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) { c.Hello = hello })
+	waitConnected(t, h, clusterA, 3)
+	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) {
+		c.Hello = &pb.Hello{AgentVersion: "test", Server: "https://spoke.example:6443", CertificateAuthorityData: []byte("other")}
+	})
+	waitConnected(t, h, clusterA, 4)
+	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) {
+		c.Hello = &pb.Hello{AgentVersion: "test", Server: "https://decoy.example:443", CertificateAuthorityData: ca}
+	})
+	waitConnected(t, h, clusterA, 5)
+	ads, live = h.srv.Advertised(clusterA)
+	assert.Equal(t, []Advertisement{
+		{Server: "https://spoke.example:6443", CAData: ca, Streams: 2},
+		{Server: "https://spoke.example:6443", CAData: []byte("other"), Streams: 1},
+		{Server: "https://decoy.example:443", CAData: ca, Streams: 1},
+	}, ads)
+	assert.Equal(t, 5, live)
 }
 
 // Each reconnect waits between half the backoff and the whole of it, and

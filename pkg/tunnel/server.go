@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/x509"
@@ -520,17 +521,36 @@ func (s *Server) ConnectedClusters() int {
 	return n
 }
 
-// Advertised returns the spoke API server URL and CA that the newest live
-// session of cluster advertised in its hello, with the number of live
-// sessions; server is empty when none advertised one.
-func (s *Server) Advertised(cluster ClusterRef) (server string, caData []byte, live int) {
+// Advertisement is one spoke API server URL and CA that live sessions of a
+// cluster advertised in their hellos, and how many did.
+type Advertisement struct {
+	Server  string
+	CAData  []byte
+	Streams int
+}
+
+// Advertised returns every distinct server and CA that the live sessions of
+// cluster advertised in their hellos, oldest advertiser first, with the
+// number of live sessions (those that advertised nothing included). It
+// picks none: which one, if any, is published is the publisher's decision,
+// so that no agent decides it by connecting last.
+func (s *Server) Advertised(cluster ClusterRef) (ads []Advertisement, live int) {
 	list := s.live(cluster)
-	for i := len(list) - 1; i >= 0; i-- {
-		if h := list[i].hello; h.GetServer() != "" {
-			return h.GetServer(), h.GetCertificateAuthorityData(), len(list)
+	for _, sess := range list {
+		h := sess.hello
+		if h.GetServer() == "" {
+			continue
 		}
+		i := slices.IndexFunc(ads, func(a Advertisement) bool {
+			return a.Server == h.GetServer() && bytes.Equal(a.CAData, h.GetCertificateAuthorityData())
+		})
+		if i < 0 {
+			ads = append(ads, Advertisement{Server: h.GetServer(), CAData: h.GetCertificateAuthorityData()})
+			i = len(ads) - 1
+		}
+		ads[i].Streams++
 	}
-	return "", nil, len(list)
+	return ads, len(list)
 }
 
 // Revalidate re-resolves the agent of every session of the named cluster and
