@@ -439,6 +439,9 @@ var allowed = map[string][]rule{
 	// Not bound by deploy/: for the identities that may set
 	// credbroker.io/agent-spiffe-id (hub admission policy).
 	"ClusterRole credbroker-agent-spiffe-id-writer": verbs("multicluster.x-k8s.io", "clusterprofiles", "set-agent-spiffe-id"),
+	// Not bound by deploy/: for the spoke admins who may write the opt-in
+	// annotations of ServiceAccounts (spoke/optin-admission.yaml).
+	"ClusterRole credbroker-opt-in-writer": verbs("credbroker.io", "serviceaccounts", "set-opt-in"),
 	// The agent on a spoke: what pkg/spoke and pkg/agent call.
 	"ClusterRole credbroker-agent": slices.Concat(
 		// An informer: the agent reads ServiceAccounts from its cache,
@@ -530,7 +533,12 @@ func TestAdmissionNamesTheAgent(t *testing.T) {
 			objs := kustomize(t, tg.dir)
 			agentSA := agentServiceAccount(t, objs)
 			policies := map[string]bool{}
+			var optIn string // credbroker-opt-in guards everyone's opt-ins and takes no parameter
 			for _, o := range objs {
+				if o.GetKind() == "ValidatingAdmissionPolicy" && baseName(o.GetName()) == "credbroker-opt-in" {
+					optIn = o.GetName()
+					continue
+				}
 				if o.GetKind() == "ValidatingAdmissionPolicy" {
 					policies[o.GetName()] = true
 					kind, _, _ := unstructured.NestedString(o.Object, "spec", "paramKind", "kind")
@@ -544,6 +552,10 @@ func TestAdmissionNamesTheAgent(t *testing.T) {
 					continue
 				}
 				policy, _, _ := unstructured.NestedString(o.Object, "spec", "policyName")
+				if baseName(o.GetName()) == "credbroker-opt-in" {
+					assert.Equal(t, optIn, policy, "%s binds another policy than the rendered credbroker-opt-in", describe(o))
+					continue
+				}
 				ns, _, _ := unstructured.NestedString(o.Object, "spec", "paramRef", "namespace")
 				name, _, _ := unstructured.NestedString(o.Object, "spec", "paramRef", "name")
 				assert.True(t, policies[policy], "%s binds %q, which is not rendered", describe(o), policy)
