@@ -65,6 +65,8 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.BoolVar(&cfg.EnableReflection, "enable-reflection", cfg.EnableReflection, "serve gRPC server reflection on the exchange port, for debugging")
 	fs.Float64Var(&cfg.PeerReviewRateLimit, "peer-review-rate-limit", cfg.PeerReviewRateLimit, "TokenReviews per second of tokens not in the cache, per caller IP address")
 	fs.IntVar(&cfg.PeerReviewBurst, "peer-review-burst", cfg.PeerReviewBurst, "burst of TokenReviews of tokens not in the cache, per caller IP address")
+	fs.Float64Var(&cfg.NamespaceReviewRateLimit, "namespace-review-rate-limit", cfg.NamespaceReviewRateLimit, "TokenReviews per second of tokens not in the cache, per hub namespace that the verified token names, from any address")
+	fs.IntVar(&cfg.NamespaceReviewBurst, "namespace-review-burst", cfg.NamespaceReviewBurst, "burst of TokenReviews of tokens not in the cache, per hub namespace that the verified token names")
 	fs.StringVar(&cfg.IssuerJWKSFile, "issuer-jwks-file", "", "JWKS (JSON) file of the hub service-account issuer's public keys, reloaded on change; empty means the hub's /openid/v1/jwks")
 	fs.DurationVar(&cfg.IssuerKeysRefresh, "issuer-keys-refresh", cfg.IssuerKeysRefresh, "how often the hub issuer's public keys are fetched from the hub")
 	fs.DurationVar(&cfg.IssuerKeysMinRefresh, "issuer-keys-min-refresh", cfg.IssuerKeysMinRefresh, "least time between two fetches of the hub issuer's keys, which a token naming an unknown key also triggers")

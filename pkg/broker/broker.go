@@ -212,8 +212,10 @@ func New(cfg Config) (b *Broker, err error) {
 		Audit:           cfg.Audit,
 		Registerer:      b.registry,
 
-		PeerReviewRateLimit: rate.Limit(cfg.PeerReviewRateLimit),
-		PeerReviewBurst:     cfg.PeerReviewBurst,
+		PeerReviewRateLimit:      rate.Limit(cfg.PeerReviewRateLimit),
+		PeerReviewBurst:          cfg.PeerReviewBurst,
+		NamespaceReviewRateLimit: rate.Limit(cfg.NamespaceReviewRateLimit),
+		NamespaceReviewBurst:     cfg.NamespaceReviewBurst,
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}

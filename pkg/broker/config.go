@@ -12,6 +12,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/token"
+	"github.com/credbroker/credbroker/pkg/tokenexchange"
 )
 
 // Config is the broker's validated configuration.
@@ -104,6 +105,11 @@ type Config struct {
 	// tokens from one peer address (IP).
 	PeerReviewRateLimit float64
 	PeerReviewBurst     int
+	// NamespaceReviewRateLimit and NamespaceReviewBurst limit TokenReviews
+	// of new tokens of one hub namespace, from any address (see
+	// tokenexchange.Config).
+	NamespaceReviewRateLimit float64
+	NamespaceReviewBurst     int
 	// IssuerJWKSFile, when set, is a JSON Web Key Set file of the hub's
 	// service-account issuer, read every FileCheckInterval, instead of the
 	// hub's /openid/v1/jwks. Tokens are verified against these keys before
@@ -182,6 +188,8 @@ func Default() Config {
 		ReviewBurst:                200,
 		PeerReviewRateLimit:        10,
 		PeerReviewBurst:            20,
+		NamespaceReviewRateLimit:   tokenexchange.DefaultNamespaceReviewRateLimit,
+		NamespaceReviewBurst:       tokenexchange.DefaultNamespaceReviewBurst,
 		IssuerKeysRefresh:          5 * time.Minute,
 		IssuerKeysMinRefresh:       15 * time.Second,
 		GrantRecheckInterval:       5 * time.Minute,
@@ -233,6 +241,7 @@ func (c *Config) Validate() error {
 	need(finite(c.RateLimit) && c.RateBurst > 0, "the rate limit and burst must be positive and finite")
 	need(finite(c.ReviewRateLimit) && c.ReviewBurst > 0, "the review rate limit and burst must be positive and finite")
 	need(finite(c.PeerReviewRateLimit) && c.PeerReviewBurst > 0, "the per-peer review rate limit and burst must be positive and finite")
+	need(finite(c.NamespaceReviewRateLimit) && c.NamespaceReviewBurst > 0, "the per-namespace review rate limit and burst must be positive and finite")
 	need(c.IssuerKeysMinRefresh > 0 && c.IssuerKeysMinRefresh <= c.IssuerKeysRefresh,
 		"the issuer keys' minimum refresh interval must be positive and at most their refresh interval (%s, %s)", c.IssuerKeysMinRefresh, c.IssuerKeysRefresh)
 	need(c.GrantRecheckInterval > 0, "the grant recheck interval must be positive")

@@ -35,6 +35,10 @@ func TestValidate(t *testing.T) {
 		{name: "client-go default QPS", mutate: func(c *Config) { c.HubQPS = 0 }, want: "hub QPS and burst must be positive and finite"},
 		{name: "no per-peer review limit", mutate: func(c *Config) { c.PeerReviewBurst = 0 },
 			want: "the per-peer review rate limit and burst must be positive and finite"},
+		{name: "no per-namespace review limit", mutate: func(c *Config) { c.NamespaceReviewBurst = 0 },
+			want: "the per-namespace review rate limit and burst must be positive and finite"},
+		{name: "an infinite per-namespace review limit", mutate: func(c *Config) { c.NamespaceReviewRateLimit = math.Inf(1) },
+			want: "the per-namespace review rate limit and burst must be positive and finite"},
 		{name: "infinite rates switch limiters off", mutate: func(c *Config) {
 			c.HubQPS, c.RateLimit, c.ReviewRateLimit, c.PeerReviewRateLimit = float32(math.Inf(1)), math.Inf(1), math.Inf(1), math.Inf(1)
 		}, want: "hub QPS and burst must be positive and finite\nthe rate limit and burst must be positive and finite\n" +

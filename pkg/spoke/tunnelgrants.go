@@ -37,17 +37,11 @@ const defaultRevokeReason = "revoked by the broker"
 // timer of a deleted grant; and queues the ServiceAccount of every new
 // grant for Reconcile, so that a policy change that reached the agent
 // before the grant did still revokes it.
-//
-// A grant that differs from what the agent writes (see tamper.go) was
-// changed by someone else: it queues the grant for Run to delete, which
-// revokes its token, and tells subscribers nothing of the change; they
-// learn of the grant's removal, under the credential id the agent had
-// recorded, once it is deleted.
 func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			g, ok := obj.(*corev1.Secret)
-			if !ok || !isGrant(g) || m.checkSeen(g) {
+			if !ok || !isGrant(g) {
 				return
 			}
 			if sa := g.Annotations[GrantServiceAccountAnnotation]; sa != "" {
@@ -60,7 +54,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 		UpdateFunc: func(oldObj, newObj any) {
 			old, ok1 := oldObj.(*corev1.Secret)
 			now, ok2 := newObj.(*corev1.Secret)
-			if !ok1 || !ok2 || !isGrant(now) || m.checkUpdate(old, now) {
+			if !ok1 || !ok2 {
 				return
 			}
 			oldID, newID := "", ""
@@ -95,11 +89,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 				return
 			}
 			m.stopTimer(g.UID)
-			id := g.Annotations[GrantCredentialIDAnnotation]
-			if rec, changed := m.forgetChanged(g.UID); changed {
-				id = rec.credentialID
-			}
-			if id != "" && isGrant(g) {
+			if id := g.Annotations[GrantCredentialIDAnnotation]; id != "" && isGrant(g) {
 				m.publish(&credbrokerv1alpha1.GrantUpdate{Removed: []string{id}})
 			}
 		},
@@ -140,16 +130,12 @@ func (m *Minter) Subscribe(fn func(*credbrokerv1alpha1.GrantUpdate)) (unsubscrib
 
 // Snapshot returns every grant in GrantCache that has a credential id,
 // ordered by credential id, whatever ClusterProfile it records: the broker
-// keeps those of the ClusterProfile it admitted the stream for. It leaves
-// out the grants someone else changed, which are being deleted.
+// keeps those of the ClusterProfile it admitted the stream for.
 func (m *Minter) Snapshot() []*credbrokerv1alpha1.Grant {
 	var out []*credbrokerv1alpha1.Grant
 	for _, obj := range m.grantCache.List() {
 		g, ok := obj.(*corev1.Secret)
 		if !ok || !isGrant(g) || g.Annotations[GrantCredentialIDAnnotation] == "" {
-			continue
-		}
-		if _, changed := m.changedRecord(g.UID); changed || foreignChange(g) != "" {
 			continue
 		}
 		out = append(out, m.toGrant(g))
@@ -234,10 +220,10 @@ func (m *Minter) Revoke(ctx context.Context, req *credbrokerv1alpha1.RevokeReque
 		}
 		allGone := true
 		for _, g := range grants {
-			if _, recorded := m.recorded(g); recorded != cluster {
+			if g.Annotations[GrantClusterProfileAnnotation] != cluster {
 				m.log.Info("refused to revoke a grant of another ClusterProfile",
 					"credentialID", id, "grant", g.Namespace+"/"+g.Name,
-					"grantClusterProfile", recorded, "admittedFor", cluster)
+					"grantClusterProfile", g.Annotations[GrantClusterProfileAnnotation], "admittedFor", cluster)
 				allGone = false
 				continue
 			}
@@ -261,19 +247,16 @@ func (m *Minter) Revoke(ctx context.Context, req *credbrokerv1alpha1.RevokeReque
 }
 
 // cachedGrantsOf returns the grants in GrantCache that record credential
-// id id, as the agent wrote it: a grant someone else changed counts under
-// the id the agent had recorded.
+// id id.
 func (m *Minter) cachedGrantsOf(id string) []*corev1.Secret {
-	out := m.changedWith(id)
 	objs, err := m.grantCache.ByIndex(GrantCredentialIDIndex, id)
 	if err != nil {
-		return out // the index exists: New checks
+		return nil // the index exists: New checks
 	}
+	var out []*corev1.Secret
 	for _, obj := range objs {
 		if g, ok := obj.(*corev1.Secret); ok && isGrant(g) && g.Annotations[GrantCredentialIDAnnotation] == id {
-			if _, changed := m.changedRecord(g.UID); !changed {
-				out = append(out, g)
-			}
+			out = append(out, g)
 		}
 	}
 	return out
@@ -289,9 +272,7 @@ func (m *Minter) storedGrantsOf(ctx context.Context, id string) ([]*corev1.Secre
 	var out []*corev1.Secret
 	for i := range list {
 		if g := &list[i]; isGrant(g) && g.Annotations[GrantCredentialIDAnnotation] == id {
-			if recorded, _ := m.recorded(g); recorded == id {
-				out = append(out, g)
-			}
+			out = append(out, g)
 		}
 	}
 	return out, nil
@@ -311,10 +292,9 @@ func (m *Minter) revokeGrant(ctx context.Context, grant *corev1.Secret, reason s
 			ref, grant.Annotations[GrantCredentialIDAnnotation], err, errdefs.ErrUnavailable)
 	}
 	m.stopTimer(grant.UID)
-	id, _ := m.recorded(grant)
 	m.log.Info("revoked grant",
 		"grant", ref,
-		"credentialID", id,
+		"credentialID", grant.Annotations[GrantCredentialIDAnnotation],
 		"subject", grant.Annotations[GrantHubUserAnnotation],
 		"serviceAccount", grant.Namespace+"/"+grant.Annotations[GrantServiceAccountAnnotation],
 		"audiences", grantAudiences(grant),

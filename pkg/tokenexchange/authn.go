@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/hmac"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"net"
 	"slices"
@@ -17,6 +19,7 @@ import (
 	"google.golang.org/grpc/peer"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/hubauth"
@@ -104,6 +107,18 @@ func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atom
 		return authnResult{}, time.Time{}, fmt.Errorf("your address sent more than %v new tokens per second for review; retry shortly: %w",
 			s.cfg.PeerReviewRateLimit, errdefs.ErrResourceExhausted)
 	}
+	if ns := reviewNamespace(bearer); ns != "" {
+		lim, _, err := s.namespaceReviews.Do(ctx, ns, func(context.Context) (*rate.Limiter, time.Time, error) {
+			return rate.NewLimiter(s.cfg.NamespaceReviewRateLimit, s.cfg.NamespaceReviewBurst), now.Add(time.Hour), nil
+		})
+		if err != nil {
+			return authnResult{}, time.Time{}, err
+		}
+		if !lim.AllowN(now, 1) {
+			return authnResult{}, time.Time{}, fmt.Errorf("the tokens of hub namespace %q asked for more than %v new token reviews per second; retry shortly: %w",
+				ns, s.cfg.NamespaceReviewRateLimit, errdefs.ErrResourceExhausted)
+		}
+	}
 	if !s.reviews.AllowN(now, 1) {
 		return authnResult{}, time.Time{}, fmt.Errorf("the broker is reviewing more than %v new tokens per second; retry shortly: %w",
 			s.cfg.ReviewRateLimit, errdefs.ErrResourceExhausted)
@@ -139,6 +154,65 @@ func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atom
 		Groups:   st.User.Groups,
 		Extra:    st.User.Extra,
 	}}, until, nil
+}
+
+// Defaults of Config.NamespaceReviewRateLimit and NamespaceReviewBurst: a
+// quarter of the broker-wide review budget, so that it takes four hub
+// namespaces flooding together to spend it.
+const (
+	DefaultNamespaceReviewRateLimit = 25
+	DefaultNamespaceReviewBurst     = 50
+)
+
+// reviewNamespace returns the hub namespace of a token that the Verifier
+// has verified, whose claims are then the hub issuer's own: its
+// kubernetes.io namespace claim or, without one, the namespace of a
+// ServiceAccount's sub. It returns "" when the token names none, or none
+// that can be a namespace (a DNS label of at most 63 characters).
+func reviewNamespace(bearer string) string {
+	parts := strings.Split(bearer, ".")
+	if len(parts) != 3 {
+		return ""
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
+	if err != nil {
+		return ""
+	}
+	var claims struct {
+		Sub        json.RawMessage `json:"sub"`
+		Kubernetes json.RawMessage `json:"kubernetes.io"`
+	}
+	if json.Unmarshal(raw, &claims) != nil {
+		return ""
+	}
+	var k struct {
+		Namespace json.RawMessage `json:"namespace"`
+	}
+	var ns, sub string
+	if json.Unmarshal(claims.Kubernetes, &k) == nil && json.Unmarshal(k.Namespace, &ns) == nil && ns != "" {
+		return namespaceOrNone(ns)
+	}
+	if json.Unmarshal(claims.Sub, &sub) != nil {
+		return ""
+	}
+	rest, ok := strings.CutPrefix(sub, serviceAccountPrefix)
+	if !ok {
+		return ""
+	}
+	ns, name, ok := strings.Cut(rest, ":")
+	if !ok || name == "" {
+		return ""
+	}
+	return namespaceOrNone(ns)
+}
+
+// namespaceOrNone returns ns when it is a DNS label, as every namespace
+// is, and "" otherwise.
+func namespaceOrNone(ns string) string {
+	if len(validation.IsDNS1123Label(ns)) > 0 {
+		return ""
+	}
+	return ns
 }
 
 // peerAddress returns the IP address of the caller, without its port, or

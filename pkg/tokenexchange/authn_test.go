@@ -350,3 +350,81 @@ func TestAccessReviewCarriesTheWholeUser(t *testing.T) {
 		},
 	}, f.reviews.sars[0])
 }
+
+// Attack: about ten pods of one hub namespace, without any credbroker
+// RBAC, send new tokens that verify (fresh TokenRequests of the
+// namespace's own ServiceAccounts, or a stash of tokens of deleted ones)
+// from twenty addresses. Each address stays within its own review budget,
+// and together they spend the broker-wide one, so a consumer of another
+// namespace whose authentication cache entry expired is refused with
+// ResourceExhausted.
+// Defence: the claims of a verified token are the hub's own, so reviews
+// are limited per hub namespace too, before the broker-wide limit.
+func TestOneNamespaceCannotSpendTheReviewBudget(t *testing.T) {
+	f := newFixture(t) // the shipped defaults
+	exp := t0.Add(time.Hour).Unix()
+	// Half the crowd's tokens carry the kubernetes.io claim, half only a
+	// ServiceAccount's sub: both name the namespace crowd.
+	crowdToken := func(i int) string {
+		if i%2 == 0 {
+			return jwt(fmt.Sprintf(`{"sub":"system:serviceaccount:crowd:sa-%d","kubernetes.io":{"namespace":"crowd"},"exp":%d}`, i, exp))
+		}
+		return jwt(fmt.Sprintf(`{"sub":"system:serviceaccount:crowd:sa-%d","exp":%d}`, i, exp))
+	}
+	refused := 0
+	for p := range 20 {
+		from := fromPeer(withBearer, fmt.Sprintf("10.0.1.%d:1000", p+1))
+		for i := range 30 {
+			_, err := f.svc.Exchange(from(crowdToken(p*100+i)), fleetA())
+			st := status.Convert(err)
+			switch st.Code() {
+			case codes.Unauthenticated: // reviewed: the hub does not know it
+			case codes.ResourceExhausted:
+				refused++
+			default:
+				t.Fatalf("crowd token %d from peer %d: %v", i, p, err)
+			}
+		}
+	}
+	crowdReviews := f.reviews.tokenReviews.Load()
+	t.Logf("the crowd: 600 new tokens from 20 addresses, %d reviewed, %d refused", crowdReviews, refused)
+	assert.Equal(t, int32(DefaultNamespaceReviewBurst), crowdReviews, "one namespace's reviews are bounded by its own budget")
+	assert.Equal(t, 600-DefaultNamespaceReviewBurst, refused)
+
+	// From a fresh address of the crowd, the namespace's budget refuses.
+	_, err := f.svc.Exchange(fromPeer(withBearer, "10.0.1.99:1000")(crowdToken(9999)), fleetA())
+	st := status.Convert(err)
+	require.Equal(t, codes.ResourceExhausted, st.Code(), st.Message())
+	assert.Equal(t, fmt.Sprintf(`the tokens of hub namespace "crowd" asked for more than %d new token reviews per second; retry shortly: resource exhausted`,
+		DefaultNamespaceReviewRateLimit), st.Message())
+
+	// A bystander of namespace hub, from an address of its own, with a new
+	// token: still reviewed, and served.
+	bystander := jwt(fmt.Sprintf(`{"sub":"consumer","kubernetes.io":{"namespace":"hub"},"exp":%d}`, exp))
+	_, err = f.svc.Exchange(fromPeer(withBearer, "10.0.2.1:1000")(bystander), fleetA())
+	require.NoError(t, err, "a consumer of another namespace is still reviewed")
+	assert.Equal(t, crowdReviews+1, f.reviews.tokenReviews.Load())
+}
+
+func TestReviewNamespace(t *testing.T) {
+	tests := []struct {
+		name, claims, want string
+	}{
+		{name: "kubernetes.io claim", claims: `{"sub":"system:serviceaccount:a:x","kubernetes.io":{"namespace":"b"}}`, want: "b"},
+		{name: "sub of a ServiceAccount", claims: `{"sub":"system:serviceaccount:a:x"}`, want: "a"},
+		{name: "empty kubernetes.io namespace", claims: `{"sub":"system:serviceaccount:a:x","kubernetes.io":{"namespace":""}}`, want: "a"},
+		{name: "sub of no ServiceAccount", claims: `{"sub":"consumer"}`},
+		{name: "sub without a name", claims: `{"sub":"system:serviceaccount:a"}`},
+		{name: "sub with an empty namespace", claims: `{"sub":"system:serviceaccount::x"}`},
+		{name: "no claims", claims: `{}`},
+		{name: "kubernetes.io of the wrong type", claims: `{"sub":"system:serviceaccount:a:x","kubernetes.io":"b"}`, want: "a"},
+		{name: "namespace of the wrong type", claims: `{"kubernetes.io":{"namespace":7}}`},
+		{name: "not JSON", claims: `not json`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			assert.Equal(t, tt.want, reviewNamespace(jwt(tt.claims)))
+		})
+	}
+	assert.Empty(t, reviewNamespace("not-a-jwt"))
+}

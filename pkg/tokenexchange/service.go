@@ -109,6 +109,17 @@ type Config struct {
 	// Defaults 10/s and 20.
 	PeerReviewRateLimit rate.Limit
 	PeerReviewBurst     int
+	// NamespaceReviewRateLimit and NamespaceReviewBurst bound, after the
+	// peer limit and before the broker-wide one, the TokenReviews of the
+	// tokens of one hub namespace, from whatever addresses, so that the
+	// pods of one namespace cannot spend the broker-wide budget together.
+	// A token's namespace is read once the Verifier has verified it: its
+	// kubernetes.io namespace claim, or the <ns> of a
+	// system:serviceaccount:<ns>:<name> sub. Tokens without one are limited
+	// per peer only. Defaults DefaultNamespaceReviewRateLimit and
+	// DefaultNamespaceReviewBurst.
+	NamespaceReviewRateLimit rate.Limit
+	NamespaceReviewBurst     int
 	// ReviewTimeout bounds each TokenReview and SubjectAccessReview on the
 	// hub. Default 5s.
 	ReviewTimeout time.Duration
@@ -150,9 +161,11 @@ type Service struct {
 	tokens   *store.Cache[minted]
 	limiters *store.Cache[*rate.Limiter]
 	reviews  *rate.Limiter
-	// peerReviews holds a TokenReview limiter per peer address.
-	peerReviews *store.Cache[*rate.Limiter]
-	metrics     *metrics
+	// peerReviews holds a TokenReview limiter per peer address, and
+	// namespaceReviews one per hub namespace.
+	peerReviews      *store.Cache[*rate.Limiter]
+	namespaceReviews *store.Cache[*rate.Limiter]
+	metrics          *metrics
 }
 
 var _ pb.TokenExchangeServer = (*Service)(nil)
@@ -173,6 +186,8 @@ func New(cfg Config) (*Service, error) {
 	setDefault(&cfg.ReviewBurst, 200)
 	setDefault(&cfg.PeerReviewRateLimit, 10)
 	setDefault(&cfg.PeerReviewBurst, 20)
+	setDefault(&cfg.NamespaceReviewRateLimit, DefaultNamespaceReviewRateLimit)
+	setDefault(&cfg.NamespaceReviewBurst, DefaultNamespaceReviewBurst)
 	setDefault(&cfg.CacheSize, 10000)
 	setDefault(&cfg.RateLimit, 20)
 	setDefault(&cfg.RateBurst, 2000)
@@ -210,6 +225,9 @@ func New(cfg Config) (*Service, error) {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
 	if s.peerReviews, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
+		return nil, fmt.Errorf("tokenexchange: %w", err)
+	}
+	if s.namespaceReviews, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
 	return s, nil
