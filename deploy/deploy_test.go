@@ -545,7 +545,7 @@ func TestAdmissionNamesTheAgent(t *testing.T) {
 					assert.Equal(t, "ServiceAccount", kind, "%s", describe(o))
 				}
 			}
-			require.Len(t, policies, 2)
+			require.Len(t, policies, 3)
 			bound := map[string]bool{}
 			for _, o := range objs {
 				if o.GetKind() != "ValidatingAdmissionPolicyBinding" {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/spoke"
 )
 
 const usage = `Usage: spoke-agent --broker-address HOST:PORT --trust-domain TD (--svid-cert-file F --svid-key-file F --trust-bundle-file F | --spiffe-endpoint-socket S) [flags]
@@ -25,6 +26,7 @@ error.`
 func parseFlags(args []string) (agent.Config, error) {
 	cfg := agent.Default()
 	var kubeconfig, trustDomain, brokerID, brokers, cluster, spiffeID, advertiseCA string
+	var allowEscalating []string
 	fs, common := cmdflags.New("spoke-agent", usage)
 	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
 	fs.StringVar(&brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
@@ -37,6 +39,7 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.StringVar(&cluster, "cluster", "", "namespace/name of the hub ClusterProfile this agent serves; a broker that admits it for another is refused (recommended)")
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the spoke; empty means the in-cluster config")
 	fs.StringVar(&cfg.Namespace, "namespace", "", "only mint for ServiceAccounts of this namespace; empty means all")
+	fs.StringSliceVar(&allowEscalating, "allow-escalating-service-accounts", nil, "ServiceAccounts that the agent mints for even though they may create ServiceAccount tokens or impersonate, with which their tokens can outlive every revoke: namespace/name or namespace/* (every one of the namespace), comma-separated or repeated; default: none")
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
 	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "bound on one TokenRequest; keep it at least the broker's --mint-timeout")
 	fs.DurationVar(&cfg.CollectInterval, "grant-collect-interval", cfg.CollectInterval, "how often to delete the grant Secrets of expired tokens, including those a previous agent left")
@@ -66,6 +69,13 @@ func parseFlags(args []string) (agent.Config, error) {
 			return cfg, fmt.Errorf("--cluster %q: want namespace/name", cluster)
 		}
 		cfg.Cluster = types.NamespacedName{Namespace: ns, Name: name}
+	}
+	for _, a := range allowEscalating {
+		n, err := spoke.ParseAllowEscalating(strings.TrimSpace(a))
+		if err != nil {
+			return cfg, fmt.Errorf("--allow-escalating-service-accounts: %w", err)
+		}
+		cfg.AllowEscalatingServiceAccounts = append(cfg.AllowEscalatingServiceAccounts, n)
 	}
 	var err error
 	if trustDomain != "" {

@@ -196,3 +196,40 @@ func TestParseFlagsLogs(t *testing.T) {
 		})
 	}
 }
+
+func TestParseFlagsAllowEscalating(t *testing.T) {
+	kubeconfig := writeKubeconfig(t)
+	required := []string{
+		"--broker-address", "broker.example:8444", "--trust-domain", "fleet.example",
+		"--svid-cert-file", "c", "--svid-key-file", "k", "--trust-bundle-file", "b", "--kubeconfig", kubeconfig,
+	}
+	tests := []struct {
+		name    string
+		args    []string
+		want    []types.NamespacedName
+		wantErr string
+	}{
+		{name: "default: none"},
+		{name: "one", args: []string{"--allow-escalating-service-accounts=apps/deployer"},
+			want: []types.NamespacedName{{Namespace: "apps", Name: "deployer"}}},
+		{name: "comma-separated and repeated", args: []string{"--allow-escalating-service-accounts=apps/deployer, ci/*", "--allow-escalating-service-accounts", "ops/backup"},
+			want: []types.NamespacedName{{Namespace: "apps", Name: "deployer"}, {Namespace: "ci", Name: "*"}, {Namespace: "ops", Name: "backup"}}},
+		{name: "no namespace", args: []string{"--allow-escalating-service-accounts=deployer"},
+			wantErr: `--allow-escalating-service-accounts: "deployer": want namespace/name or namespace/*`},
+		{name: "every namespace", args: []string{"--allow-escalating-service-accounts=*/*"},
+			wantErr: `--allow-escalating-service-accounts: allowed escalating ServiceAccount "*/*": namespace "*"`},
+		{name: "a pattern", args: []string{"--allow-escalating-service-accounts=apps/deploy*"},
+			wantErr: `name "deploy*" is neither a ServiceAccount name nor *`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := parseFlags(append(append([]string(nil), required...), tt.args...))
+			if tt.wantErr != "" {
+				require.ErrorContains(t, err, tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, cfg.AllowEscalatingServiceAccounts)
+		})
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"sigs.k8s.io/yaml"
 )
 
@@ -87,4 +88,57 @@ func TestArgoCDClusterSecret(t *testing.T) {
 		assert.NotContains(t, strings.ToLower(k+v), "token=", "no token in the environment")
 	}
 	assert.False(t, bytes.Contains(raw, []byte("eyJ")), "no JWT anywhere in the file")
+}
+
+// The example spoke ServiceAccount opts in, and its RoleBindings give it
+// only Roles of the file that read, and read no Secret: no built-in role
+// such as edit, whose token could mint itself a token that no grant binds
+// (test/e2e TestEditServiceAccountIsRefused), or start pods that outlive
+// the grant.
+func TestSpokeServiceAccountIsNarrow(t *testing.T) {
+	raw, err := os.ReadFile("spoke-serviceaccount.yaml")
+	require.NoError(t, err)
+	roles := map[string][]rbacv1.PolicyRule{}
+	var bindings []rbacv1.RoleBinding
+	var sa *corev1.ServiceAccount
+	for _, doc := range strings.Split(string(raw), "\n---\n") {
+		var meta struct{ Kind string }
+		require.NoError(t, yaml.Unmarshal([]byte(doc), &meta))
+		switch meta.Kind {
+		case "ServiceAccount":
+			sa = &corev1.ServiceAccount{}
+			require.NoError(t, yaml.UnmarshalStrict([]byte(doc), sa))
+		case "Role":
+			var r rbacv1.Role
+			require.NoError(t, yaml.UnmarshalStrict([]byte(doc), &r))
+			roles[r.Name] = r.Rules
+		case "RoleBinding":
+			var b rbacv1.RoleBinding
+			require.NoError(t, yaml.UnmarshalStrict([]byte(doc), &b))
+			bindings = append(bindings, b)
+		case "Namespace":
+		default:
+			t.Errorf("unexpected %s in the example; a ClusterRoleBinding would reach beyond the namespace", meta.Kind)
+		}
+	}
+	require.NotNil(t, sa)
+	assert.NotEmpty(t, sa.Annotations["credbroker.io/allowed-subjects"])
+	require.NotEmpty(t, bindings)
+	for _, b := range bindings {
+		assert.Equal(t, sa.Namespace, b.Namespace)
+		assert.Equal(t, []rbacv1.Subject{{Kind: "ServiceAccount", Name: sa.Name, Namespace: sa.Namespace}}, b.Subjects)
+		rules, ok := roles[b.RoleRef.Name]
+		if !assert.True(t, ok && b.RoleRef.Kind == "Role", "RoleBinding %s binds %s %s, not a Role of the example", b.Name, b.RoleRef.Kind, b.RoleRef.Name) {
+			continue
+		}
+		for _, r := range rules {
+			for _, v := range r.Verbs {
+				assert.Contains(t, []string{"get", "list", "watch"}, v, "Role %s lets the token %s %v", b.RoleRef.Name, v, r.Resources)
+			}
+			for _, res := range r.Resources {
+				assert.NotContains(t, []string{"secrets", "*"}, res, "Role %s lets the token read %s", b.RoleRef.Name, res)
+			}
+			assert.NotContains(t, r.APIGroups, "*")
+		}
+	}
 }

@@ -73,8 +73,9 @@ type Config struct {
 	FileCheckInterval time.Duration
 
 	// Spoke is the spoke API server's client config; the agent needs
-	// create on serviceaccounts/token, list/watch on serviceaccounts, and
-	// create, patch, delete, list and watch on secrets for its grants.
+	// create on serviceaccounts/token, list/watch on serviceaccounts,
+	// create, patch, delete, list and watch on secrets for its grants, and
+	// create on subjectaccessreviews to refuse escalating ServiceAccounts.
 	Spoke *rest.Config
 	// SpokeQPS and SpokeBurst bound the agent's requests to the spoke API
 	// server. client-go's defaults (5 and 10) would throttle the agent:
@@ -92,6 +93,12 @@ type Config struct {
 	// Namespace limits the ServiceAccounts the agent may mint for, and the
 	// grants it watches; empty means all namespaces.
 	Namespace string
+	// AllowEscalatingServiceAccounts are the ServiceAccounts, as
+	// namespace/name or namespace/* for every one of a namespace, that the
+	// agent mints for even though they may create ServiceAccount tokens or
+	// impersonate (spoke.Config.AllowEscalating). Empty: none. Only the
+	// spoke admin who runs the agent sets it.
+	AllowEscalatingServiceAccounts []types.NamespacedName
 	// MaxExpiration caps minted tokens' lifetime.
 	MaxExpiration time.Duration
 	// MintTimeout bounds one TokenRequest. Keep it at least the broker's
@@ -194,6 +201,11 @@ func (c *Config) Validate() error {
 			"the cluster %q is not a ClusterProfile namespace/name", c.Cluster)
 	}
 	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
+	for _, n := range c.AllowEscalatingServiceAccounts {
+		if _, err := spoke.ParseAllowEscalating(n.Namespace + "/" + n.Name); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	return errors.Join(errs...)
 }
 
@@ -275,6 +287,8 @@ func New(cfg Config) (_ *Agent, err error) {
 		ClusterProfileUID: tunnel.AdmittedClusterProfileUID,
 		CollectInterval:   cfg.CollectInterval,
 		MaxExpiration:     cfg.MaxExpiration,
+		Access:            spoke.NewAccessReviewer(client),
+		AllowEscalating:   cfg.AllowEscalatingServiceAccounts,
 		Clock:             cfg.Clock,
 		Log:               cfg.Log.WithName("mint"),
 	})

@@ -30,21 +30,35 @@ import (
 // ServiceAccount is gone is left to expire: its token died with the
 // ServiceAccount.
 //
+// Run also deletes the grants that someone other than the agent changed
+// (see GrantEvents), as GrantEvents queues them, and at each sweep those
+// whose delete failed or that it found changed.
+//
 // Run returns nil when ctx ends; call it once. Failures to delete are
-// logged and retried at the next sweep, or, for a queued ServiceAccount,
-// with backoff.
+// logged and retried at the next sweep, or, for a queued ServiceAccount or
+// changed grant, with backoff.
 func (m *Minter) Run(ctx context.Context) error {
 	queue := newPolicyQueue()
+	changed := newChangedQueue()
 	m.mu.Lock()
 	m.runCtx = ctx
 	m.queue = queue
 	m.mu.Unlock()
+	m.setChangedQueue(changed)
 	reconciled := make(chan struct{})
 	go func() {
 		defer close(reconciled)
 		m.reconcilePolicies(ctx, queue)
 	}()
+	deleted := make(chan struct{})
+	go func() {
+		defer close(deleted)
+		m.deleteChangedGrants(ctx, changed)
+	}()
 	defer func() {
+		m.setChangedQueue(nil)
+		changed.ShutDown()
+		<-deleted
 		queue.ShutDown()
 		<-reconciled
 		m.mu.Lock()
@@ -59,6 +73,7 @@ func (m *Minter) Run(ctx context.Context) error {
 	defer ticker.Stop()
 	for {
 		m.sweep(ctx)
+		m.queueAllChanged()
 		select {
 		case <-ctx.Done():
 			return nil
@@ -68,15 +83,19 @@ func (m *Minter) Run(ctx context.Context) error {
 }
 
 // sweep deletes every grant whose token has expired, and every other grant
-// whose ServiceAccount's policy no longer allows it.
+// whose ServiceAccount's policy no longer allows it; and queues for
+// deletion every grant someone other than the agent changed.
 func (m *Minter) sweep(ctx context.Context) {
 	now := m.clock.Now()
 	maxLifetime := time.Duration(m.maxSeconds) * time.Second
 	for _, obj := range m.grantCache.List() {
 		g, ok := obj.(*corev1.Secret)
-		// The informer selects by label and type; check again, so a cache
-		// that does not can never make the agent delete another Secret.
+		// The informer selects by type; check again, so a cache that does
+		// not can never make the agent delete another Secret.
 		if !ok || !isGrant(g) {
+			continue
+		}
+		if m.checkSeen(g) {
 			continue
 		}
 		if exp := grantExpiration(g, maxLifetime); !exp.After(now) {

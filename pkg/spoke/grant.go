@@ -26,7 +26,10 @@ import (
 const (
 	// GrantType is the type of every grant Secret.
 	GrantType corev1.SecretType = "credbroker.io/grant"
-	// GrantLabel, set to "true", marks a grant.
+	// GrantLabel, set to "true", marks a grant for people and their tools
+	// (kubectl get secrets -l credbroker.io/grant=true). The agent knows a
+	// grant by its type, which cannot change, not by this label, which
+	// others could drop; a grant without it is one someone else changed.
 	GrantLabel = "credbroker.io/grant"
 	// GrantServiceAccountLabel names the ServiceAccount the token is for,
 	// when its name fits in a label value; GrantServiceAccountAnnotation
@@ -70,7 +73,8 @@ const (
 )
 
 // GrantLabelSelector and GrantFieldSelector select grants, by label and by
-// Secret type, in a List.
+// Secret type, in a List. The agent selects by type only: the label is
+// what the agent writes, and someone else may remove it.
 var (
 	GrantLabelSelector = GrantLabel + "=true"
 	GrantFieldSelector = fields.OneTermEqualSelector("type", string(GrantType)).String()
@@ -97,8 +101,8 @@ type GrantStore interface {
 // NewGrantStore returns a GrantStore over client. It lists grants in
 // namespace, or in every namespace when namespace is empty. The client's
 // identity needs create, patch, delete and list on secrets; ListCredential
-// asks only for Secrets of GrantType with GrantLabel, so the agent never
-// receives another Secret.
+// asks only for Secrets of GrantType, so the agent never receives another
+// Secret.
 func NewGrantStore(client kubernetes.Interface, namespace string) GrantStore {
 	return clientGrantStore{client: client, namespace: namespace}
 }
@@ -124,9 +128,9 @@ func (c clientGrantStore) Delete(ctx context.Context, namespace, name string, ui
 // ListCredential selects by GrantJTILabel when the jti fits in a label
 // value; otherwise it lists every grant.
 func (c clientGrantStore) ListCredential(ctx context.Context, credentialID string) ([]corev1.Secret, error) {
-	selector := GrantLabelSelector
+	selector := ""
 	if jti, ok := strings.CutPrefix(credentialID, "JTI="); ok && jti != "" && len(validation.IsValidLabelValue(jti)) == 0 {
-		selector += "," + GrantJTILabel + "=" + jti
+		selector = GrantJTILabel + "=" + jti
 	}
 	list, err := c.client.CoreV1().Secrets(c.namespace).List(ctx, metav1.ListOptions{
 		LabelSelector: selector,
@@ -170,25 +174,39 @@ func GrantIndexers() cache.Indexers {
 
 // NewGrantInformer returns an informer on the grants in namespace, or in
 // every namespace when namespace is empty, with GrantIndexers. It lists and
-// watches only Secrets of GrantType with GrantLabel (a field and a label
-// selector), so the agent never receives another Secret, and its cache
-// keeps no data and no managed fields of them. The client's identity needs
-// list and watch on secrets. Run it, and wait for it to sync, before the
-// Minter's Run: until then every grant looks missing.
+// watches only Secrets of GrantType (a field selector), so the agent never
+// receives another Secret; a Secret's type cannot change, so a grant
+// leaves the informer only when it is deleted, whatever someone does to
+// its labels. Its cache keeps no managed fields of them, and of any data
+// only the keys, which the agent never writes: data in a grant shows that
+// someone else changed it. The client's identity needs list and watch on
+// secrets. Run it, and wait for it to sync, before the Minter's Run: until
+// then every grant looks missing.
 func NewGrantInformer(client kubernetes.Interface, namespace string) cache.SharedIndexInformer {
 	inf := corev1informers.NewFilteredSecretInformer(client, namespace, 0, GrantIndexers(), func(o *metav1.ListOptions) {
-		o.LabelSelector = GrantLabelSelector
 		o.FieldSelector = GrantFieldSelector
 	})
 	// Set before the informer runs, so it cannot fail.
 	_ = inf.SetTransform(func(obj any) (any, error) {
 		if s, ok := obj.(*corev1.Secret); ok {
 			s.ManagedFields = nil
-			s.Data, s.StringData = nil, nil
+			s.Data, s.StringData = dataKeys(s.Data), nil
 		}
 		return obj, nil
 	})
 	return inf
+}
+
+// dataKeys returns data's keys, without their values; nil for no data.
+func dataKeys(data map[string][]byte) map[string][]byte {
+	if len(data) == 0 {
+		return nil
+	}
+	keys := make(map[string][]byte, len(data))
+	for k := range data {
+		keys[k] = nil
+	}
+	return keys
 }
 
 // grantInfo is what a grant records.

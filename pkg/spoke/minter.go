@@ -166,6 +166,10 @@ type Minter struct {
 	// Each is keyed by a pointer of its own, which Subscribe's unsubscribe
 	// deletes.
 	subscribers map[*func(*credbrokerv1alpha1.GrantUpdate)]struct{}
+
+	// changes holds the grants someone other than the agent changed
+	// (tamper.go).
+	changes changeTracker
 }
 
 // New returns a Minter, or an error if cfg is incomplete or its expiration

@@ -573,15 +573,21 @@ func grantNames(t *testing.T, cs kubernetes.Interface) []string {
 	return names
 }
 
-// createSecret creates a Secret of typ in testNamespace with the grant label
-// and expiration, and returns its name.
+// createSecret creates a Secret of typ in testNamespace with the labels
+// and annotations of a grant, as the agent writes them, and expiration,
+// and returns its name.
 func createSecret(t *testing.T, cs kubernetes.Interface, prefix string, typ corev1.SecretType, expiration string) string {
 	t.Helper()
+	annotations := map[string]string{}
+	for _, k := range grantAnnotations {
+		annotations[k] = ""
+	}
+	annotations[GrantExpirationAnnotation] = expiration
 	s, err := cs.CoreV1().Secrets(testNamespace).Create(t.Context(), &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{
 			GenerateName: prefix,
-			Labels:       map[string]string{GrantLabel: "true"},
-			Annotations:  map[string]string{GrantExpirationAnnotation: expiration},
+			Labels:       map[string]string{GrantLabel: "true", GrantServiceAccountLabel: ""},
+			Annotations:  annotations,
 		},
 		Type: typ,
 	}, metav1.CreateOptions{})

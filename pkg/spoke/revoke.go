@@ -78,10 +78,14 @@ func (m *Minter) Reconcile(ctx context.Context, namespace, name string) error {
 	var errs []error
 	for _, obj := range grants {
 		g, ok := obj.(*corev1.Secret)
-		// The informer selects by label and type; check again, so that a
-		// cache that does not can never make the agent delete another
-		// Secret.
+		// The informer selects by type; check again, so that a cache that
+		// does not can never make the agent delete another Secret.
 		if !ok || !isGrant(g) || g.Namespace != namespace || g.Annotations[GrantServiceAccountAnnotation] != name {
+			continue
+		}
+		// What a grant that someone else changed says is not the agent's:
+		// Run deletes it as changed.
+		if _, changed := m.changedRecord(g.UID); changed {
 			continue
 		}
 		if err := m.revokeDisallowed(ctx, sa, g); err != nil {
@@ -91,9 +95,11 @@ func (m *Minter) Reconcile(ctx context.Context, namespace, name string) error {
 	return errors.Join(errs...)
 }
 
-// isGrant reports whether s is a grant: of GrantType, with GrantLabel.
+// isGrant reports whether s is a grant: of GrantType. A Secret's type
+// cannot change, so no one can make a grant look like anything else, or
+// another Secret look like a grant; its labels can, and say nothing here.
 func isGrant(s *corev1.Secret) bool {
-	return s.Type == GrantType && s.Labels[GrantLabel] == "true"
+	return s.Type == GrantType
 }
 
 // grantAudiences returns the audiences grant's token was minted for.

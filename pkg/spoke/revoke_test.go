@@ -47,13 +47,17 @@ func grantOf(namespace, name, sa, user, audiences string) *corev1.Secret {
 	return &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{
 			Namespace: namespace, Name: name, UID: types.UID("uid-" + name),
-			Labels: map[string]string{GrantLabel: "true", GrantServiceAccountLabel: sa},
+			Labels: map[string]string{GrantLabel: "true", GrantServiceAccountLabel: sa, GrantJTILabel: "jti-" + name},
 			Annotations: map[string]string{
-				GrantServiceAccountAnnotation: sa,
-				GrantHubUserAnnotation:        user,
-				GrantAudiencesAnnotation:      audiences,
-				GrantCredentialIDAnnotation:   "JTI=jti-" + name,
-				GrantExpirationAnnotation:     issuedAt.Add(30 * time.Minute).Format(time.RFC3339),
+				GrantServiceAccountAnnotation:    sa,
+				GrantHubUserAnnotation:           user,
+				GrantHubUIDAnnotation:            "",
+				GrantHubGroupsAnnotation:         "",
+				GrantClusterProfileAnnotation:    "",
+				GrantClusterProfileUIDAnnotation: "",
+				GrantAudiencesAnnotation:         audiences,
+				GrantCredentialIDAnnotation:      "JTI=jti-" + name,
+				GrantExpirationAnnotation:        issuedAt.Add(30 * time.Minute).Format(time.RFC3339),
 			},
 		},
 		Type: GrantType,

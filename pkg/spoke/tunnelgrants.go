@@ -37,11 +37,17 @@ const defaultRevokeReason = "revoked by the broker"
 // timer of a deleted grant; and queues the ServiceAccount of every new
 // grant for Reconcile, so that a policy change that reached the agent
 // before the grant did still revokes it.
+//
+// A grant that differs from what the agent writes (see tamper.go) was
+// changed by someone else: it queues the grant for Run to delete, which
+// revokes its token, and tells subscribers nothing of the change; they
+// learn of the grant's removal, under the credential id the agent had
+// recorded, once it is deleted.
 func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			g, ok := obj.(*corev1.Secret)
-			if !ok || !isGrant(g) {
+			if !ok || !isGrant(g) || m.checkSeen(g) {
 				return
 			}
 			if sa := g.Annotations[GrantServiceAccountAnnotation]; sa != "" {
@@ -54,7 +60,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 		UpdateFunc: func(oldObj, newObj any) {
 			old, ok1 := oldObj.(*corev1.Secret)
 			now, ok2 := newObj.(*corev1.Secret)
-			if !ok1 || !ok2 {
+			if !ok1 || !ok2 || !isGrant(now) || m.checkUpdate(old, now) {
 				return
 			}
 			oldID, newID := "", ""
@@ -89,7 +95,11 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 				return
 			}
 			m.stopTimer(g.UID)
-			if id := g.Annotations[GrantCredentialIDAnnotation]; id != "" && isGrant(g) {
+			id := g.Annotations[GrantCredentialIDAnnotation]
+			if rec, changed := m.forgetChanged(g.UID); changed {
+				id = rec.credentialID
+			}
+			if id != "" && isGrant(g) {
 				m.publish(&credbrokerv1alpha1.GrantUpdate{Removed: []string{id}})
 			}
 		},
@@ -130,12 +140,16 @@ func (m *Minter) Subscribe(fn func(*credbrokerv1alpha1.GrantUpdate)) (unsubscrib
 
 // Snapshot returns every grant in GrantCache that has a credential id,
 // ordered by credential id, whatever ClusterProfile it records: the broker
-// keeps those of the ClusterProfile it admitted the stream for.
+// keeps those of the ClusterProfile it admitted the stream for. It leaves
+// out the grants someone else changed, which are being deleted.
 func (m *Minter) Snapshot() []*credbrokerv1alpha1.Grant {
 	var out []*credbrokerv1alpha1.Grant
 	for _, obj := range m.grantCache.List() {
 		g, ok := obj.(*corev1.Secret)
 		if !ok || !isGrant(g) || g.Annotations[GrantCredentialIDAnnotation] == "" {
+			continue
+		}
+		if _, changed := m.changedRecord(g.UID); changed || foreignChange(g) != "" {
 			continue
 		}
 		out = append(out, m.toGrant(g))
@@ -220,10 +234,10 @@ func (m *Minter) Revoke(ctx context.Context, req *credbrokerv1alpha1.RevokeReque
 		}
 		allGone := true
 		for _, g := range grants {
-			if g.Annotations[GrantClusterProfileAnnotation] != cluster {
+			if _, recorded := m.recorded(g); recorded != cluster {
 				m.log.Info("refused to revoke a grant of another ClusterProfile",
 					"credentialID", id, "grant", g.Namespace+"/"+g.Name,
-					"grantClusterProfile", g.Annotations[GrantClusterProfileAnnotation], "admittedFor", cluster)
+					"grantClusterProfile", recorded, "admittedFor", cluster)
 				allGone = false
 				continue
 			}
@@ -247,16 +261,19 @@ func (m *Minter) Revoke(ctx context.Context, req *credbrokerv1alpha1.RevokeReque
 }
 
 // cachedGrantsOf returns the grants in GrantCache that record credential
-// id id.
+// id id, as the agent wrote it: a grant someone else changed counts under
+// the id the agent had recorded.
 func (m *Minter) cachedGrantsOf(id string) []*corev1.Secret {
+	out := m.changedWith(id)
 	objs, err := m.grantCache.ByIndex(GrantCredentialIDIndex, id)
 	if err != nil {
-		return nil // the index exists: New checks
+		return out // the index exists: New checks
 	}
-	var out []*corev1.Secret
 	for _, obj := range objs {
 		if g, ok := obj.(*corev1.Secret); ok && isGrant(g) && g.Annotations[GrantCredentialIDAnnotation] == id {
-			out = append(out, g)
+			if _, changed := m.changedRecord(g.UID); !changed {
+				out = append(out, g)
+			}
 		}
 	}
 	return out
@@ -272,7 +289,9 @@ func (m *Minter) storedGrantsOf(ctx context.Context, id string) ([]*corev1.Secre
 	var out []*corev1.Secret
 	for i := range list {
 		if g := &list[i]; isGrant(g) && g.Annotations[GrantCredentialIDAnnotation] == id {
-			out = append(out, g)
+			if recorded, _ := m.recorded(g); recorded == id {
+				out = append(out, g)
+			}
 		}
 	}
 	return out, nil
@@ -292,9 +311,10 @@ func (m *Minter) revokeGrant(ctx context.Context, grant *corev1.Secret, reason s
 			ref, grant.Annotations[GrantCredentialIDAnnotation], err, errdefs.ErrUnavailable)
 	}
 	m.stopTimer(grant.UID)
+	id, _ := m.recorded(grant)
 	m.log.Info("revoked grant",
 		"grant", ref,
-		"credentialID", grant.Annotations[GrantCredentialIDAnnotation],
+		"credentialID", id,
 		"subject", grant.Annotations[GrantHubUserAnnotation],
 		"serviceAccount", grant.Namespace+"/"+grant.Annotations[GrantServiceAccountAnnotation],
 		"audiences", grantAudiences(grant),

@@ -258,8 +258,8 @@ func TestSnapshot(t *testing.T) {
 	delete(unminted.Annotations, GrantCredentialIDAnnotation)
 	notAGrant := profileGrant("apps", "db-password", "deployer", argocd, "fleet/a")
 	notAGrant.Type = corev1.SecretTypeOpaque
-	// An expiration the broker cannot read: the latest its token can live,
-	// its creation plus MaxExpiration (1h).
+	// An expiration the agent would not write: someone else changed it, and
+	// it is being deleted.
 	garbled := profileGrant("apps", "garbled", "deployer", argocd, "fleet/a")
 	garbled.Annotations[GrantExpirationAnnotation] = "tomorrow"
 	garbled.CreationTimestamp = metav1.NewTime(issuedAt)
@@ -275,14 +275,6 @@ func TestSnapshot(t *testing.T) {
 			Audiences:      []string{"vault", "sts"},
 			ExpirationTime: timestamppb.New(issuedAt.Add(30 * time.Minute)),
 			Secret:         ref("apps", "full"),
-		},
-		{
-			CredentialId:   "JTI=jti-garbled",
-			Cluster:        ref("fleet", "a"),
-			Subject:        &credbrokerv1alpha1.Subject{Username: argocd},
-			ServiceAccount: ref("apps", "deployer"),
-			ExpirationTime: timestamppb.New(issuedAt.Add(time.Hour)),
-			Secret:         ref("apps", "garbled"),
 		},
 		{
 			CredentialId:   "JTI=jti-other",
@@ -333,6 +325,7 @@ func (r *recorder) summary() []string {
 func TestSubscribe(t *testing.T) {
 	unminted := profileGrant("apps", "g", "deployer", argocd, "fleet/a")
 	delete(unminted.Annotations, GrantCredentialIDAnnotation)
+	delete(unminted.Labels, GrantJTILabel)
 	minted := profileGrant("apps", "g", "deployer", argocd, "fleet/a")
 	renewed := minted.DeepCopy()
 	renewed.Annotations[GrantExpirationAnnotation] = issuedAt.Add(time.Hour).Format(time.RFC3339)
@@ -352,9 +345,22 @@ func TestSubscribe(t *testing.T) {
 		{name: "seen with a credential id", event: func(h cache.ResourceEventHandler) { h.OnAdd(minted, true) }, want: []string{"+JTI=jti-g"}},
 		{name: "credential id recorded", event: func(h cache.ResourceEventHandler) { h.OnUpdate(unminted, minted) }, want: []string{"+JTI=jti-g"}},
 		{name: "resync", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, minted) }},
-		{name: "a change the broker does not see", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, relabelled) }},
-		{name: "expiration changed", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, renewed) }, want: []string{"+JTI=jti-g"}},
-		{name: "credential id rewritten", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, rewritten) }, want: []string{"+JTI=other -JTI=jti-g"}},
+		// Changes by someone else: the grant is being deleted, and the
+		// brokers hear of its removal once it is gone.
+		{name: "a label added", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, relabelled) }},
+		{name: "expiration changed", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, renewed) }},
+		{name: "credential id rewritten", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, rewritten) }},
+		{
+			name:  "credential id rewritten, then deleted",
+			event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, rewritten); h.OnDelete(rewritten) },
+			want:  []string{"-JTI=jti-g"},
+		},
+		{name: "seen changed", event: func(h cache.ResourceEventHandler) { h.OnAdd(relabelled, true) }},
+		{
+			name:  "seen changed, then deleted",
+			event: func(h cache.ResourceEventHandler) { h.OnAdd(relabelled, true); h.OnDelete(relabelled) },
+			want:  []string{"-JTI=jti-g"},
+		},
 		{name: "deleted", event: func(h cache.ResourceEventHandler) { h.OnDelete(minted) }, want: []string{"-JTI=jti-g"}},
 		{
 			name: "deleted while the watch was down",

@@ -61,7 +61,7 @@ func applySpokeAdmission(t *testing.T, spoke *framework.Cluster, probeNamespace 
 	ctx := context.Background()
 	client := spoke.Client.AdmissionregistrationV1()
 	objs := readObjects(t, "../../deploy/spoke/admission.yaml")
-	require.Len(t, objs, 4)
+	require.Len(t, objs, 6)
 	for _, obj := range objs {
 		var err error
 		switch o := obj.(type) {
@@ -113,11 +113,27 @@ func agentClient(t *testing.T, spoke *framework.Cluster) kubernetes.Interface {
 	return kubernetes.NewForConfigOrDie(cfg)
 }
 
+// grantObject is a grant as the agent writes it, for a ServiceAccount and a
+// ClusterProfile that do not exist: the agents leave it alone, as they
+// delete any grant that differs from what they write.
 func grantObject(name string, data map[string][]byte) *corev1.Secret {
 	return &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{spoke.GrantLabel: "true"}},
-		Type:       spoke.GrantType,
-		Data:       data,
+		ObjectMeta: metav1.ObjectMeta{
+			Name:   name,
+			Labels: map[string]string{spoke.GrantLabel: "true", spoke.GrantServiceAccountLabel: "nobody"},
+			Annotations: map[string]string{
+				spoke.GrantServiceAccountAnnotation:    "nobody",
+				spoke.GrantHubUserAnnotation:           "",
+				spoke.GrantHubUIDAnnotation:            "",
+				spoke.GrantHubGroupsAnnotation:         "",
+				spoke.GrantClusterProfileAnnotation:    framework.FleetNamespace + "/no-such-cluster",
+				spoke.GrantClusterProfileUIDAnnotation: "",
+				spoke.GrantAudiencesAnnotation:         "",
+				spoke.GrantExpirationAnnotation:        time.Now().Add(time.Hour).UTC().Format(time.RFC3339),
+			},
+		},
+		Type: spoke.GrantType,
+		Data: data,
 	}
 }
 
@@ -200,7 +216,7 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 			spoke.GrantClusterProfileUIDAnnotation: {"uid-a", "uid-b"},
 		} {
 			g := grantObject("owned", nil)
-			g.Annotations = map[string]string{key: values[0]}
+			g.Annotations[key] = values[0]
 			g, err := agent.Create(ctx, g, metav1.CreateOptions{})
 			require.NoError(t, err)
 			_, err = agent.Patch(ctx, g.Name, types.MergePatchType,
@@ -213,7 +229,7 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 		g, err := agent.Create(ctx, grantObject("a-grant", nil), metav1.CreateOptions{})
 		require.NoError(t, err)
 		_, err = agent.Patch(ctx, g.Name, types.MergePatchType,
-			[]byte(`{"metadata":{"annotations":{"`+spoke.GrantCredentialIDAnnotation+`":"JTI=x"}}}`), metav1.PatchOptions{})
+			[]byte(`{"metadata":{"labels":{"`+spoke.GrantJTILabel+`":"x"},"annotations":{"`+spoke.GrantCredentialIDAnnotation+`":"JTI=x"}}}`), metav1.PatchOptions{})
 		require.NoError(t, err)
 		_, err = agent.Patch(ctx, g.Name, types.MergePatchType, []byte(`{"data":{"k":"dg=="}}`), metav1.PatchOptions{})
 		refused(t, err)

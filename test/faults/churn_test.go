@@ -10,6 +10,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -22,6 +23,12 @@ import (
 const (
 	churnGoroutineSlack = 10
 	churnHeapSlack      = 4 << 20 // bytes, on top of a quarter of the first round's heap goal
+	// churnFlipTimeout bounds how long a flip of the opt-in takes to reach
+	// the exchanges: the promise that a revoke kills a token within 20 s.
+	churnFlipTimeout = 20 * time.Second
+	// churnCallsAfterDeletion is how many of the load's calls for a deleted
+	// ClusterProfile each round sees refused.
+	churnCallsAfterDeletion = 5
 )
 
 // TestChurn runs the shipped broker and spoke-agent binaries as processes
@@ -29,13 +36,16 @@ const (
 // exchanges) for CHURN_DURATION (default 60s; the two minutes with
 // CHURN_DURATION=2m), in three rounds. Each round creates a ClusterProfile
 // with an agent process of its own, restarts that agent (SIGTERM, then
-// SIGKILL), annotates and un-annotates a spoke ServiceAccount every half
-// second, and deletes the ClusterProfile. No exchange for a deleted
-// ClusterProfile is answered once the broker's informer has seen the
-// deletion (its credbroker_cluster_profiles gauge drops), and neither the
-// broker's nor the long-lived agent's goroutines or live heap (their own
-// /metrics: go_goroutines, go_memstats_next_gc_bytes) grow from the first
-// round to the last beyond a small slack.
+// SIGKILL), annotates and un-annotates a spoke ServiceAccount, each flip
+// as soon as the last one shows in an exchange's answer, and deletes the
+// ClusterProfile. An exchange for the toggled ServiceAccount is answered OK
+// or PermissionDenied, never anything else (a grant that the agent's
+// policy worker revokes during a mint once made it NotFound). No exchange
+// for a deleted ClusterProfile is answered once the broker's informer has
+// seen the deletion (its credbroker_cluster_profiles gauge drops), and
+// neither the broker's nor the long-lived agent's goroutines or live heap
+// (their own /metrics: go_goroutines, go_memstats_next_gc_bytes) grow from
+// the first round to the last beyond a small slack.
 func TestChurn(t *testing.T) {
 	ctx := t.Context()
 	total := durationFromEnv(t, "CHURN_DURATION", time.Minute)
@@ -60,6 +70,22 @@ func TestChurn(t *testing.T) {
 			})
 			return err
 		}
+	}
+	// flipped waits until an exchange for the toggled ServiceAccount
+	// answers want: OK once the agent has seen the opt-in, PermissionDenied
+	// once it has seen the opt-in go and the broker no longer hands out the
+	// token whose grant the agent revoked. Any other answer fails at once.
+	// It returns how long that took.
+	flipped := func(want codes.Code) time.Duration {
+		t.Helper()
+		return waitFor(t, churnFlipTimeout, "an exchange for the toggled ServiceAccount to answer "+want.String(), func() bool {
+			ctx, cancel := context.WithTimeout(ctx, mintTimeout)
+			defer cancel()
+			err := exchange(f.client, c.Consumer, spoke1.Name, "toggled")(ctx, 0)
+			code := status.Code(err)
+			require.Contains(t, []codes.Code{codes.OK, codes.PermissionDenied}, code, "an exchange for the toggled ServiceAccount: %v", err)
+			return code == want
+		})
 	}
 	_, _, err = c.exchange(spoke1, 0, mintTimeout)
 	require.NoError(t, err)
@@ -97,8 +123,10 @@ func TestChurn(t *testing.T) {
 		churned.Store(&name)
 
 		// Restart the churned agent halfway through the round; toggle the
-		// opt-in until the round's end.
+		// opt-in until the round's end, each time as soon as the last flip
+		// has taken effect.
 		restarted := false
+		toggles, slowestFlip := 0, time.Duration(0)
 		for i := 0; time.Now().Before(roundEnd.Add(-3 * time.Second)); i++ {
 			if !restarted && time.Now().After(roundEnd.Add(-total/time.Duration(2*len(rounds)))) {
 				sig := syscall.SIGTERM
@@ -120,7 +148,12 @@ func TestChurn(t *testing.T) {
 			}
 			_, err = spoke1.Client.CoreV1().ServiceAccounts(c.targetNS).Update(ctx, sa, metav1.UpdateOptions{})
 			require.NoError(t, err)
-			time.Sleep(500 * time.Millisecond) // the churn's pace, not synchronization
+			want := codes.OK
+			if i%2 == 1 {
+				want = codes.PermissionDenied
+			}
+			slowestFlip = max(slowestFlip, flipped(want))
+			toggles++
 		}
 		waitFor(t, time.Minute, "the restarted churned agent to serve", serves)
 
@@ -131,7 +164,20 @@ func TestChurn(t *testing.T) {
 			return f.brokerMetric(t, "credbroker_cluster_profiles") == profiles
 		})
 		seen := time.Now()
-		time.Sleep(time.Second) // the load asks for the deleted ClusterProfile meanwhile
+		// The load asks for the deleted ClusterProfile meanwhile: wait for a
+		// few of its calls that started after the broker saw the deletion,
+		// so that the check below is never vacuous.
+		waitFor(t, time.Minute, "the load to ask for the deleted ClusterProfile", func() bool {
+			load.mu.Lock()
+			defer load.mu.Unlock()
+			n := 0
+			for _, call := range load.calls {
+				if call.kind == "churned" && call.start.After(seen) {
+					n++
+				}
+			}
+			return n >= churnCallsAfterDeletion
+		})
 		code, _, err := (&caller{Consumer: c.Consumer, client: f.client, targetNS: c.targetNS, targets: map[string][]string{name: {"target-0"}}}).
 			exchange(&framework.Cluster{Name: name}, 0, mintTimeout)
 		require.Equal(t, codes.NotFound, code, "%v", err)
@@ -143,7 +189,7 @@ func TestChurn(t *testing.T) {
 		answered, after := 0, 0
 		load.mu.Lock()
 		for _, call := range load.calls {
-			if call.start.After(seen) {
+			if call.kind == "churned" && call.start.After(seen) {
 				after++
 				if call.code == codes.OK {
 					answered++
@@ -158,8 +204,8 @@ func TestChurn(t *testing.T) {
 		})
 		rounds[r].broker = settledUsage(t, f.brokerOpts.MetricsAddress)
 		rounds[r].agent = settledUsage(t, f.agentMetrics)
-		t.Logf("churn round %d (%s): deletion seen %s after it, then %d calls for it, none answered; broker %s; agent %s",
-			r+1, name, seen.Sub(deleted).Round(10*time.Millisecond), after, rounds[r].broker, rounds[r].agent)
+		t.Logf("churn round %d (%s): %d opt-in flips, each seen by the agent and the broker within %s; deletion seen %s after it, then %d calls for it, none answered; broker %s; agent %s",
+			r+1, name, toggles, slowestFlip.Round(10*time.Millisecond), seen.Sub(deleted).Round(10*time.Millisecond), after, rounds[r].broker, rounds[r].agent)
 		load.resume()
 	}
 	load.pause()

@@ -601,12 +601,14 @@ func (d *Deployment) WaitForServiceAccount(ctx context.Context, spoke *Cluster, 
 // AgentRules are the spoke permissions an agent needs, as
 // deploy/spoke/rbac.yaml grants them: list and watch ServiceAccounts (an
 // informer, for their opt-in annotation; never a get), create tokens for them, and create, annotate, delete, list
-// and watch the grant Secrets the tokens are bound to.
+// and watch the grant Secrets the tokens are bound to, and ask
+// SubjectAccessReviews, to refuse ServiceAccounts that may escalate.
 func AgentRules() []rbacv1.PolicyRule {
 	return []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"serviceaccounts/token"}, Verbs: []string{"create"}},
 		{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"create", "patch", "delete", "list", "watch"}},
+		{APIGroups: []string{"authorization.k8s.io"}, Resources: []string{"subjectaccessreviews"}, Verbs: []string{"create"}},
 	}
 }
 
