@@ -2,7 +2,9 @@ package grants
 
 import (
 	"cmp"
+	"container/heap"
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -13,6 +15,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
 
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/tokenexchange"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -70,18 +74,64 @@ type RegistryConfig struct {
 	// Clock drops grants, and what is known of revoked ones, once their
 	// tokens expire. Default: the real clock.
 	Clock clock.PassiveClock
-	// MaxGrantsPerCluster bounds the live grants held for one
-	// ClusterProfile, so that a compromised agent cannot grow the broker's
-	// memory without bound; reports beyond it are dropped and logged.
+	// Pending, when set, records the revokes that no agent confirmed, for
+	// every broker replica to send again (a *PendingStore). Nil: they live
+	// in this replica's memory only.
+	Pending PendingRecorder
+	// The bounds of what the agents of one ClusterProfile may make the
+	// registry hold, so that a compromised agent cannot grow the broker's
+	// memory: a report that breaks one is refused, and the tunnel closes
+	// the agent's stream.
+	//
+	// MaxGrantsPerCluster bounds the live grants of one ClusterProfile.
 	// Default DefaultMaxGrantsPerCluster.
 	MaxGrantsPerCluster int
-	// Log receives revocations that failed. Default: discard.
+	// MaxGrantBytes bounds one grant, by its protobuf size. Default
+	// DefaultMaxGrantBytes.
+	MaxGrantBytes int
+	// MaxGrantBytesPerCluster bounds what the registry holds for one
+	// ClusterProfile: its live grants, each counted as its protobuf size
+	// and grantOverhead, and a record of each grant its agents reported
+	// deleted, until the grant's token expires. Default
+	// DefaultMaxGrantBytesPerCluster.
+	MaxGrantBytesPerCluster int
+	// MaxGrantLifetime bounds the expiry of a reported grant to now plus
+	// MaxGrantLifetime and tokenexchange.MaxClockSkew: no token the broker
+	// mints lives longer. The broker passes its MaxExpiration. Default
+	// DefaultMaxGrantLifetime.
+	MaxGrantLifetime time.Duration
+	// Log receives revocations that failed and refused reports. Default:
+	// discard.
 	Log logr.Logger
 }
 
-// DefaultMaxGrantsPerCluster is the default RegistryConfig.MaxGrantsPerCluster:
-// far more tokens than one cluster's consumers hold at once.
-const DefaultMaxGrantsPerCluster = 100000
+// The defaults of RegistryConfig's bounds.
+const (
+	// DefaultMaxGrantsPerCluster: far more tokens than one cluster's
+	// consumers hold at once.
+	DefaultMaxGrantsPerCluster = 100000
+	// DefaultMaxGrantBytes is the largest grant an agent reports: the
+	// agent's Client leaves out a grant that does not fit alone in its
+	// 32 KiB frames.
+	DefaultMaxGrantBytes = 32 << 10
+	// DefaultMaxGrantBytesPerCluster holds some 50,000 grants of a typical
+	// size (about 400 bytes and grantOverhead each).
+	DefaultMaxGrantBytesPerCluster = 32 << 20
+	// DefaultMaxGrantLifetime is the broker's default maximum expiration.
+	DefaultMaxGrantLifetime = time.Hour
+)
+
+// MaxCredentialIDBytes bounds a reported grant's credential id: "JTI="
+// and a JTI of at most 128 bytes, as a selector may name it.
+const MaxCredentialIDBytes = 4 + maxJTILength
+
+// What the registry counts against MaxGrantBytesPerCluster besides a
+// grant's protobuf size: its record and index entries (grantOverhead), and
+// for a revoked grant, its credential id and revokedOverhead.
+const (
+	grantOverhead   = 256
+	revokedOverhead = 128
+)
 
 // pendingRevoke is a revoke that has not reached an agent yet.
 type pendingRevoke struct {
@@ -89,21 +139,48 @@ type pendingRevoke struct {
 	reason string
 }
 
+// record is what the registry holds of one grant: a live one (grant is
+// set) or a revoked one, whose token has not expired yet.
+type record struct {
+	id      string
+	grant   *pb.Grant // never changed once stored: readers share it
+	cluster types.NamespacedName
+	expires time.Time
+	// size is what the record counts against its cluster's
+	// MaxGrantBytesPerCluster.
+	size int
+	// index is the record's place in its expiryQueue.
+	index int
+}
+
+// usage is what the registry holds for one ClusterProfile.
+type usage struct {
+	grants int // live grants
+	bytes  int // live grants and revoked records, as record.size counts them
+}
+
 // Registry holds the live grants of the fleet as the agents report them,
-// and revokes them. It is safe for concurrent use.
+// and revokes them. It is safe for concurrent use. Every lookup is indexed
+// (by credential id, ClusterProfile and username), so that a reader copies
+// only what it returns, and expiry takes the expired records off a queue;
+// the lock that Revoked, on every exchange, takes is held only for that.
 type Registry struct {
 	cfg RegistryConfig
 
-	mu sync.Mutex
-	// live holds the live grants by credential id; perCluster counts them
-	// by ClusterProfile.
-	live       map[string]*pb.Grant
-	perCluster map[types.NamespacedName]int
-	// lastExpire is when expire last ran.
+	mu sync.RWMutex
+	// live holds the live grants by credential id, also indexed by
+	// ClusterProfile and by username; use counts them by ClusterProfile.
+	live      map[string]*record
+	byCluster map[types.NamespacedName]map[string]*record
+	byUser    map[string]map[string]*record
+	use       map[types.NamespacedName]*usage
+	// lastExpire is when expire last scanned pending.
 	lastExpire time.Time
 	// revoked holds the grants revoked through this replica or reported
 	// deleted by an agent, by credential id, until their tokens expire.
-	revoked map[string]*pb.Grant
+	revoked map[string]*record
+	// liveQueue and revokedQueue order live and revoked by expiry.
+	liveQueue, revokedQueue expiryQueue
 	// pending holds the revokes that have not reached an agent, by
 	// credential id.
 	pending map[string]pendingRevoke
@@ -120,12 +197,23 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 	if cfg.MaxGrantsPerCluster <= 0 {
 		cfg.MaxGrantsPerCluster = DefaultMaxGrantsPerCluster
 	}
+	if cfg.MaxGrantBytes <= 0 {
+		cfg.MaxGrantBytes = DefaultMaxGrantBytes
+	}
+	if cfg.MaxGrantBytesPerCluster <= 0 {
+		cfg.MaxGrantBytesPerCluster = DefaultMaxGrantBytesPerCluster
+	}
+	if cfg.MaxGrantLifetime <= 0 {
+		cfg.MaxGrantLifetime = DefaultMaxGrantLifetime
+	}
 	return &Registry{
-		cfg:        cfg,
-		live:       map[string]*pb.Grant{},
-		perCluster: map[types.NamespacedName]int{},
-		revoked:    map[string]*pb.Grant{},
-		pending:    map[string]pendingRevoke{},
+		cfg:       cfg,
+		live:      map[string]*record{},
+		byCluster: map[types.NamespacedName]map[string]*record{},
+		byUser:    map[string]map[string]*record{},
+		use:       map[types.NamespacedName]*usage{},
+		revoked:   map[string]*record{},
+		pending:   map[string]pendingRevoke{},
 	}, nil
 }
 
@@ -149,13 +237,38 @@ func own(cluster tunnel.ClusterRef, g *pb.Grant) (_ *pb.Grant, stale bool) {
 }
 
 // Hello applies the grants an agent of cluster reported in its hello, as
-// Update applies those of a GrantUpdate.
-func (r *Registry) Hello(ctx context.Context, cluster tunnel.ClusterRef, grants []*pb.Grant) {
-	r.Update(ctx, cluster, &pb.GrantUpdate{Added: grants})
+// Report applies those of a GrantUpdate.
+func (r *Registry) Hello(ctx context.Context, cluster tunnel.ClusterRef, grants []*pb.Grant) error {
+	if err := r.report(ctx, cluster, "hello", &pb.GrantUpdate{Added: grants}); err != nil {
+		return err
+	}
+	r.retryUnreported(ctx, cluster, grants)
+	return nil
 }
 
-// Update applies a report from an agent of cluster: the grants of its hello,
-// or a GrantUpdate. It sends again the pending revokes of the grants
+// Report applies a GrantUpdate of an agent of cluster. It refuses, with an
+// error, a report that breaks a bound of RegistryConfig: one that holds a
+// grant larger than MaxGrantBytes, a credential id longer than
+// MaxCredentialIDBytes or an expiry past MaxGrantLifetime (wrapping
+// errdefs.ErrInvalidArgument: no honest agent sends it), and one whose
+// grants would make its ClusterProfile's share pass MaxGrantsPerCluster or
+// MaxGrantBytesPerCluster (wrapping errdefs.ErrResourceExhausted). A
+// refused report adds nothing, though the removals of one that breaks only
+// the ClusterProfile's share are applied, and it is logged; the tunnel
+// then closes the agent's stream.
+func (r *Registry) Report(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) error {
+	return r.report(ctx, cluster, "grant update", u)
+}
+
+// Update records the grants of u, of cluster, as Report does, and only
+// logs a refusal: the exchange tells the registry of every token it
+// mints, which it checked already.
+func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) {
+	_ = r.report(ctx, cluster, "exchange", u)
+}
+
+// report applies u, of an agent of cluster, reported in frame (for logs).
+// It sends again the pending revokes of the grants
 // it adds. A hello adds and never removes: the agents of one ClusterProfile
 // may see different grants (one scoped to a namespace, or an agent on
 // another cluster that holds the profile's SVID), and none may hide
@@ -165,25 +278,30 @@ func (r *Registry) Hello(ctx context.Context, cluster tunnel.ClusterRef, grants 
 // it adds that were minted through another incarnation of cluster: the
 // ClusterProfile was deleted and created again since, and they are not the
 // new one's.
-func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) {
+func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame string, u *pb.GrantUpdate) error {
 	now := r.cfg.Clock.Now()
+	// What each grant is, off the lock.
 	var (
-		retry   []pendingRevoke
-		stale   []string
-		dropped int
+		adds  []*record
+		stale []string
+		at    = map[string]int{} // the last report of an id wins
 	)
-	r.mu.Lock()
-	r.expire()
-	for _, id := range u.GetRemoved() {
-		if g, ok := r.live[id]; ok && ClusterRef(g).NamespacedName == cluster.NamespacedName {
-			r.drop(id)
-			r.revoked[id] = g
-		}
-		if p, ok := r.pending[id]; ok && ClusterRef(p.grant).NamespacedName == cluster.NamespacedName {
-			delete(r.pending, id)
-		}
-	}
+	latest := now.Add(r.cfg.MaxGrantLifetime + tokenexchange.MaxClockSkew)
 	for _, g := range u.GetAdded() {
+		size := proto.Size(g)
+		switch {
+		case size > r.cfg.MaxGrantBytes:
+			return r.refuse(cluster, frame, "grantBytes", size, r.cfg.MaxGrantBytes,
+				fmt.Errorf("a grant of %d bytes, more than the %d bytes a grant may have: %w", size, r.cfg.MaxGrantBytes, errdefs.ErrInvalidArgument))
+		case len(g.GetCredentialId()) > MaxCredentialIDBytes:
+			return r.refuse(cluster, frame, "credentialIDBytes", len(g.GetCredentialId()), MaxCredentialIDBytes,
+				fmt.Errorf("a credential id of %d bytes, more than %d: %w", len(g.GetCredentialId()), MaxCredentialIDBytes, errdefs.ErrInvalidArgument))
+		case g.GetExpirationTime() != nil && g.GetExpirationTime().AsTime().After(latest):
+			return r.refuse(cluster, frame, "grantLifetime", int(g.GetExpirationTime().AsTime().Sub(now)/time.Second), int(latest.Sub(now)/time.Second),
+				fmt.Errorf("a grant that expires at %s, later than %s, the broker's maximum token lifetime (%s) and %s of clock skew from now: %w",
+					g.GetExpirationTime().AsTime().UTC().Format(time.RFC3339), latest.UTC().Format(time.RFC3339), r.cfg.MaxGrantLifetime,
+					tokenexchange.MaxClockSkew, errdefs.ErrInvalidArgument))
+		}
 		g, old := own(cluster, g)
 		if g == nil || !g.GetExpirationTime().AsTime().After(now) {
 			continue
@@ -192,7 +310,39 @@ func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.
 			stale = append(stale, g.GetCredentialId())
 			continue
 		}
-		id := g.GetCredentialId()
+		rec := &record{id: g.GetCredentialId(), grant: g, cluster: cluster.NamespacedName,
+			expires: g.GetExpirationTime().AsTime(), size: size + grantOverhead}
+		if i, ok := at[rec.id]; ok {
+			adds[i] = rec
+			continue
+		}
+		at[rec.id] = len(adds)
+		adds = append(adds, rec)
+	}
+
+	var (
+		retry  []pendingRevoke
+		forget []string
+	)
+	r.mu.Lock()
+	r.expire(now)
+	for _, id := range u.GetRemoved() {
+		if rec, ok := r.live[id]; ok && rec.cluster == cluster.NamespacedName {
+			r.drop(id)
+			r.markRevoked(id, rec.cluster, rec.expires)
+		}
+		if p, ok := r.pending[id]; ok && ClusterRef(p.grant).NamespacedName == cluster.NamespacedName {
+			delete(r.pending, id)
+			forget = append(forget, id)
+		}
+	}
+	var take []*record
+	use := usage{}
+	if u := r.use[cluster.NamespacedName]; u != nil {
+		use = *u
+	}
+	for _, rec := range adds {
+		id := rec.id
 		if _, ok := r.revoked[id]; ok {
 			// Reported by an agent that has not seen the delete yet.
 			if p, ok := r.pending[id]; ok {
@@ -203,24 +353,47 @@ func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.
 		if p, ok := r.pending[id]; ok {
 			retry = append(retry, p)
 		}
-		if _, ok := r.live[id]; !ok && r.perCluster[cluster.NamespacedName] >= r.cfg.MaxGrantsPerCluster {
-			dropped++
-			continue
+		if old, ok := r.live[id]; ok {
+			use.bytes += rec.size - old.size
+		} else {
+			use.grants++
+			use.bytes += rec.size
 		}
-		r.drop(id)
-		r.put(id, g)
+		take = append(take, rec)
+	}
+	var err error
+	switch {
+	case use.grants > r.cfg.MaxGrantsPerCluster:
+		err = r.refuse(cluster, frame, "clusterGrants", use.grants, r.cfg.MaxGrantsPerCluster,
+			fmt.Errorf("%d live grants for ClusterProfile %s, more than the %d it may have: %w",
+				use.grants, cluster, r.cfg.MaxGrantsPerCluster, errdefs.ErrResourceExhausted))
+	case use.bytes > r.cfg.MaxGrantBytesPerCluster:
+		err = r.refuse(cluster, frame, "clusterBytes", use.bytes, r.cfg.MaxGrantBytesPerCluster,
+			fmt.Errorf("%d bytes of grants for ClusterProfile %s, more than the %d it may have: %w",
+				use.bytes, cluster, r.cfg.MaxGrantBytesPerCluster, errdefs.ErrResourceExhausted))
+	default:
+		for _, rec := range take {
+			r.drop(rec.id)
+			r.put(rec)
+		}
 	}
 	r.mu.Unlock()
-	if dropped > 0 {
-		r.cfg.Log.Info("agent reported more live grants than the registry keeps for one ClusterProfile; dropped the rest",
-			"cluster", cluster.String(), "max", r.cfg.MaxGrantsPerCluster, "dropped", dropped)
-	}
+	r.forget(forget)
 	if len(retry) > 0 {
-		go r.retry(context.WithoutCancel(ctx), retry)
+		go r.retry(context.WithoutCancel(ctx), retry, false)
 	}
 	if len(stale) > 0 {
 		go r.revokeStale(context.WithoutCancel(ctx), cluster, stale)
 	}
+	return err
+}
+
+// refuse logs a report of an agent of cluster, in frame, that breaks bound
+// (size against max), and returns err, which says so to the agent.
+func (r *Registry) refuse(cluster tunnel.ClusterRef, frame, bound string, size, max int, err error) error {
+	r.cfg.Log.Info("agent grant report refused; closing the stream",
+		"cluster", cluster.String(), "frame", frame, "bound", bound, "size", size, "max", max)
+	return fmt.Errorf("the %s holds %w", frame, err)
 }
 
 // revokeStale revokes the grants of ids, of an earlier incarnation of
@@ -237,56 +410,119 @@ func (r *Registry) revokeStale(ctx context.Context, cluster tunnel.ClusterRef, i
 // through an earlier incarnation of a ClusterProfile.
 const ReasonClusterProfileReplaced = "the ClusterProfile was deleted and created again"
 
-func (r *Registry) retry(ctx context.Context, list []pendingRevoke) {
+// retry sends list again; quiet leaves out the log line of a revoke that
+// found no agent connected.
+func (r *Registry) retry(ctx context.Context, list []pendingRevoke, quiet bool) {
 	byReason := map[string][]*pb.Grant{}
 	for _, p := range list {
 		byReason[p.reason] = append(byReason[p.reason], p.grant)
 	}
 	for reason, gs := range byReason {
-		r.Revoke(ctx, gs, reason)
+		r.deliver(ctx, gs, reason, quiet)
 	}
 }
 
-// put adds g, of credential id id, to the live grants. r.mu is held.
-func (r *Registry) put(id string, g *pb.Grant) {
-	r.live[id] = g
-	r.perCluster[ClusterRef(g).NamespacedName]++
+// put adds rec, a live grant whose id is not live, to the live grants.
+// r.mu is held.
+func (r *Registry) put(rec *record) {
+	r.live[rec.id] = rec
+	index(r.byCluster, rec.cluster, rec)
+	index(r.byUser, rec.grant.GetSubject().GetUsername(), rec)
+	u := r.use[rec.cluster]
+	if u == nil {
+		u = &usage{}
+		r.use[rec.cluster] = u
+	}
+	u.grants++
+	u.bytes += rec.size
+	heap.Push(&r.liveQueue, rec)
 }
 
 // drop removes the live grant of id, if any. r.mu is held.
 func (r *Registry) drop(id string) {
-	g, ok := r.live[id]
+	rec, ok := r.live[id]
 	if !ok {
 		return
 	}
 	delete(r.live, id)
-	key := ClusterRef(g).NamespacedName
-	if r.perCluster[key]--; r.perCluster[key] <= 0 {
-		delete(r.perCluster, key)
+	unindex(r.byCluster, rec.cluster, id)
+	unindex(r.byUser, rec.grant.GetSubject().GetUsername(), id)
+	r.release(rec.cluster, 1, rec.size)
+	heap.Remove(&r.liveQueue, rec.index)
+}
+
+// markRevoked records that the token of id, of cluster, which expires
+// at expires, is revoked. r.mu is held.
+func (r *Registry) markRevoked(id string, cluster types.NamespacedName, expires time.Time) {
+	if rec, ok := r.revoked[id]; ok {
+		if expires.After(rec.expires) {
+			rec.expires = expires
+			heap.Fix(&r.revokedQueue, rec.index)
+		}
+		return
+	}
+	rec := &record{id: id, cluster: cluster, expires: expires, size: len(id) + revokedOverhead}
+	r.revoked[id] = rec
+	u := r.use[cluster]
+	if u == nil {
+		u = &usage{}
+		r.use[cluster] = u
+	}
+	u.bytes += rec.size
+	heap.Push(&r.revokedQueue, rec)
+}
+
+// release takes grants and bytes off the usage of cluster. r.mu is held.
+func (r *Registry) release(cluster types.NamespacedName, grants, bytes int) {
+	u := r.use[cluster]
+	if u == nil {
+		return
+	}
+	u.grants -= grants
+	u.bytes -= bytes
+	if u.grants <= 0 && u.bytes <= 0 {
+		delete(r.use, cluster)
 	}
 }
 
-// expireEvery bounds how often expire scans every grant.
+func index[K comparable](m map[K]map[string]*record, k K, rec *record) {
+	ids := m[k]
+	if ids == nil {
+		ids = map[string]*record{}
+		m[k] = ids
+	}
+	ids[rec.id] = rec
+}
+
+func unindex[K comparable](m map[K]map[string]*record, k K, id string) {
+	if ids := m[k]; ids != nil {
+		delete(ids, id)
+		if len(ids) == 0 {
+			delete(m, k)
+		}
+	}
+}
+
+// expireEvery bounds how often expire scans the pending revokes.
 const expireEvery = time.Second
 
-// expire drops what is known of tokens that have expired, at most once per
-// expireEvery; readers skip expired grants themselves. r.mu is held.
-func (r *Registry) expire() {
-	now := r.cfg.Clock.Now()
+// expire drops what is known of tokens that have expired by now: the
+// records at the head of the expiry queues, and, at most once per
+// expireEvery, the pending revokes. Readers skip expired grants
+// themselves. r.mu is held.
+func (r *Registry) expire(now time.Time) {
+	for len(r.liveQueue) > 0 && !r.liveQueue[0].expires.After(now) {
+		r.drop(r.liveQueue[0].id)
+	}
+	for len(r.revokedQueue) > 0 && !r.revokedQueue[0].expires.After(now) {
+		rec := heap.Pop(&r.revokedQueue).(*record)
+		delete(r.revoked, rec.id)
+		r.release(rec.cluster, 0, rec.size)
+	}
 	if now.Sub(r.lastExpire) < expireEvery && !now.Before(r.lastExpire) {
 		return
 	}
 	r.lastExpire = now
-	for id, g := range r.live {
-		if !g.GetExpirationTime().AsTime().After(now) {
-			r.drop(id)
-		}
-	}
-	for id, g := range r.revoked {
-		if !g.GetExpirationTime().AsTime().After(now) {
-			delete(r.revoked, id)
-		}
-	}
 	for id, p := range r.pending {
 		if !p.grant.GetExpirationTime().AsTime().After(now) {
 			delete(r.pending, id)
@@ -294,19 +530,75 @@ func (r *Registry) expire() {
 	}
 }
 
+// expiryQueue is a heap of records, the earliest expiry first.
+type expiryQueue []*record
+
+func (q expiryQueue) Len() int           { return len(q) }
+func (q expiryQueue) Less(i, j int) bool { return q[i].expires.Before(q[j].expires) }
+func (q expiryQueue) Swap(i, j int) {
+	q[i], q[j] = q[j], q[i]
+	q[i].index, q[j].index = i, j
+}
+func (q *expiryQueue) Push(x any) {
+	rec := x.(*record)
+	rec.index = len(*q)
+	*q = append(*q, rec)
+}
+func (q *expiryQueue) Pop() any {
+	old := *q
+	rec := old[len(old)-1]
+	old[len(old)-1] = nil
+	*q = old[:len(old)-1]
+	return rec
+}
+
 // Select returns copies of the live grants that s matches, ordered by
-// ClusterProfile, then expiration time, then credential id.
+// ClusterProfile, then expiration time, then credential id. It reads the
+// grants of s's credential id, username or ClusterProfile, whichever it
+// names first, and holds the lock for one ClusterProfile's grants at a
+// time: a selector that names none of them reads every ClusterProfile's
+// grants in turn. Copies are made off the lock.
 func (r *Registry) Select(s Selector) []*pb.Grant {
-	r.mu.Lock()
-	r.expire()
 	now := r.cfg.Clock.Now()
-	var out []*pb.Grant
-	for _, g := range r.live {
-		if s.matches(g) && g.GetExpirationTime().AsTime().After(now) {
-			out = append(out, proto.Clone(g).(*pb.Grant))
+	var picked []*pb.Grant
+	collect := func(recs map[string]*record) {
+		for _, rec := range recs {
+			if rec.expires.After(now) && s.matches(rec.grant) {
+				picked = append(picked, rec.grant)
+			}
 		}
 	}
-	r.mu.Unlock()
+	r.mu.RLock()
+	switch {
+	case s.CredentialID != "":
+		if rec, ok := r.live[s.CredentialID]; ok {
+			collect(map[string]*record{rec.id: rec})
+		}
+		r.mu.RUnlock()
+	case s.Username != "":
+		collect(r.byUser[s.Username])
+		r.mu.RUnlock()
+	case s.Cluster.Name != "":
+		collect(r.byCluster[s.Cluster])
+		r.mu.RUnlock()
+	default:
+		clusters := make([]types.NamespacedName, 0, len(r.byCluster))
+		for c := range r.byCluster {
+			if s.Cluster.Namespace == "" || c.Namespace == s.Cluster.Namespace {
+				clusters = append(clusters, c)
+			}
+		}
+		r.mu.RUnlock()
+		for _, c := range clusters {
+			r.mu.RLock()
+			collect(r.byCluster[c])
+			r.mu.RUnlock()
+		}
+	}
+	out := make([]*pb.Grant, len(picked))
+	for i, g := range picked {
+		out[i] = proto.Clone(g).(*pb.Grant)
+	}
 	slices.SortFunc(out, func(a, b *pb.Grant) int {
 		return cmp.Or(
 			cmp.Compare(a.GetCluster().GetNamespace(), b.GetCluster().GetNamespace()),
@@ -321,26 +613,21 @@ func (r *Registry) Select(s Selector) []*pb.Grant {
 // Revoked reports whether the token of credentialID was revoked, or its
 // grant deleted, as far as this replica knows.
 func (r *Registry) Revoked(credentialID string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	g, ok := r.revoked[credentialID]
-	if !ok {
-		p, ok := r.pending[credentialID]
-		if !ok {
-			return false
-		}
-		g = p.grant
+	now := r.cfg.Clock.Now()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	if rec, ok := r.revoked[credentialID]; ok {
+		return rec.expires.After(now)
 	}
-	return g.GetExpirationTime().AsTime().After(r.cfg.Clock.Now())
+	p, ok := r.pending[credentialID]
+	return ok && p.grant.GetExpirationTime().AsTime().After(now)
 }
 
-// Revoke asks the agents to delete grants, one request per ClusterProfile
-// incarnation. It returns the grants now gone, and those whose agent could
-// not be reached or failed: those stay pending, and are revoked when their
-// agent reports them again. Both keep the order of grants within each
-// ClusterProfile, and the ClusterProfiles in the order they first appear.
-// From the call on, Revoked reports every one of grants as revoked.
-func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant) {
+// deliver asks the agents to delete grants, one request per ClusterProfile
+// incarnation, as RevokeRecorded says, and forgets the recorded revokes
+// that an agent confirmed; it records none. quiet leaves out the log line
+// of a revoke that found no agent connected.
+func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason string, quiet bool) (revoked, pending []*pb.Grant) {
 	byCluster := map[tunnel.ClusterRef][]*pb.Grant{}
 	var clusters []tunnel.ClusterRef
 	r.mu.Lock()
@@ -360,7 +647,7 @@ func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string
 			ids[i] = g.GetCredentialId()
 		}
 		gone, err := r.cfg.Revoker.Revoke(ctx, cluster, ids, reason)
-		if err != nil {
+		if err != nil && (!quiet || !errors.Is(err, errdefs.ErrUnavailable)) {
 			r.cfg.Log.Info("revoke not delivered; it is sent again when the agent reports the grants",
 				"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
 		}
@@ -377,10 +664,11 @@ func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string
 			}
 			delete(r.pending, id)
 			r.drop(id)
-			r.revoked[id] = g
+			r.markRevoked(id, ClusterRef(g).NamespacedName, g.GetExpirationTime().AsTime())
 			revoked = append(revoked, g)
 		}
 		r.mu.Unlock()
+		r.forget(gone)
 	}
 	return revoked, pending
 }

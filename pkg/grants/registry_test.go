@@ -2,9 +2,14 @@ package grants
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr/funcr"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -188,19 +193,178 @@ func TestRegistryRevokesGrantsOfAReplacedClusterProfile(t *testing.T) {
 	assert.Equal(t, []string{"JTI=new"}, ids(r.Select(Selector{})))
 }
 
+// A report that would make one ClusterProfile hold more live grants than
+// MaxGrantsPerCluster is refused whole, and others' shares stay theirs.
 func TestRegistryBoundsTheGrantsOfOneCluster(t *testing.T) {
 	rev := &fakeRevoker{offline: map[types.NamespacedName]bool{}}
 	r, err := NewRegistry(RegistryConfig{Revoker: rev, Clock: clocktesting.NewFakePassiveClock(start), MaxGrantsPerCluster: 2})
 	require.NoError(t, err)
 	ctx := context.Background()
-	// A flood from one agent fills only its own cluster's share.
-	r.Hello(ctx, spoke1, on(spoke1, grant("JTI=a", "x", time.Hour), grant("JTI=b", "x", time.Hour), grant("JTI=c", "x", time.Hour)))
-	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=d", "x", time.Hour))})
-	assert.Len(t, r.Select(Selector{Cluster: spoke1.NamespacedName}), 2)
+	// A flood from one agent is refused, and fills nothing.
+	err = r.Hello(ctx, spoke1, on(spoke1, grant("JTI=a", "x", time.Hour), grant("JTI=b", "x", time.Hour), grant("JTI=c", "x", time.Hour)))
+	require.ErrorIs(t, err, errdefs.ErrResourceExhausted)
+	assert.Empty(t, r.Select(Selector{Cluster: spoke1.NamespacedName}))
+	require.NoError(t, r.Hello(ctx, spoke1, on(spoke1, grant("JTI=a", "x", time.Hour), grant("JTI=b", "x", time.Hour))))
+	require.ErrorIs(t, r.Report(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=d", "x", time.Hour))}), errdefs.ErrResourceExhausted)
 	// A grant already held can be reported again, and room frees as grants go.
-	r.Update(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=a", "x", time.Hour))})
-	r.Update(ctx, spoke1, &pb.GrantUpdate{Removed: []string{"JTI=a"}, Added: on(spoke1, grant("JTI=d", "x", time.Hour))})
+	require.NoError(t, r.Report(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=a", "x", time.Hour))}))
+	require.NoError(t, r.Report(ctx, spoke1, &pb.GrantUpdate{Removed: []string{"JTI=a"}, Added: on(spoke1, grant("JTI=d", "x", time.Hour))}))
 	assert.Equal(t, []string{"JTI=b", "JTI=d"}, ids(r.Select(Selector{Cluster: spoke1.NamespacedName})))
-	r.Hello(ctx, spoke2, on(spoke2, grant("JTI=e", "y", time.Hour), grant("JTI=f", "y", time.Hour)))
+	require.NoError(t, r.Hello(ctx, spoke2, on(spoke2, grant("JTI=e", "y", time.Hour), grant("JTI=f", "y", time.Hour))))
 	assert.Len(t, r.Select(Selector{Cluster: spoke2.NamespacedName}), 2)
+}
+
+// big returns a grant of about size bytes, its subject's groups.
+func big(id string, size int, ttl time.Duration) *pb.Grant {
+	g := grant(id, "x", ttl)
+	for n := 0; n < size; n += 20 {
+		g.Subject.Groups = append(g.Subject.Groups, fmt.Sprintf("group-%014d", n))
+	}
+	return g
+}
+
+// The attack: a compromised agent reports grants past the registry's
+// bounds. Each such report is refused with the code that says why, logged
+// with the bound, and adds nothing.
+func TestRegistryRefusesReportsPastItsBounds(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		cfg       RegistryConfig
+		held      []*pb.Grant // reported first, and taken
+		report    *pb.GrantUpdate
+		wantErr   error
+		wantBound string
+		wantHeld  []string
+	}{
+		{
+			name:      "a grant larger than MaxGrantBytes",
+			cfg:       RegistryConfig{MaxGrantBytes: 4 << 10},
+			report:    &pb.GrantUpdate{Added: on(spoke1, grant("JTI=ok", "x", time.Hour), big("JTI=big", 5<<10, time.Hour))},
+			wantErr:   errdefs.ErrInvalidArgument,
+			wantBound: "grantBytes",
+		},
+		{
+			name:   "a grant of exactly MaxGrantBytes",
+			cfg:    RegistryConfig{MaxGrantBytes: proto.Size(on(spoke1, big("JTI=big", 4<<10, time.Hour))[0])},
+			report: &pb.GrantUpdate{Added: on(spoke1, big("JTI=big", 4<<10, time.Hour))}, wantHeld: []string{"JTI=big"},
+		},
+		{
+			name:      "an expiry past the maximum lifetime and the clock skew",
+			report:    &pb.GrantUpdate{Added: on(spoke1, grant("JTI=ok", "x", time.Hour), grant("JTI=century", "x", 100*365*24*time.Hour))},
+			wantErr:   errdefs.ErrInvalidArgument,
+			wantBound: "grantLifetime",
+		},
+		{
+			name:      "an expiry a second past the maximum lifetime and the clock skew",
+			cfg:       RegistryConfig{MaxGrantLifetime: 2 * time.Hour},
+			report:    &pb.GrantUpdate{Added: on(spoke1, grant("JTI=late", "x", 2*time.Hour+time.Minute+time.Second))},
+			wantErr:   errdefs.ErrInvalidArgument,
+			wantBound: "grantLifetime",
+		},
+		{
+			name:     "an expiry of exactly the maximum lifetime and the clock skew",
+			cfg:      RegistryConfig{MaxGrantLifetime: 2 * time.Hour},
+			report:   &pb.GrantUpdate{Added: on(spoke1, grant("JTI=edge", "x", 2*time.Hour+time.Minute))},
+			wantHeld: []string{"JTI=edge"},
+		},
+		{
+			name:      "a credential id longer than MaxCredentialIDBytes",
+			report:    &pb.GrantUpdate{Added: on(spoke1, grant("JTI="+strings.Repeat("j", 129), "x", time.Hour))},
+			wantErr:   errdefs.ErrInvalidArgument,
+			wantBound: "credentialIDBytes",
+		},
+		{
+			name:     "a credential id of MaxCredentialIDBytes",
+			report:   &pb.GrantUpdate{Added: on(spoke1, grant("JTI="+strings.Repeat("j", 128), "x", time.Hour))},
+			wantHeld: []string{"JTI=" + strings.Repeat("j", 128)},
+		},
+		{
+			name:      "more bytes than the ClusterProfile may hold",
+			cfg:       RegistryConfig{MaxGrantBytesPerCluster: 10 << 10},
+			held:      on(spoke1, big("JTI=a", 4<<10, time.Hour), big("JTI=b", 4<<10, time.Hour)),
+			report:    &pb.GrantUpdate{Added: on(spoke1, big("JTI=c", 4<<10, time.Hour))},
+			wantErr:   errdefs.ErrResourceExhausted,
+			wantBound: "clusterBytes",
+			wantHeld:  []string{"JTI=a", "JTI=b"},
+		},
+		{
+			name:     "a removal in the same report frees the room",
+			cfg:      RegistryConfig{MaxGrantBytesPerCluster: 10 << 10},
+			held:     on(spoke1, big("JTI=a", 4<<10, time.Hour), big("JTI=b", 4<<10, time.Hour)),
+			report:   &pb.GrantUpdate{Removed: []string{"JTI=a"}, Added: on(spoke1, big("JTI=c", 4<<10, time.Hour))},
+			wantHeld: []string{"JTI=b", "JTI=c"},
+		},
+		{
+			name:     "a grant reported again replaces itself",
+			cfg:      RegistryConfig{MaxGrantBytesPerCluster: 10 << 10},
+			held:     on(spoke1, big("JTI=a", 4<<10, time.Hour), big("JTI=b", 4<<10, time.Hour)),
+			report:   &pb.GrantUpdate{Added: on(spoke1, big("JTI=a", 4<<10, time.Hour), big("JTI=a", 4<<10, time.Hour))},
+			wantHeld: []string{"JTI=a", "JTI=b"},
+		},
+		{
+			name: "deleted grants count until they expire",
+			// Each cycle of report and delete leaves a record: an agent
+			// cannot churn credential ids without bound.
+			cfg:       RegistryConfig{MaxGrantBytesPerCluster: 600}, // two of these grants
+			held:      on(spoke1, grant("JTI=r-1", "x", time.Hour), grant("JTI=r-2", "x", time.Hour)),
+			report:    &pb.GrantUpdate{Removed: []string{"JTI=r-1", "JTI=r-2"}, Added: on(spoke1, grant("JTI=r-3", "x", time.Hour), grant("JTI=r-4", "x", time.Hour))},
+			wantErr:   errdefs.ErrResourceExhausted,
+			wantBound: "clusterBytes",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var logs strings.Builder
+			cfg := tc.cfg
+			cfg.Revoker = &fakeRevoker{offline: map[types.NamespacedName]bool{}}
+			cfg.Clock = clocktesting.NewFakePassiveClock(start)
+			cfg.Log = funcr.New(func(prefix, args string) { logs.WriteString(args + "\n") }, funcr.Options{})
+			r, err := NewRegistry(cfg)
+			require.NoError(t, err)
+			ctx := context.Background()
+			if tc.held != nil {
+				require.NoError(t, r.Hello(ctx, spoke1, tc.held))
+			}
+			err = r.Report(ctx, spoke1, tc.report)
+			if tc.wantErr == nil {
+				require.NoError(t, err)
+				assert.Empty(t, logs.String())
+			} else {
+				require.ErrorIs(t, err, tc.wantErr)
+				assert.Contains(t, logs.String(), `"msg"="agent grant report refused; closing the stream" "cluster"="fleet/spoke-1" "frame"="grant update" "bound"="`+tc.wantBound+`"`)
+			}
+			assert.ElementsMatch(t, tc.wantHeld, ids(r.Select(Selector{})))
+			// The hello is held to the same bounds.
+			if tc.wantErr != nil && len(tc.report.GetRemoved()) == 0 && tc.held == nil {
+				require.ErrorIs(t, r.Hello(ctx, spoke1, tc.report.GetAdded()), tc.wantErr)
+				assert.Empty(t, r.Select(Selector{}))
+			}
+		})
+	}
+}
+
+// Expired grants and records leave the registry, and free their
+// ClusterProfile's share.
+func TestRegistryExpiryFreesTheShare(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(start)
+	r, err := NewRegistry(RegistryConfig{Revoker: &fakeRevoker{}, Clock: clk, MaxGrantsPerCluster: 2})
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, r.Hello(ctx, spoke1, on(spoke1, grant("JTI=a", "x", 20*time.Minute), grant("JTI=b", "x", time.Hour))))
+	require.NoError(t, r.Report(ctx, spoke1, &pb.GrantUpdate{Removed: []string{"JTI=b"}}))
+	assert.True(t, r.Revoked("JTI=b"))
+	clk.SetTime(start.Add(30 * time.Minute))
+	require.NoError(t, r.Report(ctx, spoke1, &pb.GrantUpdate{Added: on(spoke1, grant("JTI=c", "x", time.Hour), grant("JTI=d", "x", time.Hour))}))
+	assert.Equal(t, []string{"JTI=c", "JTI=d"}, ids(r.Select(Selector{})))
+	clk.SetTime(start.Add(2 * time.Hour))
+	require.NoError(t, r.Report(ctx, spoke1, &pb.GrantUpdate{}))
+	assert.False(t, r.Revoked("JTI=b"))
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	assert.Empty(t, r.live)
+	assert.Empty(t, r.revoked)
+	assert.Empty(t, r.use, "what expired still counts against its ClusterProfile")
+	assert.Empty(t, r.byCluster)
+	assert.Empty(t, r.byUser)
+	assert.Empty(t, r.liveQueue)
+	assert.Empty(t, r.revokedQueue)
 }

@@ -1,17 +1,17 @@
 package grants
 
 import (
-	"cmp"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
-	"golang.org/x/sync/errgroup"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -20,6 +20,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/hubauth"
+	"github.com/credbroker/credbroker/pkg/store"
 	"github.com/credbroker/credbroker/pkg/token"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -47,6 +48,11 @@ type ServiceConfig struct {
 	Grants        Table
 	// ReviewTimeout bounds each SubjectAccessReview. Default 5s.
 	ReviewTimeout time.Duration
+	// AllowTTL and DenyTTL are how long the hub's answers are kept: a
+	// caller's calls within them cost no hub review. Default 10s and 2s,
+	// as the exchange's; CacheSize bounds the answers kept, default 10,000.
+	AllowTTL, DenyTTL time.Duration
+	CacheSize         int
 	// RevokeTimeout bounds the revokes of one call, which go on when the
 	// caller goes away. Default 30s.
 	RevokeTimeout time.Duration
@@ -60,11 +66,15 @@ type ServiceConfig struct {
 // Service implements the Grants gRPC service. A caller may always list and
 // revoke its own grants, those whose subject has the caller's username and
 // UID; other consumers' grants need hub RBAC on
-// multicluster.x-k8s.io clusterprofiles/token of their ClusterProfile:
-// list to list them, delete to revoke them.
+// multicluster.x-k8s.io clusterprofiles/token: list to list them, delete
+// to revoke them, on the ClusterProfile that the selector names (or that
+// the grant of its credential id belongs to), and otherwise in every
+// namespace. A call so costs at most one hub review, whatever other
+// consumers hold, and the answers are cached briefly.
 type Service struct {
 	pb.UnsafeGrantsServer
-	cfg ServiceConfig
+	cfg       ServiceConfig
+	decisions *store.Cache[bool]
 }
 
 var _ pb.GrantsServer = (*Service)(nil)
@@ -83,7 +93,20 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	return &Service{cfg: cfg}, nil
+	if cfg.AllowTTL <= 0 {
+		cfg.AllowTTL = 10 * time.Second
+	}
+	if cfg.DenyTTL <= 0 {
+		cfg.DenyTTL = 2 * time.Second
+	}
+	if cfg.CacheSize <= 0 {
+		cfg.CacheSize = 10000
+	}
+	decisions, err := store.New[bool](store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AllowTTL, cfg.DenyTTL), Clock: cfg.Clock})
+	if err != nil {
+		return nil, fmt.Errorf("grants: %w", err)
+	}
+	return &Service{cfg: cfg, decisions: decisions}, nil
 }
 
 // List implements Grants.List.
@@ -128,15 +151,37 @@ func serve[T any](ctx context.Context, s *Service, rec *auditRecord, do func(hub
 }
 
 func (s *Service) list(ctx context.Context, user hubauth.User, sel Selector, rec *auditRecord) (*pb.ListGrantsResponse, error) {
-	matched := s.cfg.Grants.Select(sel)
-	allowed, err := s.review(ctx, user, VerbList, others(user, matched))
-	if err != nil {
-		return nil, err
-	}
 	var out []*pb.Grant
-	for _, g := range matched {
-		if Owns(user, g) || allowed[clusterOf(g)] {
-			out = append(out, g)
+	if ownSelection(user, sel) {
+		// Cheap to read: one grant, or the grants of the caller's
+		// username. Others' among them need the review.
+		matched := s.cfg.Grants.Select(sel)
+		foreign := others(user, matched)
+		// Nothing found costs the review too, so that the answer is
+		// the same whether others' grants match or nothing does.
+		allowed := len(foreign) == 0 && len(matched) > 0
+		if !allowed {
+			var err error
+			if allowed, err = s.review(ctx, user, VerbList, scopeOf(sel, foreign)); err != nil {
+				return nil, err
+			}
+		}
+		for _, g := range matched {
+			if allowed || Owns(user, g) {
+				out = append(out, g)
+			}
+		}
+	} else {
+		// Others' grants may be many: the review comes first, and
+		// without it only the caller's own are read.
+		allowed, err := s.review(ctx, user, VerbList, scopeOf(sel, nil))
+		if err != nil {
+			return nil, err
+		}
+		if allowed {
+			out = s.cfg.Grants.Select(sel)
+		} else {
+			out = s.owned(user, sel)
 		}
 	}
 	rec.listed = len(out)
@@ -152,33 +197,65 @@ func (s *Service) revoke(ctx context.Context, user hubauth.User, sel Selector, r
 	if err != nil {
 		return nil, err
 	}
+	// A selector that is not zero names a credential id, a username or a
+	// ClusterProfile: reading what it matches costs what it returns.
 	matched := s.cfg.Grants.Select(sel)
+	foreign := others(user, matched)
+	// All or nothing: every grant that is not the caller's needs delete,
+	// else nothing is revoked. A caller without it gets the same answer
+	// whether others' grants match or nothing does.
+	if len(foreign) > 0 || !slices.ContainsFunc(matched, func(g *pb.Grant) bool { return Owns(user, g) }) {
+		scope := scopeOf(sel, foreign)
+		allowed, err := s.review(ctx, user, VerbDelete, scope)
+		if err != nil {
+			return nil, err
+		}
+		if !allowed {
+			return nil, fmt.Errorf("hub RBAC does not allow %q to %s %s.%s/%s %s, which revoking grants that are not yours needs; "+
+				"without it you may revoke only your own grants, and %s matches others' grants or none of yours; nothing was revoked: %w",
+				user.Username, VerbDelete, hubauth.Resource, hubauth.Group, hubauth.Subresource, scope.describe(sel), describe(sel), errdefs.ErrPermissionDenied)
+		}
+	}
 	if len(matched) == 0 {
 		return nil, fmt.Errorf("no live grant matches %s; list the live grants with 'credbroker grants list': %w",
 			describe(sel), errdefs.ErrNotFound)
-	}
-	// All or nothing: every grant that is not the caller's needs delete on
-	// its ClusterProfile, else nothing is revoked.
-	foreign := others(user, matched)
-	allowed, err := s.review(ctx, user, VerbDelete, foreign)
-	if err != nil {
-		return nil, err
-	}
-	for _, c := range sortedClusters(foreign) {
-		if !allowed[c] {
-			return nil, fmt.Errorf("%d of the matching grants of ClusterProfile %s are not yours, and hub RBAC does not allow %q to %s "+
-				"%s.%s/%s %q in namespace %q, which revoking them needs; nothing was revoked: %w",
-				len(foreign[c]), c, user.Username, VerbDelete, hubauth.Resource, hubauth.Group, hubauth.Subresource,
-				c.Name, c.Namespace, errdefs.ErrPermissionDenied)
-		}
 	}
 	// The revokes go on if the caller goes away: a half-delivered revoke
 	// stays pending in the registry anyway.
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.RevokeTimeout)
 	defer cancel()
-	revoked, pending := s.cfg.Grants.Revoke(rctx, matched, reason)
+	// A pending revoke is acknowledged only once it is recorded for every
+	// replica to send again: one that only this replica remembers would be
+	// lost with it.
+	revoked, pending, err := s.cfg.Grants.RevokeRecorded(rctx, matched, reason)
 	rec.revoked, rec.pending = credentialIDs(revoked), credentialIDs(pending)
+	if err != nil {
+		return nil, err
+	}
 	return &pb.RevokeGrantsResponse{Revoked: revoked, Pending: pending}, nil
+}
+
+// ownSelection reports whether what sel matches is cheap to read before
+// any review: one grant, by its credential id, or the grants of the
+// caller's own username.
+func ownSelection(user hubauth.User, sel Selector) bool {
+	return sel.CredentialID != "" || (sel.Username != "" && sel.Username == user.Username)
+}
+
+// owned returns the grants of user that sel matches, read through the
+// registry's index of user's username.
+func (s *Service) owned(user hubauth.User, sel Selector) []*pb.Grant {
+	if sel.Username != "" && sel.Username != user.Username {
+		return nil
+	}
+	sel.Username = user.Username
+	var out []*pb.Grant
+	for _, g := range s.cfg.Grants.Select(sel) {
+		if Owns(user, g) {
+			out = append(out, g)
+		}
+	}
+	return out
 }
 
 // Owns reports whether g was minted for user: its subject has user's
@@ -193,57 +270,74 @@ func clusterOf(g *pb.Grant) types.NamespacedName {
 	return types.NamespacedName{Namespace: g.GetCluster().GetNamespace(), Name: g.GetCluster().GetName()}
 }
 
-// others returns the grants of gs that user does not own, by ClusterProfile.
-func others(user hubauth.User, gs []*pb.Grant) map[types.NamespacedName][]*pb.Grant {
-	out := map[types.NamespacedName][]*pb.Grant{}
+// others returns the grants of gs that user does not own.
+func others(user hubauth.User, gs []*pb.Grant) []*pb.Grant {
+	var out []*pb.Grant
 	for _, g := range gs {
 		if !Owns(user, g) {
-			out[clusterOf(g)] = append(out[clusterOf(g)], g)
+			out = append(out, g)
 		}
 	}
 	return out
 }
 
-func sortedClusters[V any](m map[types.NamespacedName]V) []types.NamespacedName {
-	out := make([]types.NamespacedName, 0, len(m))
-	for c := range m {
-		out = append(out, c)
+// scope is what one review asks about: one ClusterProfile, or, when zero,
+// clusterprofiles/token in every namespace.
+type scope types.NamespacedName
+
+// scopeOf is the scope of the review that others' grants selected by sel
+// need: the ClusterProfile that sel names; for a credential id, the
+// ClusterProfile of its grant, foreign (at most one); else every
+// namespace. It never depends on how many grants others hold.
+func scopeOf(sel Selector, foreign []*pb.Grant) scope {
+	switch {
+	case sel.Cluster.Name != "":
+		return scope(sel.Cluster)
+	case sel.CredentialID != "" && len(foreign) > 0:
+		return scope(clusterOf(foreign[0]))
+	default:
+		return scope{}
 	}
-	slices.SortFunc(out, func(a, b types.NamespacedName) int {
-		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
-	})
-	return out
 }
 
-// reviewConcurrency bounds the SubjectAccessReviews of one call in flight.
-const reviewConcurrency = 8
+// describe names the scope for a caller who sent sel: the ClusterProfile
+// when sel named it, else only the kind of scope, so that the answer does
+// not tell where a grant that is not the caller's lives.
+func (c scope) describe(sel Selector) string {
+	switch {
+	case c == scope{}:
+		return "in every namespace"
+	case sel.Cluster.Name != "":
+		return fmt.Sprintf("%q in namespace %q", c.Name, c.Namespace)
+	default:
+		return "of the grant's ClusterProfile"
+	}
+}
 
-// review asks the hub, once per ClusterProfile of clusters, whether user
-// may verb its clusterprofiles/token, and returns the allowed ones. A
-// review the hub does not answer fails the call: the service fails closed.
-func (s *Service) review(ctx context.Context, user hubauth.User, verb string, clusters map[types.NamespacedName][]*pb.Grant) (map[types.NamespacedName]bool, error) {
-	allowed := make(map[types.NamespacedName]bool, len(clusters))
-	var mu sync.Mutex
-	g, ctx := errgroup.WithContext(ctx)
-	g.SetLimit(reviewConcurrency)
-	for _, c := range sortedClusters(clusters) {
-		g.Go(func() error {
-			rctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
-			defer cancel()
-			answer, err := s.cfg.AccessReviews.Create(rctx, hubauth.AccessReview(user, verb, c), metav1.CreateOptions{})
-			if err != nil {
-				return s.hubFailure(err)
-			}
-			mu.Lock()
-			allowed[c] = hubauth.Allowed(answer)
-			mu.Unlock()
-			return nil
-		})
+// review asks the hub whether user may verb clusterprofiles/token in c,
+// once per user, verb and scope while its answer is fresh (AllowTTL,
+// DenyTTL): concurrent calls share one review. A review the hub does not
+// answer fails the call: the service fails closed.
+func (s *Service) review(ctx context.Context, user hubauth.User, verb string, c scope) (bool, error) {
+	key, err := json.Marshal([]any{user, verb, c.Namespace, c.Name})
+	if err != nil {
+		return false, fmt.Errorf("grants: review cache key: %w", err)
 	}
-	if err := g.Wait(); err != nil {
-		return nil, err
-	}
-	return allowed, nil
+	sum := sha256.Sum256(key)
+	allowed, _, err := s.decisions.Do(ctx, hex.EncodeToString(sum[:]), func(ctx context.Context) (bool, time.Time, error) {
+		now := s.cfg.Clock.Now()
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
+		defer cancel()
+		answer, err := s.cfg.AccessReviews.Create(rctx, hubauth.AccessReview(user, verb, types.NamespacedName(c)), metav1.CreateOptions{})
+		if err != nil {
+			return false, time.Time{}, s.hubFailure(err)
+		}
+		if hubauth.Allowed(answer) {
+			return true, now.Add(s.cfg.AllowTTL), nil
+		}
+		return false, now.Add(s.cfg.DenyTTL), nil
+	})
+	return allowed, err
 }
 
 // hubFailure describes a failed SubjectAccessReview for the caller; the

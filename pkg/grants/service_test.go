@@ -3,6 +3,7 @@ package grants
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +18,7 @@ import (
 	authorizationv1 "k8s.io/api/authorization/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/hubauth"
@@ -117,8 +119,8 @@ func TestRevokeOthersGrantWithoutRBACIsRefused(t *testing.T) {
 	f := newService(t, fakeAuthn{user: userB})
 	_, err := f.svc.Revoke(context.Background(), &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "JTI=a1"}})
 	require.Equal(t, codes.PermissionDenied, status.Code(err), "%v", err)
-	assert.Contains(t, status.Convert(err).Message(), "fleet/spoke-1")
-	assert.Contains(t, status.Convert(err).Message(), "delete clusterprofiles.multicluster.x-k8s.io/token")
+	assert.Contains(t, status.Convert(err).Message(), "delete clusterprofiles.multicluster.x-k8s.io/token of the grant's ClusterProfile")
+	assert.NotContains(t, status.Convert(err).Message(), "spoke-1", "the answer tells where another's grant lives")
 	assert.Empty(t, f.revoker.calls, "no revoke may reach an agent")
 	assert.ElementsMatch(t, []string{"JTI=a1", "JTI=b1", "JTI=a2"}, live(f.reg))
 	assert.False(t, f.reg.Revoked("JTI=a1"))
@@ -167,13 +169,19 @@ func TestRevokeAuthorization(t *testing.T) {
 			selector: &pb.GrantSelector{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "spoke-1"}},
 			wantCode: codes.PermissionDenied, wantReviews: 1,
 		},
+		// A selector that names no ClusterProfile needs delete in every
+		// namespace for others' grants: one review, whatever they hold.
 		{
 			name: "allowed on one ClusterProfile of two: nothing", caller: userB, rules: []string{"delete fleet/spoke-1"},
-			selector: &pb.GrantSelector{Username: userA.Username}, wantCode: codes.PermissionDenied, wantReviews: 2,
+			selector: &pb.GrantSelector{Username: userA.Username}, wantCode: codes.PermissionDenied, wantReviews: 1,
 		},
 		{
-			name: "allowed on both", caller: userB, rules: []string{"delete fleet/spoke-1", "delete fleet/spoke-2"},
-			selector: &pb.GrantSelector{Username: userA.Username}, wantRevoked: []string{"JTI=a1", "JTI=a2"}, wantReviews: 2,
+			name: "allowed on each ClusterProfile is not allowed everywhere", caller: userB, rules: []string{"delete fleet/spoke-1", "delete fleet/spoke-2"},
+			selector: &pb.GrantSelector{Username: userA.Username}, wantCode: codes.PermissionDenied, wantReviews: 1,
+		},
+		{
+			name: "allowed everywhere", caller: userB, rules: []string{"delete /"},
+			selector: &pb.GrantSelector{Username: userA.Username}, wantRevoked: []string{"JTI=a1", "JTI=a2"}, wantReviews: 1,
 		},
 		{
 			name: "one review per ClusterProfile", caller: userARecreated, rules: []string{"delete fleet/spoke-1"},
@@ -209,16 +217,30 @@ func TestListAuthorization(t *testing.T) {
 		want        []string
 		wantReviews int
 	}{
+		// An empty selector costs one review, of list in every
+		// namespace, whatever others hold; without it, the caller sees
+		// its own grants.
 		{name: "own grants only", caller: userA, want: []string{"JTI=a1", "JTI=a2"}, wantReviews: 1},
-		{name: "another's with list", caller: userB, rules: []string{"list fleet/spoke-1"}, want: []string{"JTI=a1", "JTI=b1"}, wantReviews: 2},
-		{name: "delete is not list", caller: userB, rules: []string{"delete fleet/spoke-1", "delete fleet/spoke-2"}, want: []string{"JTI=b1"}, wantReviews: 2},
-		{name: "same username, other UID sees nothing", caller: userARecreated, want: nil, wantReviews: 2},
-		{name: "list everywhere", caller: userARecreated, rules: []string{"list fleet/spoke-1", "list fleet/spoke-2"},
-			want: []string{"JTI=a1", "JTI=b1", "JTI=a2"}, wantReviews: 2},
+		{name: "another's with list on its ClusterProfile", caller: userB, rules: []string{"list fleet/spoke-1"},
+			selector: &pb.GrantSelector{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "spoke-1"}}, want: []string{"JTI=a1", "JTI=b1"}, wantReviews: 1},
+		{name: "list on one ClusterProfile does not list all", caller: userB, rules: []string{"list fleet/spoke-1"}, want: []string{"JTI=b1"}, wantReviews: 1},
+		{name: "without list on the named ClusterProfile, own grants", caller: userB, rules: []string{"list fleet/spoke-2"},
+			selector: &pb.GrantSelector{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "spoke-1"}}, want: []string{"JTI=b1"}, wantReviews: 1},
+		{name: "delete is not list", caller: userB, rules: []string{"delete /"}, want: []string{"JTI=b1"}, wantReviews: 1},
+		{name: "same username, other UID sees nothing", caller: userARecreated, want: nil, wantReviews: 1},
+		{name: "list on each ClusterProfile is not list everywhere", caller: userARecreated, rules: []string{"list fleet/spoke-1", "list fleet/spoke-2"},
+			want: nil, wantReviews: 1},
+		{name: "list everywhere", caller: userARecreated, rules: []string{"list /"}, want: []string{"JTI=a1", "JTI=b1", "JTI=a2"}, wantReviews: 1},
+		{name: "another's by username with list everywhere", caller: userB, rules: []string{"list /"},
+			selector: &pb.GrantSelector{Username: userA.Username}, want: []string{"JTI=a1", "JTI=a2"}, wantReviews: 1},
 		{name: "own grants need no review", caller: userA, selector: &pb.GrantSelector{Username: userA.Username},
 			want: []string{"JTI=a1", "JTI=a2"}, wantReviews: 0},
 		{name: "selector by credential id", caller: userB, rules: []string{"list fleet/spoke-2"},
 			selector: &pb.GrantSelector{CredentialId: "JTI=a2"}, want: []string{"JTI=a2"}, wantReviews: 1},
+		{name: "own credential id needs no review", caller: userB,
+			selector: &pb.GrantSelector{CredentialId: "JTI=b1"}, want: []string{"JTI=b1"}, wantReviews: 0},
+		{name: "a credential id nobody holds costs a review too", caller: userB,
+			selector: &pb.GrantSelector{CredentialId: "JTI=nope"}, want: nil, wantReviews: 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newService(t, fakeAuthn{user: tc.caller}, tc.rules...)
@@ -242,16 +264,26 @@ func TestAccessReviewShape(t *testing.T) {
 	assert.Equal(t, userA.UID, spec.UID)
 	assert.Equal(t, userA.Groups, spec.Groups)
 	assert.Equal(t, map[string]authorizationv1.ExtraValue{"authentication.kubernetes.io/pod-name": {"app-0"}}, spec.Extra)
+	// An empty selector asks about every namespace.
+	assert.Equal(t, &authorizationv1.ResourceAttributes{
+		Group: "multicluster.x-k8s.io", Resource: "clusterprofiles", Subresource: "token", Verb: "list",
+	}, spec.ResourceAttributes)
+
+	f = newService(t, fakeAuthn{user: userB})
+	_, err = f.svc.List(context.Background(), &pb.ListGrantsRequest{Selector: &pb.GrantSelector{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "spoke-1"}}})
+	require.NoError(t, err)
+	require.Len(t, f.sar.reviews, 1)
 	assert.Equal(t, &authorizationv1.ResourceAttributes{
 		Group: "multicluster.x-k8s.io", Resource: "clusterprofiles", Subresource: "token",
 		Verb: "list", Namespace: "fleet", Name: "spoke-1",
-	}, spec.ResourceAttributes)
+	}, f.sar.reviews[0].Spec.ResourceAttributes)
 }
 
 func TestRevokeRequests(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
 		authn    fakeAuthn
+		rules    []string
 		sarErr   error
 		req      *pb.RevokeGrantsRequest
 		wantCode codes.Code
@@ -259,8 +291,12 @@ func TestRevokeRequests(t *testing.T) {
 	}{
 		{name: "no selector", req: &pb.RevokeGrantsRequest{}, wantCode: codes.InvalidArgument, wantMsg: "must select grants"},
 		{name: "empty selector", req: &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{}}, wantCode: codes.InvalidArgument},
-		{name: "nothing matches", req: &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "JTI=nope"}},
+		{name: "nothing matches", rules: []string{"delete /"}, req: &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "JTI=nope"}},
 			wantCode: codes.NotFound, wantMsg: "no live grant matches credential id JTI=nope; list"},
+		// A caller that may revoke only its own grants is told the same
+		// whether others' grants match or nothing does.
+		{name: "nothing matches, without delete", req: &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "JTI=nope"}},
+			wantCode: codes.PermissionDenied, wantMsg: "you may revoke only your own grants, and credential id JTI=nope matches others' grants or none of yours"},
 		{name: "credential id without JTI=", req: &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "a1"}},
 			wantCode: codes.InvalidArgument, wantMsg: "JTI=<jti>"},
 		{name: "credential id with spaces", req: &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "JTI=a 1"}},
@@ -284,7 +320,7 @@ func TestRevokeRequests(t *testing.T) {
 			if authn.user.Username == "" && authn.err == nil {
 				authn.user = userA
 			}
-			f := newService(t, authn)
+			f := newService(t, authn, tc.rules...)
 			f.sar.err = tc.sarErr
 			_, err := f.svc.Revoke(context.Background(), tc.req)
 			require.Equal(t, tc.wantCode, status.Code(err), "%v", err)
@@ -332,4 +368,117 @@ func TestAuditLine(t *testing.T) {
 	}
 	assert.Contains(t, lines[1], `"method"="list"`)
 	assert.NotContains(t, f.audit.String(), jwt)
+}
+
+// manyClusters is the fixture of newService, with a grant of user B on
+// each of n more ClusterProfiles.
+func manyClusters(t *testing.T, caller hubauth.User, n int, rules ...string) *serviceFixture {
+	t.Helper()
+	f := newService(t, fakeAuthn{user: caller}, rules...)
+	for i := range n {
+		c := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: fmt.Sprintf("many-%d", i)}, UID: types.UID(fmt.Sprint(i))}
+		require.NoError(t, f.reg.Hello(context.Background(), c, []*pb.Grant{grantOf(fmt.Sprintf("JTI=m%d", i), userB, c)}))
+	}
+	return f
+}
+
+// The attack: a hub identity without any RBAC calls List and Revoke over
+// and over while others hold grants on many ClusterProfiles. Its calls
+// cost at most one hub review each, whatever others hold, and the hub's
+// answer is cached: ten calls cost one review.
+func TestCallsCostTheCallersOwn(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		call func(*serviceFixture) error
+	}{
+		{"list, empty selector", func(f *serviceFixture) error {
+			resp, err := f.svc.List(context.Background(), &pb.ListGrantsRequest{})
+			if err == nil && len(resp.GetGrants()) != 2 {
+				err = fmt.Errorf("listed %v, want the caller's two grants", ids(resp.GetGrants()))
+			}
+			return err
+		}},
+		{"list, another's username", func(f *serviceFixture) error {
+			resp, err := f.svc.List(context.Background(), &pb.ListGrantsRequest{Selector: &pb.GrantSelector{Username: userB.Username}})
+			if err == nil && len(resp.GetGrants()) != 0 {
+				err = fmt.Errorf("listed %v, want none", ids(resp.GetGrants()))
+			}
+			return err
+		}},
+		{"revoke, another's username", func(f *serviceFixture) error {
+			_, err := f.svc.Revoke(context.Background(), &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{Username: userB.Username}})
+			if status.Code(err) == codes.PermissionDenied {
+				return nil
+			}
+			return fmt.Errorf("revoke answered %v, want PermissionDenied", err)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := manyClusters(t, userA, 9)
+			for range 10 {
+				require.NoError(t, tc.call(f))
+			}
+			assert.Len(t, f.sar.reviews, 1, "ten calls by a caller without RBAC, others' grants on 10 ClusterProfiles")
+			assert.Empty(t, f.revoker.calls)
+		})
+	}
+}
+
+// The hub's answers are kept for AllowTTL or DenyTTL, then asked again;
+// they are kept per caller, verb and scope.
+func TestReviewsAreCachedBriefly(t *testing.T) {
+	f := manyClusters(t, userA, 1)
+	clk := f.svc.cfg.Clock.(*clocktesting.FakePassiveClock)
+	list := func(sel *pb.GrantSelector) {
+		_, err := f.svc.List(context.Background(), &pb.ListGrantsRequest{Selector: sel})
+		require.NoError(t, err)
+	}
+	list(nil)
+	list(nil)
+	require.Len(t, f.sar.reviews, 1)
+	list(&pb.GrantSelector{Cluster: &pb.ObjectReference{Namespace: "fleet", Name: "spoke-1"}})
+	require.Len(t, f.sar.reviews, 2, "another scope is another review")
+	_, err := f.svc.Revoke(context.Background(), &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{Username: userB.Username}})
+	require.Equal(t, codes.PermissionDenied, status.Code(err))
+	require.Len(t, f.sar.reviews, 3, "another verb is another review")
+	clk.SetTime(clk.Now().Add(2*time.Second - time.Nanosecond))
+	list(nil)
+	require.Len(t, f.sar.reviews, 3, "a denial is kept for DenyTTL")
+	clk.SetTime(clk.Now().Add(time.Nanosecond))
+	list(nil)
+	require.Len(t, f.sar.reviews, 4, "a denial is asked again after DenyTTL")
+
+	f.sar.mu.Lock()
+	f.sar.rules["list /"] = true
+	f.sar.mu.Unlock()
+	clk.SetTime(clk.Now().Add(2 * time.Second))
+	list(nil)
+	require.Len(t, f.sar.reviews, 5)
+	clk.SetTime(clk.Now().Add(10*time.Second - time.Nanosecond))
+	list(nil)
+	require.Len(t, f.sar.reviews, 5, "an approval is kept for AllowTTL")
+	clk.SetTime(clk.Now().Add(time.Nanosecond))
+	list(nil)
+	require.Len(t, f.sar.reviews, 6, "an approval is asked again after AllowTTL")
+}
+
+// A caller without delete gets the same answer whether the grant it names
+// exists, as another's, or not at all.
+func TestRevokeAnswerDoesNotTellExistence(t *testing.T) {
+	f := newService(t, fakeAuthn{user: userB})
+	_, exists := f.svc.Revoke(context.Background(), &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "JTI=a1"}})
+	_, absent := f.svc.Revoke(context.Background(), &pb.RevokeGrantsRequest{Selector: &pb.GrantSelector{CredentialId: "JTI=zz"}})
+	require.Equal(t, codes.PermissionDenied, status.Code(exists))
+	require.Equal(t, codes.PermissionDenied, status.Code(absent))
+	norm := func(err error) string {
+		m := status.Convert(err).Message()
+		m = strings.ReplaceAll(m, "JTI=a1", "JTI=?")
+		m = strings.ReplaceAll(m, "JTI=zz", "JTI=?")
+		// The scope of the review: the grant's ClusterProfile, or every
+		// namespace; both are one review.
+		m = strings.ReplaceAll(m, "of the grant's ClusterProfile", "<scope>")
+		return strings.ReplaceAll(m, "in every namespace", "<scope>")
+	}
+	assert.Equal(t, norm(exists), norm(absent))
+	assert.Len(t, f.sar.reviews, 2)
 }

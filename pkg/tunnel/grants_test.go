@@ -32,12 +32,26 @@ type fakeRegistry struct {
 	// block, when set, holds up the first Hello until it is closed;
 	// blocked is closed when that Hello starts waiting.
 	block, blocked chan struct{}
+	// refuse, when set, is what Hello and Report answer a report that
+	// holds the credential id JTI=refused.
+	refuse error
 }
 
-func (r *fakeRegistry) Hello(_ context.Context, cluster ClusterRef, grants []*pb.Grant) {
+func (r *fakeRegistry) refused(grants []*pb.Grant) error {
+	if slices.Contains(grantIDs(grants), "JTI=refused") {
+		return r.refuse
+	}
+	return nil
+}
+
+func (r *fakeRegistry) Hello(_ context.Context, cluster ClusterRef, grants []*pb.Grant) error {
 	r.mu.Lock()
 	block := r.block
 	r.block = nil
+	if err := r.refused(grants); err != nil {
+		r.mu.Unlock()
+		return err
+	}
 	r.replaced = append(r.replaced, grants)
 	r.clusters = append(r.clusters, cluster)
 	r.state = grantIDs(grants)
@@ -46,15 +60,20 @@ func (r *fakeRegistry) Hello(_ context.Context, cluster ClusterRef, grants []*pb
 		close(r.blocked)
 		<-block
 	}
+	return nil
 }
 
-func (r *fakeRegistry) Update(_ context.Context, cluster ClusterRef, u *pb.GrantUpdate) {
+func (r *fakeRegistry) Report(_ context.Context, cluster ClusterRef, u *pb.GrantUpdate) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if err := r.refused(u.GetAdded()); err != nil {
+		return err
+	}
 	r.updates = append(r.updates, u)
 	r.clusters = append(r.clusters, cluster)
 	r.state = slices.DeleteFunc(r.state, func(id string) bool { return slices.Contains(u.GetRemoved(), id) })
 	r.state = append(r.state, grantIDs(u.GetAdded())...)
+	return nil
 }
 
 // known returns the credential ids the registry holds: the last Hello,
@@ -571,4 +590,66 @@ func TestSplitUpdate(t *testing.T) {
 			assert.Equal(t, wantAdded, added)
 		})
 	}
+}
+
+// A hello or grant update that the registry refuses (it breaks a bound of
+// what one agent may report) closes the stream with the registry's code,
+// and the refusal is audited.
+func TestRefusedGrantReportsCloseTheStream(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		hello []*pb.Grant
+		then  *pb.GrantUpdate
+		err   error
+	}{
+		{name: "hello", hello: []*pb.Grant{grant("JTI=refused")}, err: fmt.Errorf("too big: %w", errdefs.ErrInvalidArgument)},
+		{name: "update", then: &pb.GrantUpdate{Added: []*pb.Grant{grant("JTI=refused")}}, err: fmt.Errorf("too many: %w", errdefs.ErrResourceExhausted)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := &fakeRegistry{refuse: tc.err}
+			audit := &lineLog{}
+			h := newHarness(t, time.Second, withRegistry(reg), func(c *ServerConfig) { c.Audit = funcr.New(audit.add, funcr.Options{}) })
+			// A stream the broker keeps open ends with ctx instead.
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			stream := h.rawStreamContext(t, ctx, agentA)
+			require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{Grants: tc.hello}}}))
+			if tc.then != nil {
+				waitConnected(t, h, clusterA, 1)
+				require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_GrantUpdate{GrantUpdate: tc.then}}))
+			}
+			var err error
+			for err == nil {
+				_, err = stream.Recv()
+			}
+			assert.Equal(t, errdefs.Code(tc.err), statusCode(err), "%v", err)
+			assert.Contains(t, err.Error(), tc.err.Error())
+			waitConnected(t, h, clusterA, 0)
+			assert.NotContains(t, reg.known(), "JTI=refused")
+			want := `"agent disconnected"`
+			if tc.hello != nil {
+				want = `"agent refused"`
+			}
+			require.Eventually(t, func() bool { return audit.count(want) == 1 }, 10*time.Second, 5*time.Millisecond, "%s", audit)
+			assert.Contains(t, audit.String(), `"code"="`+errdefs.Code(tc.err).String()+`"`)
+		})
+	}
+}
+
+// What an agent names itself, and its stray correlation ids, reach the
+// log clipped, and fit to print.
+func TestAgentStringsAreClippedForLogs(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"v1.2.3", "v1.2.3"},
+		{strings.Repeat("v", maxAgentVersion), strings.Repeat("v", maxAgentVersion)},
+		{strings.Repeat("v", maxAgentVersion+1), strings.Repeat("v", maxAgentVersion) + "..."},
+		{strings.Repeat("v", 1<<20), strings.Repeat("v", maxAgentVersion) + "..."},
+		{"v1\n\x1b[31mred", "v1 [31mred"},
+		{strings.Repeat("v", maxAgentVersion-1) + "é", strings.Repeat("v", maxAgentVersion-1) + "..."},
+	} {
+		got := agentVersion(tc.in)
+		assert.Equal(t, tc.want, got)
+		assert.LessOrEqual(t, len(got), maxAgentVersion+len("..."))
+	}
+	assert.Equal(t, strings.Repeat("c", maxLoggedCorrelationID)+"...", clipAgentString(strings.Repeat("c", 10_000), maxLoggedCorrelationID))
 }

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
@@ -108,18 +109,21 @@ type ServerConfig struct {
 	Registerer prometheus.Registerer
 }
 
-// GrantRegistry keeps the grants the agents report (package grants).
+// GrantRegistry keeps the grants the agents report (package grants). It
+// bounds what one agent may make it hold: an error, wrapping an errdefs
+// sentinel (ErrInvalidArgument or ErrResourceExhausted), refuses the
+// report, and the Server closes the stream with it.
 type GrantRegistry interface {
 	// Hello reports the grants of an agent's hello.
-	Hello(ctx context.Context, cluster ClusterRef, grants []*pb.Grant)
-	// Update applies an agent's report of grants added and removed.
-	Update(ctx context.Context, cluster ClusterRef, u *pb.GrantUpdate)
+	Hello(ctx context.Context, cluster ClusterRef, grants []*pb.Grant) error
+	// Report applies an agent's report of grants added and removed.
+	Report(ctx context.Context, cluster ClusterRef, u *pb.GrantUpdate) error
 }
 
 type noGrants struct{}
 
-func (noGrants) Hello(context.Context, ClusterRef, []*pb.Grant)      {}
-func (noGrants) Update(context.Context, ClusterRef, *pb.GrantUpdate) {}
+func (noGrants) Hello(context.Context, ClusterRef, []*pb.Grant) error      { return nil }
+func (noGrants) Report(context.Context, ClusterRef, *pb.GrantUpdate) error { return nil }
 
 // MaxGrantsPerFrame bounds the grants and credential ids of one hello or
 // grant update: the broker closes a stream whose agent sends more. Agents
@@ -272,7 +276,12 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		sess.cancel(err)
 	}
 	if sctx.Err() == nil {
-		s.cfg.Grants.Hello(sctx, cluster, hello.GetGrants())
+		if err := s.cfg.Grants.Hello(sctx, cluster, hello.GetGrants()); err != nil {
+			err = fmt.Errorf("agent stream: %w", err)
+			log.Info("agent refused", "reason", err.Error())
+			s.auditAgent("agent refused", id.String(), instance, cluster.String(), err)
+			return errdefs.ToStatus(err).Err()
+		}
 	}
 	// The stream ends with the agent's identity; the agent reconnects with
 	// whatever SVID it holds by then.
@@ -280,9 +289,10 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		sess.cancel(fmt.Errorf("agent %s: its SVID expired at %s: %w", id, expires.UTC().Format(time.RFC3339), errdefs.ErrUnauthenticated))
 	})
 	defer timer.Stop()
-	log.Info("agent connected", "agentVersion", hello.GetAgentVersion(), "svidExpires", expires.UTC().Format(time.RFC3339))
+	version := agentVersion(hello.GetAgentVersion())
+	log.Info("agent connected", "agentVersion", version, "svidExpires", expires.UTC().Format(time.RFC3339))
 	s.auditAgent("agent connected", id.String(), instance, cluster.String(), nil,
-		"agentVersion", hello.GetAgentVersion(), "svidExpires", expires.UTC().Format(time.RFC3339))
+		"agentVersion", version, "svidExpires", expires.UTC().Format(time.RFC3339))
 	// The stream's end, whichever way it comes; an agent that leaves on its
 	// own (its stream ends without error) is OK.
 	var endErr error
@@ -401,7 +411,9 @@ func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.B
 				return fmt.Errorf("%w: a grant update of %d grants, more than %d: %w",
 					errAgentFrame, n, MaxGrantsPerFrame, errdefs.ErrInvalidArgument)
 			}
-			grants.Update(sess.ctx, sess.cluster, u)
+			if err := grants.Report(sess.ctx, sess.cluster, u); err != nil {
+				return fmt.Errorf("%w a grant update that the broker refused: %w", errAgentFrame, err)
+			}
 			continue
 		}
 		if f.GetGoodbye() != nil && f.GetCorrelationId() == "" {
@@ -415,11 +427,38 @@ func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.B
 		sess.mu.Unlock()
 		if !ok {
 			// A late answer to a request that timed out, or a stray frame.
-			log.V(1).Info("agent frame matches no request", "correlationID", f.GetCorrelationId())
+			log.V(1).Info("agent frame matches no request", "correlationID", clipAgentString(f.GetCorrelationId(), maxLoggedCorrelationID))
 			continue
 		}
 		ch <- f // buffered; never blocks
 	}
+}
+
+// The longest agent version and correlation id the broker logs, in bytes,
+// before the "..." that marks a clipped one: an agent chooses them, and
+// the log is not its to fill.
+const (
+	maxAgentVersion        = 128
+	maxLoggedCorrelationID = 64
+)
+
+// agentVersion is the version an agent's hello names, fit to log: as
+// agentMessage makes it, and clipped to maxAgentVersion bytes.
+func agentVersion(v string) string { return clipAgentString(v, maxAgentVersion) }
+
+// clipAgentString makes s, which an agent sent, fit to log: as
+// agentMessage makes it, and clipped to at most n bytes and "...".
+func clipAgentString(s string, n int) string {
+	s = agentMessage(s)
+	if len(s) <= n {
+		return s
+	}
+	// s is valid UTF-8, so s[0] starts a rune and the loop ends.
+	cut := n
+	for !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "..."
 }
 
 // errAgentFrame marks a frame that makes the broker close the stream.

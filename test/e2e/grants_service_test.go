@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
 	"os"
 	"slices"
 	"testing"
@@ -86,9 +87,14 @@ func TestGrantsServiceListAndRevoke(t *testing.T) {
 	t.Run("another consumer without RBAC cannot revoke the grant", func(t *testing.T) {
 		_, err := revokeGrants(other, client, byID, "attack")
 		require.Equal(t, codes.PermissionDenied, status.Code(err), "%v", err)
-		assert.Contains(t, status.Convert(err).Message(), framework.FleetNamespace+"/"+cluster.Name)
+		// The answer does not tell where the grant lives, nor that it
+		// exists: a credential id nobody holds gets the same.
+		assert.NotContains(t, status.Convert(err).Message(), cluster.Name)
+		_, absent := revokeGrants(other, client, &pb.GrantSelector{CredentialId: "JTI=no-such-token"}, "attack")
+		require.Equal(t, codes.PermissionDenied, status.Code(absent), "%v", absent)
 		_, err = revokeGrants(other, client, &pb.GrantSelector{Cluster: clusterRef(cluster)}, "attack")
 		require.Equal(t, codes.PermissionDenied, status.Code(err), "%v", err)
+		assert.Contains(t, status.Convert(err).Message(), fmt.Sprintf("%q in namespace %q", cluster.Name, framework.FleetNamespace))
 		err = selfReview(t, cluster, resp.GetToken())
 		require.NoError(t, err, "the spoke refuses a token nobody could revoke")
 	})
@@ -115,13 +121,19 @@ func TestGrantsServiceListAndRevoke(t *testing.T) {
 	logLine(t, `"msg"="grants"`, `"method"="revoke"`, `"user"="`+other.username()+`"`, `"code"="PermissionDenied"`)
 }
 
-// Revoke refuses an empty selector, and says so when nothing matches.
+// Revoke refuses an empty selector, and says so when nothing matches to a
+// caller who may revoke others' grants; one who may not is told only that.
 func TestGrantsServiceRevokeArguments(t *testing.T) {
 	c := newConsumer(t, "credbroker")
 	client := grantsClient(t)
 	_, err := revokeGrants(c, client, nil, "")
 	assert.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
 	_, err = revokeGrants(c, client, &pb.GrantSelector{CredentialId: "JTI=no-such-token"}, "")
+	assert.Equal(t, codes.PermissionDenied, status.Code(err), "%v", err)
+	admin := newConsumer(t, "credbroker")
+	require.NoError(t, env.Hub.Grant(context.Background(), framework.FleetNamespace, framework.ServiceAccountSubject(admin.namespace, admin.name),
+		[]rbacv1.PolicyRule{{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"clusterprofiles/token"}, Verbs: []string{"delete"}}}))
+	_, err = revokeGrants(admin, client, &pb.GrantSelector{Cluster: clusterRef(env.Spokes[0]), CredentialId: "JTI=no-such-token"}, "")
 	assert.Equal(t, codes.NotFound, status.Code(err), "%v", err)
 	_, err = revokeGrants(consumer{token: "not-a-token"}, client, &pb.GrantSelector{Username: c.username()}, "")
 	assert.Equal(t, codes.Unauthenticated, status.Code(err), "%v", err)
