@@ -61,7 +61,8 @@
 // Every token is bound to a grant: before each TokenRequest the Minter
 // creates a Secret of type credbroker.io/grant (GrantType), named
 // credbroker-grant-<random>, in the ServiceAccount's namespace. It holds no
-// data. Its label credbroker.io/grant=true marks it, and its annotations
+// data. Its label credbroker.io/grant=true marks it for people (the agent
+// knows a grant by its type, which cannot change), and its annotations
 // name the hub user and UID, the hub ClusterProfile the broker admitted the
 // agent for (Config.ClusterProfile reads it from the mint's context), the
 // ServiceAccount, the requested audiences and the expiry. The TokenRequest
@@ -82,8 +83,12 @@
 // recorded, Mint deletes the grant and fails.
 //
 // The agent reads its grants from an informer (NewGrantInformer: one watch
-// on Secrets selected by label and type, indexed by ServiceAccount and by
-// credential id), never by listing them every interval. Run collects
+// on Secrets selected by type, indexed by ServiceAccount and by credential
+// id), never by listing them every interval. Only the agent writes a grant
+// (deploy/spoke/admission.yaml); a grant that differs from what the agent
+// wrote (a label, an annotation, a finalizer, data) was changed by someone
+// else, and the agent deletes it, which revokes its token, and reports its
+// removal only once it is gone. Run collects
 // grants: it deletes each one when its token expires (a timer on
 // Config.Clock), and every CollectInterval, starting at once, it looks
 // through the cache and deletes those whose expiry has passed. The sweep is
