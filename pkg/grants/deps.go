@@ -19,4 +19,7 @@ type AccessReviewer interface {
 type Table interface {
 	Select(s Selector) []*pb.Grant
 	Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant)
+	// RevokeRecorded is Revoke that fails when the pending revokes could
+	// not be recorded for every broker replica to send again.
+	RevokeRecorded(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant, err error)
 }

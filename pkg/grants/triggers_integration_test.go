@@ -83,6 +83,10 @@ func brokerConfig(t *testing.T, hub *framework.Cluster) *rest.Config {
 			_, err = hub.Client.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRoleBinding:
 			_, err = hub.Client.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.Role:
+			_, err = hub.Client.RbacV1().Roles(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.RoleBinding:
+			_, err = hub.Client.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		default:
 			t.Fatalf("deploy/hub/rbac.yaml: no case for %T", obj)
 		}

@@ -1,0 +1,123 @@
+package grants
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/credbroker/credbroker/pkg/tunnel"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// RevokeRecorded asks the agents to delete grants, one request per
+// ClusterProfile incarnation, and returns the grants that an agent
+// confirmed gone, and the pending ones, which no agent confirmed. With a
+// RegistryConfig.Pending, the pending revokes are recorded there before it
+// returns, so that every broker replica sends them again when an agent of
+// their ClusterProfile connects or reports them, until an agent confirms
+// or their tokens expire. When they could not be recorded, only this
+// replica retries them, and the error, which wraps errdefs.ErrUnavailable
+// or errdefs.ErrResourceExhausted, says so. Both lists keep the order of
+// grants within each ClusterProfile, and the ClusterProfiles in the order
+// they first appear. From the call on, Revoked reports every one of grants
+// as revoked.
+func (r *Registry) RevokeRecorded(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant, err error) {
+	revoked, pending = r.deliver(ctx, grants, reason, false)
+	if len(pending) == 0 || r.cfg.Pending == nil {
+		return revoked, pending, nil
+	}
+	records := make([]PendingRevoke, len(pending))
+	for i, g := range pending {
+		records[i] = PendingRevoke{Grant: &pb.Grant{
+			CredentialId: g.GetCredentialId(), Cluster: g.GetCluster(),
+			ClusterUid: g.GetClusterUid(), ExpirationTime: g.GetExpirationTime(),
+		}, Reason: reason}
+	}
+	if err := r.cfg.Pending.Record(ctx, records); err != nil {
+		return revoked, pending, fmt.Errorf("%d of %d grants were revoked; no agent confirmed the other %d, and their revokes were not recorded "+
+			"for every broker replica to send again, so revoke them again: %w", len(revoked), len(grants), len(pending), err)
+	}
+	// An agent that came back meanwhile confirmed some.
+	var done []string
+	r.mu.Lock()
+	for _, g := range pending {
+		if _, ok := r.pending[g.GetCredentialId()]; !ok {
+			done = append(done, g.GetCredentialId())
+		}
+	}
+	r.mu.Unlock()
+	r.forget(done)
+	return revoked, pending, nil
+}
+
+// Revoke is RevokeRecorded for callers that need no more than a log line
+// when the pending revokes could not be recorded, such as the triggers,
+// which check the grants again later anyway.
+func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant) {
+	revoked, pending, err := r.RevokeRecorded(ctx, grants, reason)
+	if err != nil {
+		r.cfg.Log.Info("pending revokes not recorded; only this replica sends them again", "grants", len(pending), "reason", err.Error())
+	}
+	return revoked, pending
+}
+
+// Learn takes the pending revokes that the replicas recorded (the broker
+// passes those of its PendingStore, each time they change), and sends those
+// it did not know of to their agents, if connected to this replica. Those
+// an agent already confirmed to this replica are forgotten.
+func (r *Registry) Learn(ctx context.Context, revokes []PendingRevoke) {
+	now := r.cfg.Clock.Now()
+	var (
+		fresh []pendingRevoke
+		done  []string
+	)
+	r.mu.Lock()
+	for _, p := range revokes {
+		id := p.Grant.GetCredentialId()
+		if id == "" || !p.Grant.GetExpirationTime().AsTime().After(now) {
+			continue
+		}
+		if _, ok := r.pending[id]; ok {
+			continue
+		}
+		if _, ok := r.revoked[id]; ok {
+			done = append(done, id)
+			continue
+		}
+		r.pending[id] = pendingRevoke{grant: p.Grant, reason: p.Reason}
+		fresh = append(fresh, r.pending[id])
+	}
+	r.mu.Unlock()
+	r.forget(done)
+	if len(fresh) > 0 {
+		go r.retry(context.WithoutCancel(ctx), fresh, true)
+	}
+}
+
+// retryUnreported sends again the pending revokes of cluster whose grants
+// the agent's hello did not report (Update sends those of the grants it
+// did): an agent answers the revoke of a grant it does not hold as gone,
+// which confirms it.
+func (r *Registry) retryUnreported(ctx context.Context, cluster tunnel.ClusterRef, reported []*pb.Grant) {
+	seen := make(map[string]bool, len(reported))
+	for _, g := range reported {
+		seen[g.GetCredentialId()] = true
+	}
+	var list []pendingRevoke
+	r.mu.Lock()
+	for id, p := range r.pending {
+		if !seen[id] && ClusterRef(p.grant) == cluster {
+			list = append(list, p)
+		}
+	}
+	r.mu.Unlock()
+	if len(list) > 0 {
+		go r.retry(context.WithoutCancel(ctx), list, false)
+	}
+}
+
+// forget drops ids from the recorded pending revokes, if any.
+func (r *Registry) forget(ids []string) {
+	if len(ids) > 0 && r.cfg.Pending != nil {
+		r.cfg.Pending.Forget(ids)
+	}
+}

@@ -1,0 +1,401 @@
+package grants
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// fakeConfigMaps is one namespace's ConfigMaps, with resourceVersions, and
+// the failures a test asks for.
+type fakeConfigMaps struct {
+	mu  sync.Mutex
+	cms map[string]*corev1.ConfigMap
+	rv  int
+	// conflicts fails that many writes with a Conflict; fail fails every
+	// call with it.
+	conflicts int
+	fail      error
+	writes    int
+}
+
+var configMapsResource = schema.GroupResource{Resource: "configmaps"}
+
+func (f *fakeConfigMaps) Get(_ context.Context, name string, _ metav1.GetOptions) (*corev1.ConfigMap, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fail != nil {
+		return nil, f.fail
+	}
+	cm, ok := f.cms[name]
+	if !ok {
+		return nil, apierrors.NewNotFound(configMapsResource, name)
+	}
+	return cm.DeepCopy(), nil
+}
+
+func (f *fakeConfigMaps) write(cm *corev1.ConfigMap, create bool) (*corev1.ConfigMap, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fail != nil {
+		return nil, f.fail
+	}
+	old, exists := f.cms[cm.Name]
+	switch {
+	case f.conflicts > 0:
+		f.conflicts--
+		return nil, apierrors.NewConflict(configMapsResource, cm.Name, errors.New("changed"))
+	case create && exists:
+		return nil, apierrors.NewAlreadyExists(configMapsResource, cm.Name)
+	case !create && (!exists || old.ResourceVersion != cm.ResourceVersion):
+		return nil, apierrors.NewConflict(configMapsResource, cm.Name, errors.New("changed"))
+	}
+	f.rv++
+	f.writes++
+	cm = cm.DeepCopy()
+	cm.ResourceVersion = strconv.Itoa(f.rv)
+	if f.cms == nil {
+		f.cms = map[string]*corev1.ConfigMap{}
+	}
+	f.cms[cm.Name] = cm
+	return cm.DeepCopy(), nil
+}
+
+func (f *fakeConfigMaps) Create(_ context.Context, cm *corev1.ConfigMap, _ metav1.CreateOptions) (*corev1.ConfigMap, error) {
+	return f.write(cm, true)
+}
+
+func (f *fakeConfigMaps) Update(_ context.Context, cm *corev1.ConfigMap, _ metav1.UpdateOptions) (*corev1.ConfigMap, error) {
+	return f.write(cm, false)
+}
+
+func (f *fakeConfigMaps) data() map[string]string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if cm, ok := f.cms[DefaultPendingConfigMap]; ok {
+		return cm.Data
+	}
+	return nil
+}
+
+// handlerInformer hands the store's handler to the test.
+type handlerInformer struct{ handler cache.ResourceEventHandler }
+
+func (f *handlerInformer) AddEventHandler(h cache.ResourceEventHandler) (cache.ResourceEventHandlerRegistration, error) {
+	f.handler = h
+	return nil, nil
+}
+func (f *handlerInformer) HasSynced() bool       { return true }
+func (f *handlerInformer) GetStore() cache.Store { return nil }
+
+var pendingStart = time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+
+func newTestStore(t *testing.T, cms *fakeConfigMaps, maxBytes int) (*PendingStore, *handlerInformer, *clocktesting.FakePassiveClock) {
+	t.Helper()
+	inf := &handlerInformer{}
+	clk := clocktesting.NewFakePassiveClock(pendingStart)
+	s, err := NewPendingStore(PendingStoreConfig{
+		ConfigMaps: cms, Namespace: "credbroker-system", Informer: inf,
+		MaxLifetime: time.Hour, MaxBytes: maxBytes, Clock: clk,
+	})
+	require.NoError(t, err)
+	return s, inf, clk
+}
+
+func pendingGrant(id, cluster string, expires time.Duration) *pb.Grant {
+	return &pb.Grant{
+		CredentialId: id, Cluster: &pb.ObjectReference{Namespace: "fleet", Name: cluster}, ClusterUid: "uid-" + cluster,
+		ExpirationTime: timestamppb.New(pendingStart.Add(expires)),
+	}
+}
+
+// A recorded revoke reaches the other replicas' handlers as it was
+// written, with its expiry bounded by the longest token lifetime, and
+// expired and unreadable records are dropped at the next write.
+func TestPendingStoreRecordAndObserve(t *testing.T) {
+	cms := &fakeConfigMaps{}
+	s, inf, clk := newTestStore(t, cms, 0)
+	var seen []PendingRevoke
+	s.OnChange(func(p []PendingRevoke) { seen = p })
+
+	require.NoError(t, s.Record(t.Context(), []PendingRevoke{
+		{Grant: pendingGrant("JTI=a", "one", 10*time.Minute), Reason: "leaked"},
+		{Grant: pendingGrant("JTI=b", "two", 100*time.Hour), Reason: "gone"},
+		{Grant: pendingGrant("JTI=expired", "two", -time.Minute)},
+		{Grant: &pb.Grant{}},
+	}))
+	data := cms.data()
+	require.Len(t, data, 2)
+	for _, v := range data {
+		assert.NotContains(t, v, "eyJ", "a record holds something shaped like a token")
+	}
+	inf.handler.OnAdd(cms.cms[DefaultPendingConfigMap].DeepCopy(), false)
+	require.Len(t, seen, 2)
+	byID := map[string]PendingRevoke{}
+	for _, p := range seen {
+		byID[p.Grant.GetCredentialId()] = p
+	}
+	assert.Equal(t, "leaked", byID["JTI=a"].Reason)
+	assert.Equal(t, tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}, ClusterRef(byID["JTI=a"].Grant))
+	assert.Equal(t, pendingStart.Add(10*time.Minute), byID["JTI=a"].Grant.GetExpirationTime().AsTime())
+	assert.Equal(t, pendingStart.Add(time.Hour), byID["JTI=b"].Grant.GetExpirationTime().AsTime(), "an expiry past the longest token lifetime")
+
+	// A hand-edited record and an expired one go at the next write.
+	cm := cms.cms[DefaultPendingConfigMap]
+	cm.Data["junk"] = "not json"
+	cm.Data[pendingKey("JTI=c")] = `{"credentialID":"JTI=other","cluster":"fleet/one","expires":"2030-01-01T00:00:00Z"}`
+	inf.handler.OnUpdate(nil, cm.DeepCopy())
+	assert.Len(t, seen, 2, "unreadable records are not revokes")
+	clk.SetTime(pendingStart.Add(11 * time.Minute))
+	require.NoError(t, s.Record(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=d", "one", 30*time.Minute)}}))
+	assert.ElementsMatch(t, []string{pendingKey("JTI=b"), pendingKey("JTI=d")}, keys(cms.data()))
+}
+
+// A write that conflicts with another replica's is made again on the
+// fresh object, and keeps the other's records; a hub that does not take
+// the write, and a full record, fail with the codes the caller gets.
+func TestPendingStoreFailures(t *testing.T) {
+	tests := []struct {
+		name     string
+		cms      *fakeConfigMaps
+		maxBytes int
+		want     error
+		message  string
+	}{
+		{name: "conflicts with other replicas", cms: &fakeConfigMaps{conflicts: pendingAttempts - 1}},
+		{name: "conflicts without end", cms: &fakeConfigMaps{conflicts: pendingAttempts}, want: errdefs.ErrUnavailable, message: "conflicted"},
+		{name: "hub unreachable", cms: &fakeConfigMaps{fail: errors.New("dial tcp: connection refused")}, want: errdefs.ErrUnavailable,
+			message: "ConfigMap credbroker-system/credbroker-pending-revokes: the hub API server did not answer"},
+		{name: "forbidden", cms: &fakeConfigMaps{fail: apierrors.NewForbidden(configMapsResource, DefaultPendingConfigMap, errors.New("no"))},
+			want: errdefs.ErrUnavailable, message: "deploy/hub/rbac.yaml"},
+		{name: "full", cms: &fakeConfigMaps{}, maxBytes: 200, want: errdefs.ErrResourceExhausted, message: "more than its limit of 200"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s, _, _ := newTestStore(t, tt.cms, tt.maxBytes)
+			err := s.Record(t.Context(), []PendingRevoke{
+				{Grant: pendingGrant("JTI=a", "one", time.Hour)}, {Grant: pendingGrant("JTI=b", "one", time.Hour)},
+			})
+			if tt.want == nil {
+				require.NoError(t, err)
+				assert.Len(t, tt.cms.data(), 2)
+				return
+			}
+			require.ErrorIs(t, err, tt.want)
+			assert.ErrorContains(t, err, tt.message)
+			assert.NotContains(t, err.Error(), "dial tcp", "the hub's address")
+		})
+	}
+}
+
+// Forget drops only what the ConfigMap holds, and costs no write
+// otherwise; a failed write is made again.
+func TestPendingStoreForget(t *testing.T) {
+	cms := &fakeConfigMaps{}
+	s, _, _ := newTestStore(t, cms, 0)
+	require.NoError(t, s.Record(t.Context(), []PendingRevoke{
+		{Grant: pendingGrant("JTI=a", "one", time.Hour)}, {Grant: pendingGrant("JTI=b", "one", time.Hour)},
+	}))
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	writes := cms.writes
+	s.Forget([]string{"JTI=unknown"})
+	s.Forget([]string{"JTI=a"})
+	require.Eventually(t, func() bool { return len(cms.data()) == 1 }, 10*time.Second, 10*time.Millisecond)
+	assert.Contains(t, cms.data(), pendingKey("JTI=b"))
+	assert.Equal(t, writes+1, cms.writes, "one write for the one known id")
+
+	cms.mu.Lock()
+	cms.conflicts = pendingAttempts // the next round fails
+	cms.mu.Unlock()
+	s.Forget([]string{"JTI=b"})
+	require.Eventually(t, func() bool { return len(cms.data()) == 0 }, 10*time.Second, 10*time.Millisecond)
+}
+
+// fakeRecorder records what a Registry records and forgets.
+type fakeRecorder struct {
+	mu       sync.Mutex
+	fail     error
+	recorded []string
+	forgot   []string
+}
+
+func (f *fakeRecorder) Record(_ context.Context, revokes []PendingRevoke) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fail != nil {
+		return f.fail
+	}
+	for _, p := range revokes {
+		f.recorded = append(f.recorded, p.Grant.GetCredentialId())
+	}
+	return nil
+}
+
+func (f *fakeRecorder) Forget(ids []string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.forgot = append(f.forgot, ids...)
+}
+
+func (f *fakeRecorder) forgotten() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]string(nil), f.forgot...)
+}
+
+// gatedRevoker revokes only while its cluster's agent is connected.
+type gatedRevoker struct {
+	mu        sync.Mutex
+	connected bool
+	asked     []string
+}
+
+func (g *gatedRevoker) Revoke(_ context.Context, _ tunnel.ClusterRef, ids []string, _ string) ([]string, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.asked = append(g.asked, ids...)
+	if !g.connected {
+		return nil, errdefs.ErrUnavailable
+	}
+	return ids, nil
+}
+
+func (g *gatedRevoker) set(connected bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.connected = connected
+}
+
+func (g *gatedRevoker) count(id string) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	n := 0
+	for _, a := range g.asked {
+		if a == id {
+			n++
+		}
+	}
+	return n
+}
+
+// A revoke that no agent confirms is answered pending only once recorded;
+// when it cannot be recorded, the caller is told, with the code of the
+// failure.
+func TestRegistryRevokeRecorded(t *testing.T) {
+	tests := []struct {
+		name      string
+		fail      error
+		connected bool
+		wantErr   error
+		recorded  []string
+	}{
+		{name: "agent confirms: nothing recorded", connected: true},
+		{name: "agent unreachable: recorded", recorded: []string{"JTI=a"}},
+		{name: "agent unreachable, hub down", fail: errdefs.ErrUnavailable, wantErr: errdefs.ErrUnavailable},
+		{name: "agent unreachable, record full", fail: errdefs.ErrResourceExhausted, wantErr: errdefs.ErrResourceExhausted},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rec := &fakeRecorder{fail: tt.fail}
+			rev := &gatedRevoker{connected: tt.connected}
+			r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart)})
+			require.NoError(t, err)
+			g := pendingGrant("JTI=a", "one", time.Hour)
+			revoked, pending, err := r.RevokeRecorded(t.Context(), []*pb.Grant{g}, "test")
+			assert.Equal(t, tt.recorded, rec.recorded)
+			assert.True(t, r.Revoked("JTI=a"))
+			if tt.wantErr != nil {
+				require.ErrorIs(t, err, tt.wantErr)
+				assert.ErrorContains(t, err, "0 of 1 grants were revoked; no agent confirmed the other 1")
+				return
+			}
+			require.NoError(t, err)
+			if tt.connected {
+				assert.Len(t, revoked, 1)
+				assert.Empty(t, pending)
+				assert.Equal(t, []string{"JTI=a"}, rec.forgotten())
+			} else {
+				assert.Empty(t, revoked)
+				assert.Len(t, pending, 1)
+			}
+		})
+	}
+}
+
+// A replica that learns of another's pending revoke sends it when the
+// agent connects, whether or not the agent's hello reports the grant, and
+// forgets it once the agent confirms; a revoke it confirmed itself is
+// forgotten at once.
+func TestRegistryLearnsPendingRevokes(t *testing.T) {
+	cluster := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
+	tests := []struct {
+		name string
+		// hello is what the agent reports when it comes back.
+		hello []*pb.Grant
+	}{
+		{name: "the hello reports the grant", hello: []*pb.Grant{pendingGrant("JTI=a", "one", time.Hour)}},
+		{name: "the hello does not report it"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rec := &fakeRecorder{}
+			rev := &gatedRevoker{}
+			r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart)})
+			require.NoError(t, err)
+			r.Learn(t.Context(), []PendingRevoke{
+				{Grant: pendingGrant("JTI=a", "one", time.Hour), Reason: "leaked"},
+				{Grant: pendingGrant("JTI=old", "one", -time.Minute)},
+			})
+			assert.True(t, r.Revoked("JTI=a"), "a revoke another replica took counts as revoked here")
+			assert.False(t, r.Revoked("JTI=old"))
+			require.Eventually(t, func() bool { return rev.count("JTI=a") == 1 }, 10*time.Second, 10*time.Millisecond,
+				"the learnt revoke is tried at once")
+			assert.Empty(t, rec.forgotten())
+
+			rev.set(true)
+			require.NoError(t, r.Hello(t.Context(), cluster, tt.hello))
+			require.Eventually(t, func() bool { return len(rec.forgotten()) == 1 }, 10*time.Second, 10*time.Millisecond)
+			assert.Equal(t, []string{"JTI=a"}, rec.forgotten())
+			assert.Equal(t, 2, rev.count("JTI=a"), "sent once more, at the hello")
+			assert.True(t, r.Revoked("JTI=a"))
+
+			// The same record seen again, before its removal is written.
+			r.Learn(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=a", "one", time.Hour)}})
+			assert.Equal(t, []string{"JTI=a", "JTI=a"}, rec.forgotten())
+			assert.Equal(t, 2, rev.count("JTI=a"), "a confirmed revoke is not sent again")
+		})
+	}
+}
+
+func keys(m map[string]string) []string {
+	var out []string
+	for k := range m {
+		if !strings.HasPrefix(k, "#") {
+			out = append(out, k)
+		}
+	}
+	return out
+}
