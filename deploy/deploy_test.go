@@ -647,4 +647,19 @@ func TestAdmissionHoldsARenamedAgent(t *testing.T) {
 	require.Error(t, err)
 	assert.True(t, apierrors.IsForbidden(err), "%v", err)
 	assert.Contains(t, err.Error(), "only tokens bound to a credbroker grant Secret")
+
+	// Only the renamed agent writes a grant; anyone else, even an admin,
+	// may only delete one.
+	grant := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: "credbroker-grant-", Labels: map[string]string{"credbroker.io/grant": "true"}},
+		Type:       "credbroker.io/grant",
+	}
+	require.Eventually(t, func() bool {
+		_, lastErr = c.Client.CoreV1().Secrets(victim).Create(ctx, grant, metav1.CreateOptions{})
+		return apierrors.IsForbidden(lastErr)
+	}, 20*time.Second, 100*time.Millisecond, "someone other than the renamed agent still writes grants: %v", lastErr)
+	assert.Contains(t, lastErr.Error(), "only the credbroker agent (system:serviceaccount:"+renamedNamespace+"-real:"+saName+")")
+	written, err := agent.CoreV1().Secrets(victim).Create(ctx, grant, metav1.CreateOptions{})
+	require.NoError(t, err, "the renamed agent may not write a grant")
+	require.NoError(t, c.Client.CoreV1().Secrets(victim).Delete(ctx, written.Name, metav1.DeleteOptions{}))
 }
