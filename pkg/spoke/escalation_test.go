@@ -302,6 +302,7 @@ func TestEscalationWaitEndsWithContext(t *testing.T) {
 	err := <-done
 	require.ErrorIs(t, err, context.Canceled)
 	assert.NotErrorIs(t, err, errdefs.ErrPermissionDenied)
+	assert.ErrorContains(t, err, "ask the spoke API server whether ServiceAccount apps/deployer may escalate: ")
 }
 
 func TestNewValidatesEscalationConfig(t *testing.T) {

@@ -129,7 +129,24 @@ type Config struct {
 	// CollectInterval is how often Run lists grants to delete those whose
 	// token has expired. Zero means DefaultCollectInterval.
 	CollectInterval time.Duration
-	// Clock times grant expiry; nil means the real clock.
+	// Access asks the spoke API server, with SubjectAccessReviews, whether
+	// a ServiceAccount may create ServiceAccount tokens or impersonate:
+	// Mint refuses such a ServiceAccount, whose token could make itself a
+	// credential that no grant binds (see the package doc). The agent
+	// passes NewAccessReviewer. Nil skips the check, for tests that fake
+	// the spoke only.
+	Access AccessReviewer
+	// AllowEscalating are the ServiceAccounts that Mint serves even though
+	// they may escalate: a Name of AllowAllInNamespace allows every one of
+	// the Namespace. Only the spoke admin who runs the agent sets it, with
+	// AllowEscalatingFlag; no annotation does.
+	AllowEscalating []types.NamespacedName
+	// EscalationTTL is how long Access's answers for a ServiceAccount are
+	// kept: a change to its RBAC takes that long to be seen. Zero means
+	// DefaultEscalationTTL.
+	EscalationTTL time.Duration
+	// Clock times grant expiry and the escalation answers; nil means the
+	// real clock.
 	Clock clock.WithTickerAndDelayedExecution
 	// Log receives one line per mint and per refusal; the zero value
 	// discards them. It never receives a token.
@@ -150,6 +167,7 @@ type Minter struct {
 	interval       time.Duration
 	clock          clock.WithTickerAndDelayedExecution
 	log            logr.Logger
+	escalation     *escalationChecker
 
 	mu sync.Mutex
 	// runCtx is Run's context while Run runs; nil otherwise. Grants minted
@@ -220,7 +238,12 @@ func New(cfg Config) (*Minter, error) {
 	case maxExp > maxTokenRequestExpiration:
 		return nil, fmt.Errorf("spoke config: MaxExpiration %s is longer than %s, the TokenRequest API's maximum", maxExp, maxTokenRequestExpiration)
 	}
+	escalation, err := newEscalationChecker(cfg.Access, cfg.AllowEscalating, cfg.EscalationTTL, clk)
+	if err != nil {
+		return nil, err
+	}
 	return &Minter{
+		escalation:     escalation,
 		tokens:         cfg.Tokens,
 		grants:         cfg.Grants,
 		grantCache:     cfg.GrantCache,
@@ -246,7 +269,11 @@ func New(cfg Config) (*Minter, error) {
 // ServiceAccount, ErrPermissionDenied when no ServiceAccount allows the
 // subject or the ServiceAccount does not allow an audience,
 // ErrFailedPrecondition when several allow the subject and req names none, and
-// ErrUnavailable when the spoke API server fails or refuses the agent. Each
+// ErrUnavailable when the spoke API server fails or refuses the agent.
+// ErrPermissionDenied also refuses a ServiceAccount that may create
+// ServiceAccount tokens or impersonate, unless Config.AllowEscalating
+// allows it; when the spoke API server cannot say whether it may, Mint
+// fails with ErrUnavailable. Each
 // token is bound to a grant Secret created first (see the package doc); Mint
 // fails rather than mint a token without one.
 func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
@@ -258,6 +285,9 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	sa, err := m.pick(user, req.GetSubject().GetGroups(), req.GetServiceAccount())
 	if err == nil {
 		err = allowAudiences(sa, req.GetAudiences())
+	}
+	if err == nil {
+		err = m.escalation.check(ctx, sa)
 	}
 	if err != nil {
 		m.log.Info("refused mint request", "subject", user, "error", err.Error())
