@@ -426,6 +426,18 @@ var allowed = map[string][]rule{
 		// grants the same).
 		[]rule{{resource: "/openid/v1/jwks", verb: "get"}},
 	),
+	// The ConfigMap of pending revokes in the broker's namespace
+	// (pkg/grants PendingStore): created once, then read, watched alone
+	// and updated by name.
+	"Role credbroker-broker-pending-revokes": slices.Concat(
+		verbs("", "configmaps", "create"),
+		[]rule{
+			{resource: "configmaps", name: "credbroker-pending-revokes", verb: "get"},
+			{resource: "configmaps", name: "credbroker-pending-revokes", verb: "list"},
+			{resource: "configmaps", name: "credbroker-pending-revokes", verb: "watch"},
+			{resource: "configmaps", name: "credbroker-pending-revokes", verb: "update"},
+		},
+	),
 	// Only with components/publish-access-provider.
 	"ClusterRole credbroker-broker-publish": verbs("multicluster.x-k8s.io", "clusterprofiles/status", "patch"),
 	"Role credbroker-broker-publish-lease": slices.Concat(

@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"strconv"
+	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/client-go/tools/clientcmd"
@@ -43,6 +44,7 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.Var(cmdflags.Float32(&cfg.HubQPS), "hub-qps", "QPS of the hub client")
 	fs.IntVar(&cfg.HubBurst, "hub-burst", cfg.HubBurst, "burst of the hub client")
 	fs.StringVar(&cfg.Audience, "audience", cfg.Audience, "audience that consumers' hub tokens must carry")
+	fs.StringVar(&cfg.PendingRevokesNamespace, "pending-revokes-namespace", "", "namespace of the ConfigMap credbroker-pending-revokes, where the replicas record the revokes no agent confirmed yet, for every replica to send again (default: the broker's own namespace in a pod, else credbroker-system)")
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted spoke token (at least 10m)")
 	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "how long to wait for an agent's answer")
 	fs.DurationVar(&cfg.AgentMaxConnectionAge, "agent-max-connection-age", cfg.AgentMaxConnectionAge, "renew each agent connection after about this long, so that handshakes use current SVIDs and bundle")
@@ -98,6 +100,9 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 			return cfg, nil, fmt.Errorf("--spiffe-id: %w", err)
 		}
 	}
+	if cfg.PendingRevokesNamespace == "" {
+		cfg.PendingRevokesNamespace = ownNamespace()
+	}
 	if cfg.Hub, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
 		return cfg, nil, fmt.Errorf("hub config: %w", err)
 	}
@@ -126,3 +131,17 @@ func (v *positiveUint32Value) Set(s string) error {
 }
 func (v *positiveUint32Value) String() string { return strconv.FormatUint(uint64(*v.p), 10) }
 func (v *positiveUint32Value) Type() string   { return "uint32" }
+
+// serviceAccountNamespace is where the kubelet writes the pod's namespace.
+const serviceAccountNamespace = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+// ownNamespace is the broker's pod's namespace, or outside a pod the
+// default of broker.Config.PendingRevokesNamespace.
+func ownNamespace() string {
+	if raw, err := os.ReadFile(serviceAccountNamespace); err == nil {
+		if ns := strings.TrimSpace(string(raw)); ns != "" {
+			return ns
+		}
+	}
+	return broker.Default().PendingRevokesNamespace
+}

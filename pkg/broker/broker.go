@@ -26,6 +26,8 @@ import (
 	"google.golang.org/grpc/reflection"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -65,6 +67,10 @@ type Broker struct {
 	rbacInformers    informers.SharedInformerFactory
 	accountInformers metadatainformer.SharedInformerFactory
 	grants           *grants.Registry
+	// pending records the revokes no agent confirmed, in a ConfigMap of
+	// the hub that pendingInformers watches.
+	pending          *grants.PendingStore
+	pendingInformers informers.SharedInformerFactory
 	grantsAPI        *grants.Service
 	triggers         *grants.Triggers
 	tunnel           *tunnel.Server
@@ -140,13 +146,18 @@ func New(cfg Config) (b *Broker, err error) {
 	tokenReviews := timedTokenReviews{hubClient.AuthenticationV1().TokenReviews(), reviews}
 	accessReviews := timedAccessReviews{hubClient.AuthorizationV1().SubjectAccessReviews(), reviews}
 
+	if b.pending, err = newPendingStore(cfg, hubClient, b); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
 	// The registry revokes through the tunnel server, which feeds it.
 	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{
 		Revoker: tunnelRevoker{b},
+		Pending: b.pending,
 		Log:     cfg.Log.WithName("grants"),
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
+	b.pending.OnChange(func(revokes []grants.PendingRevoke) { b.grants.Learn(context.Background(), revokes) })
 	if b.tunnel, err = tunnel.NewServer(tunnel.ServerConfig{
 		Resolver:             agentResolver{b.profiles},
 		Peer:                 identity.PeerSVID,
@@ -315,9 +326,14 @@ func (b *Broker) Run(ctx context.Context) error {
 	defer b.rbacInformers.Shutdown()
 	b.accountInformers.Start(ctx.Done())
 	defer b.accountInformers.Shutdown()
+	b.pendingInformers.Start(ctx.Done())
+	defer b.pendingInformers.Shutdown()
+	g.Go(func() error { return b.pending.Run(ctx) })
 	g.Go(func() error { return b.triggers.Run(ctx) })
 	syncCtx, cancelSync := context.WithTimeout(ctx, b.cfg.CacheSyncTimeout)
-	synced := cache.WaitForCacheSync(syncCtx.Done(), b.profiles.HasSynced)
+	// Agents are served only once the revokes that other replicas recorded
+	// are known, to be sent again when the agents connect.
+	synced := cache.WaitForCacheSync(syncCtx.Done(), b.profiles.HasSynced, b.pending.HasSynced)
 	cancelSync()
 	if !synced {
 		stopped := ctx.Err() != nil // by the caller, or by a failing part
@@ -325,7 +341,8 @@ func (b *Broker) Run(ctx context.Context) error {
 		if err := g.Wait(); err != nil || stopped {
 			return err
 		}
-		return fmt.Errorf("broker: ClusterProfile informer did not sync within %s; check the hub connection and that the ClusterProfile CRD is installed", b.cfg.CacheSyncTimeout)
+		return fmt.Errorf("broker: the ClusterProfile and pending revokes informers did not sync within %s; check the hub connection, that the ClusterProfile CRD is installed, "+
+			"and that the broker may list and watch ConfigMap %s/%s (deploy/hub/rbac.yaml)", b.cfg.CacheSyncTimeout, b.cfg.PendingRevokesNamespace, grants.DefaultPendingConfigMap)
 	}
 
 	if b.publisher != nil {
@@ -594,4 +611,23 @@ func (c clusterLookup) Cluster(namespace, name string) (tokenexchange.Cluster, e
 		Server: server,
 		CAData: ca,
 	}, nil
+}
+
+// newPendingStore returns the store of the revokes no agent confirmed: the
+// ConfigMap grants.DefaultPendingConfigMap in cfg.PendingRevokesNamespace,
+// watched alone (a field selector on its name, which RBAC's resourceNames
+// can then narrow) by b.pendingInformers.
+func newPendingStore(cfg Config, hubClient kubernetes.Interface, b *Broker) (*grants.PendingStore, error) {
+	b.pendingInformers = informers.NewSharedInformerFactoryWithOptions(hubClient, cfg.InformerResync,
+		informers.WithNamespace(cfg.PendingRevokesNamespace),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", grants.DefaultPendingConfigMap).String()
+		}))
+	return grants.NewPendingStore(grants.PendingStoreConfig{
+		ConfigMaps:  hubClient.CoreV1().ConfigMaps(cfg.PendingRevokesNamespace),
+		Namespace:   cfg.PendingRevokesNamespace,
+		Informer:    b.pendingInformers.Core().V1().ConfigMaps().Informer(),
+		MaxLifetime: cfg.MaxExpiration,
+		Log:         cfg.Log.WithName("pending-revokes"),
+	})
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/rest"
 
 	"github.com/credbroker/credbroker/pkg/identity"
@@ -67,6 +68,12 @@ type Config struct {
 	// listener (MetricsAddress). Off by default: a profile shows timings
 	// and allocation sites, no secret, but it costs CPU while it runs.
 	Profiling bool
+
+	// PendingRevokesNamespace holds the ConfigMap
+	// grants.DefaultPendingConfigMap, where the replicas record the revokes
+	// that no agent confirmed, for every replica to send again: the
+	// broker's own namespace.
+	PendingRevokesNamespace string
 
 	// Audience a consumer's hub token must carry.
 	Audience string
@@ -172,6 +179,7 @@ func Default() Config {
 		MaxConcurrentStreams:       1000,
 		FileCheckInterval:          5 * time.Second,
 		Audience:                   "credbroker",
+		PendingRevokesNamespace:    "credbroker-system",
 		MaxExpiration:              time.Hour,
 		MintTimeout:                10 * time.Second,
 		AgentMaxConnectionAge:      time.Hour,
@@ -223,6 +231,8 @@ func (c *Config) Validate() error {
 	finite := func(f float64) bool { return f > 0 && !math.IsInf(f, 1) }
 	need(finite(float64(c.HubQPS)) && c.HubBurst > 0, "hub QPS and burst must be positive and finite")
 	need(c.Audience != "", "the audience is required")
+	need(len(validation.IsDNS1123Label(c.PendingRevokesNamespace)) == 0,
+		"the namespace of the pending revokes must be a namespace name (the broker's own), got %q", c.PendingRevokesNamespace)
 	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
 	need(c.ShutdownGrace > 0 && c.ShutdownDelay >= 0 && c.ShutdownDelay < c.ShutdownGrace,

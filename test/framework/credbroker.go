@@ -160,6 +160,11 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	if opts.Tune != nil {
 		opts.Tune(&cfg)
 	}
+	// The brokers record pending revokes in a ConfigMap of their own
+	// namespace, as deploy/hub's broker does in credbroker-system.
+	if err := env.Hub.EnsureNamespace(ctx, cfg.PendingRevokesNamespace); err != nil {
+		return nil, err
+	}
 	d.ctx, d.stop = context.WithCancel(context.Background())
 	d.brokerCfg = cfg
 	replicas := max(opts.Replicas, 1)

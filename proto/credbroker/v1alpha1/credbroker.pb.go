@@ -1010,14 +1010,21 @@ func (x *RevokeGrantsRequest) GetReason() string {
 	return ""
 }
 
-// RevokeGrantsResponse says what became of each matching grant.
+// RevokeGrantsResponse says what became of each matching grant. A revoke
+// whose pending grants could not be recorded fails with Unavailable (the
+// hub did not take the write) or ResourceExhausted (the record is full),
+// and names how many were revoked: revoke again.
 type RevokeGrantsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// revoked are the grants the agents deleted.
+	// revoked are the grants an agent confirmed deleted: their tokens are
+	// refused within seconds.
 	Revoked []*Grant `protobuf:"bytes,1,rep,name=revoked,proto3" json:"revoked,omitempty"`
 	// pending are the grants whose agent is not connected to this broker
-	// replica, or failed; the replica revokes them when the agent next
-	// reports them.
+	// replica, or failed. Their revokes are recorded on the hub (ConfigMap
+	// credbroker-pending-revokes in the broker's namespace) before this
+	// answer, and every broker replica sends them again when an agent of
+	// their ClusterProfile connects or reports them, until an agent confirms
+	// or their tokens expire; meanwhile no replica hands their tokens out.
 	Pending       []*Grant `protobuf:"bytes,2,rep,name=pending,proto3" json:"pending,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
