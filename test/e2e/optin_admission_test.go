@@ -227,6 +227,25 @@ func TestNamespaceOwnerCannotLockOutConsumers(t *testing.T) {
 		}, 10*time.Second, 100*time.Millisecond, "the role's holder is never allowed")
 	})
 
+	t.Run("a RoleBinding of credbroker-opt-in-writer in the owner's namespace grants nothing", func(t *testing.T) {
+		_, err := spoke.Client.RbacV1().RoleBindings(ownerNS).Create(ctx, &rbacv1.RoleBinding{
+			ObjectMeta: metav1.ObjectMeta{Name: "owner-opt-in-writer"},
+			RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "credbroker-opt-in-writer"},
+			Subjects:   []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: owner}},
+		}, metav1.CreateOptions{})
+		require.NoError(t, err)
+		require.Eventually(t, func() bool {
+			ok, err := spoke.Allowed(ctx, rbacv1.Subject{Kind: rbacv1.UserKind, Name: owner}, authorizationv1.ResourceAttributes{
+				Namespace: ownerNS, Verb: "set-opt-in", Group: "credbroker.io", Resource: "serviceaccounts",
+			})
+			return err == nil && ok
+		}, 10*time.Second, 50*time.Millisecond, "the RoleBinding never takes effect")
+		_, err = asOwner.Create(ctx, &corev1.ServiceAccount{
+			ObjectMeta: metav1.ObjectMeta{Name: "delegated", Annotations: optInAnnotation(victim.username())},
+		}, metav1.CreateOptions{})
+		refused(t, err)
+	})
+
 	t.Run("the victim's exchange that names no ServiceAccount still gets its own", func(t *testing.T) {
 		resp, err := mint(audiences[2])
 		if !assert.NoError(t, err) {
