@@ -132,7 +132,7 @@ type Config struct {
 	// Access asks the spoke API server, with SubjectAccessReviews, whether
 	// a ServiceAccount may create ServiceAccount tokens or impersonate:
 	// Mint refuses such a ServiceAccount, whose token could make itself a
-	// credential that no grant binds (see the package doc). The agent
+	// credential that no grant binds (escalation.go). The agent
 	// passes NewAccessReviewer. Nil skips the check, for tests that fake
 	// the spoke only.
 	Access AccessReviewer
