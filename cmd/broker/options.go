@@ -80,6 +80,7 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the broker may take to finish the exchanges in flight and close its agent streams; keep it under the pod's terminationGracePeriodSeconds")
 	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", cfg.ShutdownDelay, "on SIGTERM, how long the broker, already not ready, still serves new calls, for the Service to drop it first (part of --shutdown-grace)")
 	fs.IntVar(&cfg.MaxStreamsPerCluster, "max-streams-per-cluster", cfg.MaxStreamsPerCluster, "agent streams one ClusterProfile may hold to this replica: at least its agents' count (one per node for a DaemonSet)")
+	fs.IntVar(&cfg.MaxGrantBytesPerCluster, "max-grant-bytes-per-cluster", cfg.MaxGrantBytesPerCluster, "bytes of the grants one ClusterProfile's agents report that this replica holds (about 50,000 grants by default); a report past it closes the agent's stream")
 	fs.Var(&positiveUint32Value{&cfg.MaxConcurrentStreams}, "max-concurrent-streams", "concurrent calls (HTTP/2 streams) per connection on both gRPC ports")
 	fs.BoolVar(&cfg.Profiling, "profiling", cfg.Profiling, "serve net/http/pprof under /debug/pprof/ on --metrics-address, for profiling (CPU, heap, allocs, mutex, block, goroutines)")
 	audit.AddFlags(fs)

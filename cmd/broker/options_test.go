@@ -234,3 +234,30 @@ func TestParseFlagsLogsAndAudit(t *testing.T) {
 		})
 	}
 }
+
+func TestParseFlagsGrantBytesPerCluster(t *testing.T) {
+	required := requiredFlags(t)
+	for _, tt := range []struct {
+		name    string
+		args    []string
+		want    int
+		wantErr string
+	}{
+		{name: "default", want: 32 << 20},
+		{name: "set", args: []string{"--max-grant-bytes-per-cluster=67108864"}, want: 64 << 20},
+		{name: "the largest grant", args: []string{"--max-grant-bytes-per-cluster=32768"}, want: 32 << 10},
+		{name: "less than the largest grant", args: []string{"--max-grant-bytes-per-cluster=32767"},
+			wantErr: "the grant bytes per cluster must be at least 32768, the largest grant an agent reports, got 32767"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, _, err := parseFlags(append(append([]string{}, required...), tt.args...))
+			if tt.wantErr != "" {
+				require.Error(t, err)
+				assert.Contains(t, err.Error(), tt.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, cfg.MaxGrantBytesPerCluster)
+		})
+	}
+}

@@ -151,9 +151,11 @@ func New(cfg Config) (b *Broker, err error) {
 	}
 	// The registry revokes through the tunnel server, which feeds it.
 	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{
-		Revoker: tunnelRevoker{b},
-		Pending: b.pending,
-		Log:     cfg.Log.WithName("grants"),
+		Revoker:                 tunnelRevoker{b},
+		Pending:                 b.pending,
+		MaxGrantBytesPerCluster: cfg.MaxGrantBytesPerCluster,
+		MaxGrantLifetime:        cfg.MaxExpiration,
+		Log:                     cfg.Log.WithName("grants"),
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}

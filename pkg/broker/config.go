@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/rest"
 
+	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/token"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
@@ -64,6 +65,10 @@ type Config struct {
 	// streams) of one connection, on both ports.
 	MaxStreamsPerCluster int
 	MaxConcurrentStreams uint32
+	// MaxGrantBytesPerCluster bounds what this replica holds of the grants
+	// one ClusterProfile's agents report (grants.RegistryConfig): a report
+	// past it closes the agent's stream with ResourceExhausted.
+	MaxGrantBytesPerCluster int
 	// Profiling serves net/http/pprof under /debug/pprof/ on the metrics
 	// listener (MetricsAddress). Off by default: a profile shows timings
 	// and allocation sites, no secret, but it costs CPU while it runs.
@@ -177,6 +182,7 @@ func Default() Config {
 		ShutdownGrace:              15 * time.Second,
 		MaxStreamsPerCluster:       512,
 		MaxConcurrentStreams:       1000,
+		MaxGrantBytesPerCluster:    grants.DefaultMaxGrantBytesPerCluster,
 		FileCheckInterval:          5 * time.Second,
 		Audience:                   "credbroker",
 		PendingRevokesNamespace:    "credbroker-system",
@@ -239,6 +245,8 @@ func (c *Config) Validate() error {
 		"the shutdown grace must be positive, and the shutdown delay less than it (%s, %s)", c.ShutdownGrace, c.ShutdownDelay)
 	need(c.MaxStreamsPerCluster > 0, "the agent streams per cluster must be positive")
 	need(c.MaxConcurrentStreams > 0, "the concurrent streams per connection must be positive")
+	need(c.MaxGrantBytesPerCluster >= grants.DefaultMaxGrantBytes,
+		"the grant bytes per cluster must be at least %d, the largest grant an agent reports, got %d", grants.DefaultMaxGrantBytes, c.MaxGrantBytesPerCluster)
 	need(c.AgentMaxConnectionAge > 0, "the agent connection age must be positive")
 	need(c.AgentKeepaliveTime >= time.Second && c.AgentKeepaliveTimeout >= time.Second,
 		"the agent keepalive time (%s) and timeout (%s) must be at least 1s", c.AgentKeepaliveTime, c.AgentKeepaliveTimeout)
