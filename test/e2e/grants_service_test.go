@@ -106,7 +106,13 @@ func TestGrantsServiceListAndRevoke(t *testing.T) {
 			Verbs:         []string{"delete"},
 			ResourceNames: []string{cluster.Name},
 		}}))
-	revoked, err := revokeGrants(other, client, byID, "offboarded")
+	// The broker keeps the hub's denial above for its DenyTTL (2s), as
+	// the exchange does: the new RBAC applies once it has passed.
+	var revoked *pb.RevokeGrantsResponse
+	require.Eventually(t, func() bool {
+		revoked, err = revokeGrants(other, client, byID, "offboarded")
+		return status.Code(err) != codes.PermissionDenied
+	}, 10*time.Second, 200*time.Millisecond, "the revoke is still refused after the RBAC grant")
 	require.NoError(t, err)
 	revokedAt := time.Now()
 	require.Len(t, revoked.GetRevoked(), 1, "pending: %v", revoked.GetPending())
