@@ -212,6 +212,12 @@ func (m *Minter) markChanged(grant *corev1.Secret, rec changedGrant) {
 	}
 	rec.namespace, rec.name = grant.Namespace, grant.Name
 	c.changed[grant.UID] = rec
+	m.log.Info("found a grant that someone other than the agent changed; deleting it",
+		"grant", grant.Namespace+"/"+grant.Name,
+		"credentialID", rec.credentialID,
+		"clusterProfile", rec.cluster,
+		"change", rec.change,
+	)
 	if c.queue != nil {
 		c.queue.Add(grantRef{namespace: grant.Namespace, name: grant.Name, uid: grant.UID})
 	}

@@ -133,8 +133,9 @@ func TestGrantChangedByAnotherIsDeleted(t *testing.T) {
 			assert.Equal(t, []string{"+JTI=jti-apps-deployer", "-JTI=jti-apps-deployer"}, r.summary(),
 				"the brokers must hear only of the grant the agent wrote, and of its deletion")
 			assert.Empty(t, m.Snapshot())
-			require.Eventually(t, func() bool { return strings.Contains(log.String(), "someone other than the agent") }, 5*time.Second, time.Millisecond)
+			require.Eventually(t, func() bool { return strings.Contains(log.String(), "deleted a grant that someone other") }, 5*time.Second, time.Millisecond)
 			line := log.String()
+			assert.Contains(t, line, `"msg"="found a grant that someone other than the agent changed; deleting it"`)
 			assert.Contains(t, line, `"msg"="deleted a grant that someone other than the agent changed"`)
 			assert.Contains(t, line, `"grant"="`+tamperedKey+`"`)
 			assert.Contains(t, line, `"credentialID"="JTI=jti-apps-deployer"`)
@@ -170,7 +171,7 @@ func TestGrantWrittenByTheAgentStays(t *testing.T) {
 	assert.Equal(t, []string{"apps/credbroker-grant-2"}, grants.Deleted())
 	assert.Equal(t, []string{tamperedKey}, grants.Keys())
 	assert.Equal(t, "+JTI=jti-apps-deployer", r.summary()[0])
-	assert.Equal(t, 1, strings.Count(log.String(), "someone other than the agent"))
+	assert.Equal(t, 1, strings.Count(log.String(), "found a grant that someone other than the agent changed"), "only grant-2 was changed")
 }
 
 // A delete of a changed grant that fails is retried, and the brokers hear

@@ -145,13 +145,24 @@ func TestConsumerCannotChangeItsGrant(t *testing.T) {
 	require.NoError(t, selfReview(t, cluster, resp.GetToken()), "the token stopped working")
 	knownToEveryReplica(t, id)
 
-	// Deleting the grant is still anyone's right who may delete Secrets:
-	// it revokes.
-	require.NoError(t, secrets.Delete(ctx, name, metav1.DeleteOptions{}))
-	refusedAfter(t, cluster, resp.GetToken(), time.Now(), "its holder deleted its grant")
+	// The revoke still reaches the grant, and the token dies.
+	revoked, err := revokeGrants(c, grantsClient(t), &pb.GrantSelector{CredentialId: id}, "e2e: the token's holder tried to change its grant")
+	require.NoError(t, err)
+	require.Len(t, revoked.GetRevoked(), 1, "pending: %v", revoked.GetPending())
+	refusedAfter(t, cluster, resp.GetToken(), time.Now(), "an explicit revoke")
+
+	// Deleting a grant is still anyone's right who may delete Secrets: it
+	// revokes.
+	again, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster)})
+	require.NoError(t, err)
+	require.NotEqual(t, id, again.GetCredentialId())
+	own, err = kubernetes.NewForConfig(cluster.TokenConfig(again.GetToken()))
+	require.NoError(t, err)
+	require.NoError(t, own.CoreV1().Secrets(ns).Delete(ctx, boundSecret(t, again.GetToken()), metav1.DeleteOptions{}))
+	refusedAfter(t, cluster, again.GetToken(), time.Now(), "its holder deleted its grant")
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.Grants().Revoked(id) }, 20*time.Second, 50*time.Millisecond,
-			"replica %d does not know grant %s is gone", i, id)
+		require.Eventually(t, func() bool { return b.Grants().Revoked(again.GetCredentialId()) }, 20*time.Second, 50*time.Millisecond,
+			"replica %d does not know grant %s is gone", i, again.GetCredentialId())
 	}
 }
 
@@ -226,7 +237,8 @@ func TestGrantChangedByAnotherIsRevoked(t *testing.T) {
 					_, err := secrets.Get(ctx, name, metav1.GetOptions{})
 					return apierrors.IsNotFound(err)
 				}, 10*time.Second, 50*time.Millisecond, "the changed grant was not deleted")
-				line := logLine(t, `"msg"="deleted a grant that someone other than the agent changed"`,
+				// The agent's delete, or the revoke's, whichever came first.
+				line := logLine(t, `"msg"="found a grant that someone other than the agent changed; deleting it"`,
 					`"credentialID"="`+m.resp.GetCredentialId()+`"`, tt.change)
 				assert.NotContains(t, line, m.resp.GetToken())
 				refusedAfter(t, cluster, m.resp.GetToken(), revoked, "a revoke of its changed grant")
