@@ -207,7 +207,7 @@ func installRBAC(ctx context.Context) error {
 		if len(rules) == 0 {
 			return fmt.Errorf("deploy/%s grants %s nothing", c.dir, accounts[0])
 		}
-		if err := waitAllowed(ctx, c.cluster, *c.account, rules); err != nil {
+		if err := waitAllowed(ctx, c.cluster, *c.account, rules, resourceNamesOf(apply)); err != nil {
 			return err
 		}
 	}
@@ -215,14 +215,16 @@ func installRBAC(ctx context.Context) error {
 }
 
 // waitAllowed waits until the cluster's authorizer allows subject every
-// resource permission of rules.
-func waitAllowed(ctx context.Context, c *framework.Cluster, subject rbacv1.Subject, rules []permission) error {
+// resource permission of rules, in subject's namespace (which a Role of
+// it grants) and on the one object that names narrow it to, if any.
+func waitAllowed(ctx context.Context, c *framework.Cluster, subject rbacv1.Subject, rules []permission, names map[permission]string) error {
 	for _, p := range rules {
 		if p.nonResource() {
 			continue
 		}
 		resource, sub, _ := strings.Cut(p.resource, "/")
-		attrs := authorizationv1.ResourceAttributes{Verb: p.verb, Group: p.group, Resource: resource, Subresource: sub}
+		attrs := authorizationv1.ResourceAttributes{Verb: p.verb, Group: p.group, Resource: resource, Subresource: sub,
+			Namespace: subject.Namespace, Name: names[p]}
 		err := wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
 			return c.Allowed(ctx, subject, attrs)
 		})
@@ -231,6 +233,29 @@ func waitAllowed(ctx context.Context, c *framework.Cluster, subject rbacv1.Subje
 		}
 	}
 	return nil
+}
+
+// resourceNamesOf returns, for the permissions of objs' Roles and
+// ClusterRoles that resourceNames narrow, one of the names.
+func resourceNamesOf(objs []*unstructured.Unstructured) map[permission]string {
+	out := map[permission]string{}
+	for _, o := range objs {
+		if o.GetKind() != "ClusterRole" && o.GetKind() != "Role" {
+			continue
+		}
+		var r rbacv1.ClusterRole
+		if runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &r) != nil {
+			continue
+		}
+		for _, rule := range r.Rules {
+			if len(rule.ResourceNames) > 0 {
+				for _, p := range flatten([]rbacv1.PolicyRule{rule}) {
+					out[p] = rule.ResourceNames[0]
+				}
+			}
+		}
+	}
+	return out
 }
 
 // grantedRules returns the permissions that objs' ClusterRoleBindings and
