@@ -461,6 +461,8 @@ var allowed = map[string][]rule{
 		verbs("", "serviceaccounts", "list", "watch"),
 		verbs("", "serviceaccounts/token", "create"),
 		verbs("", "secrets", "create", "patch", "delete", "list", "watch"),
+		// Whether a ServiceAccount may escalate, before minting for it.
+		verbs("authorization.k8s.io", "subjectaccessreviews", "create"),
 	),
 	// Only with components/csi-driver-spiffe: the driver acts with the pod's
 	// own token.
