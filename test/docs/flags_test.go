@@ -36,6 +36,8 @@ var foreign = map[string]string{
 	"update":                       "go test in test/monitoring",
 	"timeout-coefficient":          "gremlins unleash (make mutate)",
 	"workers":                      "gremlins unleash (make mutate)",
+	"subresource":                  "kubectl patch --subresource=status",
+	"type":                         "kubectl patch --type",
 }
 
 // aliases are flag names our binaries accept but do not list in --help.
