@@ -118,7 +118,7 @@ func revokeEveryGrant(ctx context.Context) error {
 	}
 	left := 0
 	for _, spoke := range env.Spokes {
-		list, err := spoke.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
+		list, err := spoke.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{FieldSelector: spokepkg.GrantFieldSelector})
 		if err != nil {
 			return fmt.Errorf("count the grants left on %s: %w", spoke.Name, err)
 		}
