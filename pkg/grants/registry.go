@@ -341,8 +341,13 @@ func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame 
 	if u := r.use[cluster.NamespacedName]; u != nil {
 		use = *u
 	}
+	var taken []heldElsewhere
 	for _, rec := range adds {
 		id := rec.id
+		if h, ok := r.heldElsewhere(id, cluster.NamespacedName); ok {
+			taken = append(taken, h)
+			continue
+		}
 		if _, ok := r.revoked[id]; ok {
 			// Reported by an agent that has not seen the delete yet.
 			if p, ok := r.pending[id]; ok {
@@ -378,6 +383,12 @@ func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame 
 		}
 	}
 	r.mu.Unlock()
+	if len(taken) > 0 {
+		// One line per report, so that an agent cannot fill the log.
+		r.cfg.Log.Info("agent reported the credential id of another ClusterProfile's grant; ignored it",
+			"cluster", cluster.String(), "holder", taken[0].holder.String(), "credentialID", taken[0].id,
+			"state", taken[0].state, "frame", frame, "ignored", len(taken))
+	}
 	r.forget(forget)
 	if len(retry) > 0 {
 		go r.retry(context.WithoutCancel(ctx), retry, false)
@@ -386,6 +397,37 @@ func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame 
 		go r.revokeStale(context.WithoutCancel(ctx), cluster, stale)
 	}
 	return err
+}
+
+// heldElsewhere is a credential id that an agent reported for its own
+// ClusterProfile while the registry knows it as a grant of holder: live,
+// pending revoke, or revoked.
+type heldElsewhere struct {
+	id     string
+	holder types.NamespacedName
+	state  string
+}
+
+// heldElsewhere reports whether id is a live, pending or revoked grant of a
+// ClusterProfile other than cluster. A credential id names one grant, of
+// one ClusterProfile: an agent of another that reports it (a compromised
+// one, or an honest one that reports a forged grant Secret) would
+// otherwise take the grant over, and its revokes would go to that agent,
+// which answers "gone" while the real grant and its token live on. r.mu is
+// held.
+func (r *Registry) heldElsewhere(id string, cluster types.NamespacedName) (heldElsewhere, bool) {
+	if rec, ok := r.live[id]; ok && rec.cluster != cluster {
+		return heldElsewhere{id: id, holder: rec.cluster, state: "live"}, true
+	}
+	if p, ok := r.pending[id]; ok {
+		if holder := ClusterRef(p.grant).NamespacedName; holder != cluster {
+			return heldElsewhere{id: id, holder: holder, state: "pending"}, true
+		}
+	}
+	if rec, ok := r.revoked[id]; ok && rec.cluster != cluster {
+		return heldElsewhere{id: id, holder: rec.cluster, state: "revoked"}, true
+	}
+	return heldElsewhere{}, false
 }
 
 // refuse logs a report of an agent of cluster, in frame, that breaks bound
