@@ -156,5 +156,5 @@ func TestPrintRevoke(t *testing.T) {
 	}))
 	assert.Equal(t, "revoked JTI=1 (cluster fleet/spoke-1, subject system:serviceaccount:argocd:controller, service account argocd/deployer)\n"+
 		"pending JTI=2 (cluster fleet/spoke-2, subject system:serviceaccount:argocd:controller, service account argocd/deployer): "+
-		"its agent is not connected to this broker replica or failed; the broker revokes it when the agent reports it again\n", out.String())
+		"its agent is not connected to this broker replica or failed; the revoke is recorded on the hub, and every broker replica sends it again when the agent connects or reports the grant\n", out.String())
 }

@@ -51,7 +51,7 @@ func printRevoke(out io.Writer, format string, resp *pb.RevokeGrantsResponse) er
 		fmt.Fprintf(out, "revoked %s\n", describeGrant(g))
 	}
 	for _, g := range resp.GetPending() {
-		fmt.Fprintf(out, "pending %s: its agent is not connected to this broker replica or failed; the broker revokes it when the agent reports it again\n",
+		fmt.Fprintf(out, "pending %s: its agent is not connected to this broker replica or failed; the revoke is recorded on the hub, and every broker replica sends it again when the agent connects or reports the grant\n",
 			describeGrant(g))
 	}
 	return nil
