@@ -15,7 +15,12 @@
 //	revoked, pending := reg.Revoke(ctx, reg.Select(grants.Selector{Username: user}), "offboarded")
 //
 // A grant whose agent cannot be reached stays pending; the Registry sends
-// its revoke again when the agent next reports it, in a hello or an update.
+// its revoke again when the agent next reports it, in a hello or an update,
+// or connects. With a PendingStore (RegistryConfig.Pending), the pending
+// revokes are recorded in one ConfigMap of the hub before RevokeRecorded
+// returns, and every replica watches it (Registry.Learn) and sends them
+// too, so a revoke outlives the replica that took it; the replica that an
+// agent confirms a revoke to drops its record.
 // Until its token expires, a revoked credential id stays known as revoked,
 // so the exchange's token cache never hands the token out again.
 //
