@@ -14,6 +14,10 @@ const (
 	spokeAccountExample   = "deploy/examples/spoke-serviceaccount.yaml"
 	hubRBACMessagePrefix  = "hub RBAC"
 	createHubTokenCommand = "kubectl create token NAME --audience credbroker"
+	// The agent's refusals of an escalating spoke ServiceAccount name this
+	// flag, and those of a mint whose grant went name this phrase.
+	escalationFlag      = "--allow-escalating-service-accounts"
+	grantDeletedMessage = "was deleted while the token was minted"
 )
 
 // codeWords are the gRPC codes as a person reads them.
@@ -56,8 +60,14 @@ func Hint(code codes.Code, msg string) string {
 		return "the broker did not accept the hub token: put a current ServiceAccount token for the audience " +
 			"\"credbroker\" in --token-file (" + createHubTokenCommand + ", or a projected token in a pod)"
 	case codes.PermissionDenied:
-		if strings.Contains(msg, hubRBACMessagePrefix) {
+		switch {
+		case strings.Contains(msg, hubRBACMessagePrefix):
 			return "grant it with a Role like " + consumerRBACExample
+		case strings.Contains(msg, escalationFlag):
+			return "the spoke ServiceAccount may mint tokens or impersonate, so a token for it could outlive its grant: " +
+				"ask the spoke's admin to narrow its RBAC, or to allow it with the agent's " + escalationFlag
+		case strings.Contains(msg, grantDeletedMessage):
+			return "the token was revoked while it was minted: run it again"
 		}
 		return "ask the spoke's admin to list you in the credbroker.io/allowed-subjects annotation of a spoke " +
 			"ServiceAccount, like " + spokeAccountExample

@@ -29,6 +29,13 @@ func TestExplain(t *testing.T) {
 				`multicluster.x-k8s.io/clusterprofiles/token "prod-eu-1" in namespace "fleet"; grant it with a Role like deploy/examples/consumer-rbac.yaml`}},
 		{name: "spoke policy", err: fmt.Errorf("no spoke ServiceAccount allows you: %w", errdefs.ErrPermissionDenied),
 			want: []string{"permission denied: no spoke ServiceAccount allows you; ", "credbroker.io/allowed-subjects", "deploy/examples/spoke-serviceaccount.yaml"}},
+		{name: "escalating spoke ServiceAccount", err: fmt.Errorf("spoke ServiceAccount apps/deployer may create serviceaccounts/token in namespace apps, "+
+			"so a token for it could make itself a credential that no grant binds and no revoke ends; remove that from its RBAC, "+
+			"or a spoke admin must allow it with the agent's --allow-escalating-service-accounts=apps/deployer: %w", errdefs.ErrPermissionDenied),
+			want: []string{"permission denied: spoke ServiceAccount apps/deployer may create", "narrow its RBAC"}},
+		{name: "grant deleted during the mint", err: fmt.Errorf("the grant apps/credbroker-grant-x of the token for spoke ServiceAccount apps/deployer "+
+			"was deleted while the token was minted, which revokes the token; ask again: %w", errdefs.ErrPermissionDenied),
+			want: []string{"permission denied: the grant", "run it again"}},
 		{name: "unauthenticated", err: fmt.Errorf("token expired: %w", errdefs.ErrUnauthenticated),
 			want: []string{"unauthenticated: token expired; ", "--token-file", "kubectl create token NAME --audience credbroker"}},
 		{name: "not found", err: fmt.Errorf("ClusterProfile fleet/x not found: %w", errdefs.ErrNotFound),
