@@ -26,19 +26,6 @@ import (
 // find it by its recorded credential id and ClusterProfile, and its
 // removal is reported only once it is deleted.
 
-// grantAnnotations are the annotations newGrant writes on every grant;
-// every one of them must be present.
-var grantAnnotations = []string{
-	GrantServiceAccountAnnotation,
-	GrantHubUserAnnotation,
-	GrantHubUIDAnnotation,
-	GrantHubGroupsAnnotation,
-	GrantClusterProfileAnnotation,
-	GrantClusterProfileUIDAnnotation,
-	GrantAudiencesAnnotation,
-	GrantExpirationAnnotation,
-}
-
 // writtenOnce are the annotations that never change once a grant is
 // created: the token's owner and scope.
 var writtenOnce = []string{
@@ -50,6 +37,11 @@ var writtenOnce = []string{
 	GrantClusterProfileUIDAnnotation,
 	GrantAudiencesAnnotation,
 }
+
+// grantAnnotations are the annotations newGrant writes on every grant:
+// the owner and scope, and the token's expiry. Every one of them must be
+// present.
+var grantAnnotations = append(slices.Clip(writtenOnce), GrantExpirationAnnotation)
 
 // changedGrant is what the agent keeps of a grant that someone else
 // changed, until it is deleted: what the agent had recorded on it.

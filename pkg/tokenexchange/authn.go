@@ -23,6 +23,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/hubauth"
+	"github.com/credbroker/credbroker/pkg/store"
 	"github.com/credbroker/credbroker/pkg/token"
 )
 
@@ -96,27 +97,14 @@ func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atom
 		return authnResult{}, time.Time{}, err
 	}
 	now := s.cfg.Clock.Now()
-	addr := peerAddress(ctx)
-	lim, _, err := s.peerReviews.Do(ctx, addr, func(context.Context) (*rate.Limiter, time.Time, error) {
-		return rate.NewLimiter(s.cfg.PeerReviewRateLimit, s.cfg.PeerReviewBurst), now.Add(time.Hour), nil
-	})
-	if err != nil {
+	if err := allowReview(ctx, s.peerReviews, peerAddress(ctx), s.cfg.PeerReviewRateLimit, s.cfg.PeerReviewBurst, now,
+		"your address sent more than %v new tokens per second for review; retry shortly", s.cfg.PeerReviewRateLimit); err != nil {
 		return authnResult{}, time.Time{}, err
 	}
-	if !lim.AllowN(now, 1) {
-		return authnResult{}, time.Time{}, fmt.Errorf("your address sent more than %v new tokens per second for review; retry shortly: %w",
-			s.cfg.PeerReviewRateLimit, errdefs.ErrResourceExhausted)
-	}
 	if ns := reviewNamespace(bearer); ns != "" {
-		lim, _, err := s.namespaceReviews.Do(ctx, ns, func(context.Context) (*rate.Limiter, time.Time, error) {
-			return rate.NewLimiter(s.cfg.NamespaceReviewRateLimit, s.cfg.NamespaceReviewBurst), now.Add(time.Hour), nil
-		})
-		if err != nil {
+		if err := allowReview(ctx, s.namespaceReviews, ns, s.cfg.NamespaceReviewRateLimit, s.cfg.NamespaceReviewBurst, now,
+			"the tokens of hub namespace %q asked for more than %v new token reviews per second; retry shortly", ns, s.cfg.NamespaceReviewRateLimit); err != nil {
 			return authnResult{}, time.Time{}, err
-		}
-		if !lim.AllowN(now, 1) {
-			return authnResult{}, time.Time{}, fmt.Errorf("the tokens of hub namespace %q asked for more than %v new token reviews per second; retry shortly: %w",
-				ns, s.cfg.NamespaceReviewRateLimit, errdefs.ErrResourceExhausted)
 		}
 	}
 	if !s.reviews.AllowN(now, 1) {
@@ -230,4 +218,21 @@ func peerAddress(ctx context.Context) string {
 		return host
 	}
 	return addr
+}
+
+// allowReview takes one review from the limiter that limiters holds for
+// key, made with limit and burst on first use; when none is left, it
+// returns ResourceExhausted with the message format and args give.
+func allowReview(ctx context.Context, limiters *store.Cache[*rate.Limiter], key string, limit rate.Limit, burst int, now time.Time,
+	format string, args ...any) error {
+	lim, _, err := limiters.Do(ctx, key, func(context.Context) (*rate.Limiter, time.Time, error) {
+		return rate.NewLimiter(limit, burst), now.Add(time.Hour), nil
+	})
+	if err != nil {
+		return err
+	}
+	if !lim.AllowN(now, 1) {
+		return fmt.Errorf("%s: %w", fmt.Sprintf(format, args...), errdefs.ErrResourceExhausted)
+	}
+	return nil
 }
