@@ -149,6 +149,9 @@ type record struct {
 	// size is what the record counts against its cluster's
 	// MaxGrantBytesPerCluster.
 	size int
+	// reason, of a revoked grant, is why it was revoked: the revoke is
+	// sent again with it when an agent reports the grant live again.
+	reason string
 	// index is the record's place in its expiryQueue.
 	index int
 }
@@ -329,7 +332,7 @@ func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame 
 	for _, id := range u.GetRemoved() {
 		if rec, ok := r.live[id]; ok && rec.cluster == cluster.NamespacedName {
 			r.drop(id)
-			r.markRevoked(id, rec.cluster, rec.expires)
+			r.markRevoked(id, rec.cluster, rec.expires, ReasonReportedDeleted)
 		}
 		if p, ok := r.pending[id]; ok && ClusterRef(p.grant).NamespacedName == cluster.NamespacedName {
 			delete(r.pending, id)
@@ -348,11 +351,18 @@ func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame 
 			taken = append(taken, h)
 			continue
 		}
-		if _, ok := r.revoked[id]; ok {
-			// Reported by an agent that has not seen the delete yet.
-			if p, ok := r.pending[id]; ok {
-				retry = append(retry, p)
+		if gone, ok := r.revoked[id]; ok {
+			// Reported by an agent that has not seen the delete yet, or by
+			// one that never got the revoke: those that answered it
+			// "gone" (agents that did not hold the grant, or a rogue
+			// holder of the cluster's SVID) may have been all that were
+			// connected. The revoke goes again; an agent that no longer
+			// holds the grant confirms it.
+			p, ok := r.pending[id]
+			if !ok {
+				p = pendingRevoke{grant: rec.grant, reason: gone.reason}
 			}
+			retry = append(retry, p)
 			continue
 		}
 		if p, ok := r.pending[id]; ok {
@@ -448,6 +458,10 @@ func (r *Registry) revokeStale(ctx context.Context, cluster tunnel.ClusterRef, i
 	}
 }
 
+// ReasonReportedDeleted is the reason of a revoke sent again for a grant
+// that an agent reported deleted, and an agent then reported live.
+const ReasonReportedDeleted = "an agent reported the grant deleted"
+
 // ReasonClusterProfileReplaced is the reason of the revokes of grants minted
 // through an earlier incarnation of a ClusterProfile.
 const ReasonClusterProfileReplaced = "the ClusterProfile was deleted and created again"
@@ -494,8 +508,8 @@ func (r *Registry) drop(id string) {
 }
 
 // markRevoked records that the token of id, of cluster, which expires
-// at expires, is revoked. r.mu is held.
-func (r *Registry) markRevoked(id string, cluster types.NamespacedName, expires time.Time) {
+// at expires, is revoked, for reason. r.mu is held.
+func (r *Registry) markRevoked(id string, cluster types.NamespacedName, expires time.Time, reason string) {
 	if rec, ok := r.revoked[id]; ok {
 		if expires.After(rec.expires) {
 			rec.expires = expires
@@ -503,7 +517,7 @@ func (r *Registry) markRevoked(id string, cluster types.NamespacedName, expires 
 		}
 		return
 	}
-	rec := &record{id: id, cluster: cluster, expires: expires, size: len(id) + revokedOverhead}
+	rec := &record{id: id, cluster: cluster, expires: expires, size: len(id) + revokedOverhead, reason: reason}
 	r.revoked[id] = rec
 	u := r.use[cluster]
 	if u == nil {
@@ -706,7 +720,7 @@ func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason strin
 			}
 			delete(r.pending, id)
 			r.drop(id)
-			r.markRevoked(id, ClusterRef(g).NamespacedName, g.GetExpirationTime().AsTime())
+			r.markRevoked(id, ClusterRef(g).NamespacedName, g.GetExpirationTime().AsTime(), reason)
 			revoked = append(revoked, g)
 		}
 		r.mu.Unlock()

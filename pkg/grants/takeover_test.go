@@ -56,6 +56,11 @@ func (c *clusterRevoker) sentTo(cluster tunnel.ClusterRef) []revokeCall {
 	return out
 }
 
+// reported has spoke-2's agent report the victim's grant.
+func reported(t *testing.T, r *Registry, _ *clusterRevoker) {
+	require.NoError(t, r.Hello(context.Background(), spoke2, on(spoke2, grant("JTI=victim", "alice", time.Hour))))
+}
+
 // The attack: the agent of one ClusterProfile (spoke-1), or anyone who can
 // make it report a grant Secret, reports a grant under the credential id of
 // another ClusterProfile's grant (spoke-2's). The credential id is in the
@@ -73,24 +78,42 @@ func TestAgentCannotTakeAnotherClustersGrant(t *testing.T) {
 		// live: the victim's grant is still listed (live, or pending
 		// revoke) after the attack.
 		live bool
+		// holds is what the registry holds of the victim's grant.
+		holds string
 	}{
-		{name: "live", state: func(*testing.T, *Registry, *clusterRevoker) {}, live: true},
+		{name: "live", state: reported, live: true, holds: "live"},
 		{
-			name: "pending",
+			// The grant stays listed while its revoke is pending.
+			name: "live, its revoke pending",
 			state: func(t *testing.T, r *Registry, rev *clusterRevoker) {
+				reported(t, r, rev)
 				rev.setOffline(spoke2, true)
 				revoked, pending := r.Revoke(context.Background(), r.Select(Selector{CredentialID: victim}), "test")
 				require.Empty(t, revoked)
 				require.Equal(t, []string{victim}, ids(pending))
 			},
-			live: true,
+			live: true, holds: "live",
+		},
+		{
+			// Another replica recorded the revoke; this one never saw
+			// the grant live.
+			name: "pending",
+			state: func(t *testing.T, r *Registry, rev *clusterRevoker) {
+				rev.setOffline(spoke2, true)
+				g := on(spoke2, grant(victim, "alice", time.Hour))[0]
+				g.ClusterUid = string(spoke2.UID)
+				r.Learn(context.Background(), []PendingRevoke{{Grant: g, Reason: "test"}})
+			},
+			holds: "pending",
 		},
 		{
 			name: "revoked",
-			state: func(t *testing.T, r *Registry, _ *clusterRevoker) {
+			state: func(t *testing.T, r *Registry, rev *clusterRevoker) {
+				reported(t, r, rev)
 				revoked, _ := r.Revoke(context.Background(), r.Select(Selector{CredentialID: victim}), "test")
 				require.Equal(t, []string{victim}, ids(revoked))
 			},
+			holds: "revoked",
 		},
 	}
 	for _, tt := range tests {
@@ -106,7 +129,6 @@ func TestAgentCannotTakeAnotherClustersGrant(t *testing.T) {
 					logs.WriteString(args + "\n")
 				}, funcr.Options{})})
 			require.NoError(t, err)
-			require.NoError(t, r.Hello(ctx, spoke2, on(spoke2, grant(victim, "alice", time.Hour))))
 			tt.state(t, r, rev)
 
 			// The attack, in a hello and in a grant update.
@@ -116,6 +138,10 @@ func TestAgentCannotTakeAnotherClustersGrant(t *testing.T) {
 			// And a removal: spoke-1's agent cannot report spoke-2's grant gone.
 			require.NoError(t, r.Report(ctx, spoke1, &pb.GrantUpdate{Removed: []string{victim}}))
 
+			logMu.Lock()
+			assert.Contains(t, logs.String(), `"msg"="agent reported the credential id of another ClusterProfile's grant; ignored it" `+
+				`"cluster"="fleet/spoke-1" "holder"="fleet/spoke-2" "credentialID"="JTI=victim" "state"="`+tt.holds+`"`)
+			logMu.Unlock()
 			got := r.Select(Selector{CredentialID: victim})
 			if !tt.live {
 				assert.Empty(t, got)
@@ -126,10 +152,6 @@ func TestAgentCannotTakeAnotherClustersGrant(t *testing.T) {
 			require.Len(t, got, 1)
 			assert.Equal(t, spoke2.Name, got[0].GetCluster().GetName())
 			assert.Equal(t, "alice", got[0].GetSubject().GetUsername())
-			logMu.Lock()
-			assert.Contains(t, logs.String(), `"msg"="agent reported the credential id of another ClusterProfile's grant; ignored it" `+
-				`"cluster"="fleet/spoke-1" "holder"="fleet/spoke-2" "credentialID"="JTI=victim"`)
-			logMu.Unlock()
 
 			// The revoke of the id reaches spoke-2's agent, which deletes
 			// the real grant.
@@ -141,6 +163,47 @@ func TestAgentCannotTakeAnotherClustersGrant(t *testing.T) {
 			calls := rev.sentTo(spoke2)
 			require.NotEmpty(t, calls)
 			assert.Equal(t, []string{victim}, calls[len(calls)-1].ids)
+		})
+	}
+}
+
+// The attack: a revoke is counted done on the word of agents that did not
+// hold the grant (a rogue holder of the cluster's SVID answering "gone"
+// while the honest agent was reconnecting), and the honest agent then
+// reports the grant live. The revoke is sent again, with its reason, every
+// time an agent of the cluster reports the grant, until its token expires.
+func TestRevokedGrantReportedAgainIsRevokedAgain(t *testing.T) {
+	const id = "JTI=survivor"
+	tests := []struct {
+		name   string
+		report func(r *Registry) error
+	}{
+		{name: "hello", report: func(r *Registry) error {
+			return r.Hello(context.Background(), spoke1, on(spoke1, grant(id, "alice", time.Hour)))
+		}},
+		{name: "grant update", report: func(r *Registry) error {
+			return r.Report(context.Background(), spoke1, &pb.GrantUpdate{Added: on(spoke1, grant(id, "alice", time.Hour))})
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			rev := &clusterRevoker{offline: map[string]bool{}}
+			r, err := NewRegistry(RegistryConfig{Revoker: rev, Clock: clocktesting.NewFakePassiveClock(start)})
+			require.NoError(t, err)
+			require.NoError(t, r.Hello(ctx, spoke1, on(spoke1, grant(id, "alice", time.Hour))))
+			revoked, _ := r.Revoke(ctx, r.Select(Selector{CredentialID: id}), "the token leaked")
+			require.Equal(t, []string{id}, ids(revoked))
+			require.Len(t, rev.sentTo(spoke1), 1)
+
+			require.NoError(t, tt.report(r))
+			require.Eventually(t, func() bool { return len(rev.sentTo(spoke1)) == 2 }, 10*time.Second, time.Millisecond,
+				"a revoked grant that an agent reported live again was not revoked again")
+			again := rev.sentTo(spoke1)[1]
+			assert.Equal(t, []string{id}, again.ids)
+			assert.Equal(t, "the token leaked", again.reason)
+			assert.Empty(t, r.Select(Selector{CredentialID: id}), "a revoked grant is live again")
+			assert.True(t, r.Revoked(id))
 		})
 	}
 }
