@@ -644,29 +644,183 @@ func (s *Server) Mint(ctx context.Context, cluster ClusterRef, req *pb.MintReque
 	return call(s, ctx, cluster, &pb.BrokerFrame{Body: &pb.BrokerFrame_MintRequest{MintRequest: req}}, answerOf, s.metrics.observeMint)
 }
 
-// Revoke asks one live agent session of cluster to delete the grants of ids,
-// and returns the ids whose grants are gone, as the agent says: only ids
-// that were asked about. Long lists go in several requests, each bounded by
-// MintTimeout; on an error it returns the ids gone before it. Errors wrap
-// errdefs sentinels as Mint's do. It implements grants.Revoker.
+// Revoke asks every live agent instance of cluster to delete the grants of
+// ids, and returns the ids whose grants are gone: those that every
+// instance answered gone, of the ids asked. Whoever holds a cluster's SVID
+// may connect beside its honest agents and answer every revoke "gone", so
+// no one instance's answer is believed: the revoke reaches every agent
+// that may hold the grant, and an id that any instance still holds, or
+// that an instance did not answer for (an error, its stream closed, or no
+// answer within MintTimeout), is not gone, and the caller sends it again.
+// Long lists go in several requests to each instance, each bounded by
+// MintTimeout; an instance that fails one is sent no more of them. Errors
+// wrap errdefs sentinels as Mint's do: ErrUnavailable when no agent is
+// connected, and otherwise the first instance's failure, with the ids gone
+// in every instance's answer. It implements grants.Revoker.
 func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, reason string) ([]string, error) {
-	var gone []string
-	for _, batch := range batches(ids, maxRevokeIDs, maxRevokeBytes) {
+	list := batches(ids, maxRevokeIDs, maxRevokeBytes)
+	if len(list) == 0 {
+		return nil, nil
+	}
+	targets := s.revokeTargets(cluster)
+	if len(targets) == 0 {
+		return nil, fmt.Errorf("no agent is connected for cluster %s: %w", cluster, errdefs.ErrUnavailable)
+	}
+	isTarget := make(map[*session]bool, len(targets))
+	for _, sess := range targets {
+		isTarget[sess] = true
+	}
+	votes := make([]revokeVote, len(targets))
+	var wg sync.WaitGroup
+	for i, sess := range targets {
+		wg.Go(func() { votes[i] = s.revokeOn(ctx, cluster, sess, isTarget, list, reason) })
+	}
+	wg.Wait()
+
+	var (
+		gone     []string
+		err      error
+		disagree int // ids some instances answered gone and others not
+		voters   int
+	)
+	for _, v := range votes {
+		if !v.replaced {
+			voters++
+		}
+	}
+	for b, batch := range list {
+		count := make(map[string]int, len(batch))
+		answered := true
+		for _, v := range votes {
+			switch {
+			case v.replaced:
+				continue
+			case b >= len(v.gone):
+				answered = false
+				if err == nil {
+					err = v.err
+				}
+				continue
+			}
+			for _, id := range v.gone[b] {
+				count[id]++
+			}
+		}
+		for _, id := range batch {
+			switch {
+			case answered && count[id] == voters:
+				gone = append(gone, id)
+			case count[id] > 0:
+				disagree++
+			}
+		}
+	}
+	if disagree > 0 {
+		s.cfg.Log.Info("agents of one cluster disagree on a revoke; the ids stay pending",
+			"cluster", cluster.String(), "instances", voters, "pending", disagree)
+	}
+	if err != nil {
+		return gone, fmt.Errorf("cluster %s: %w", cluster, err)
+	}
+	return gone, nil
+}
+
+// revokeVote is one agent instance's answer to a revoke: the ids it
+// answered gone, per batch, up to the first batch it failed, and that
+// failure. An instance whose stream closed while another stream of it
+// took the same requests is replaced: that stream answers for it.
+type revokeVote struct {
+	gone     [][]string
+	err      error
+	replaced bool
+}
+
+// revokeTargets returns the streams a revoke of cluster goes to: every
+// open stream that has not said goodbye, of every agent instance, the
+// draining streams of an instance included (another holder of the
+// instance's SPIFFE ID may have named itself with its instance value).
+func (s *Server) revokeTargets(cluster ClusterRef) []*session {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	var out []*session
+	for _, sess := range s.sessions[cluster.NamespacedName] {
+		if sess.cluster.UID == cluster.UID && sess.ctx.Err() == nil && !sess.isLeaving() {
+			out = append(out, sess)
+		}
+	}
+	return out
+}
+
+// revokeOn sends the batches of list to sess, one request at a time, and
+// returns its vote. A stream that closes under a request hands the rest to
+// the newest stream of the same agent instance, unless that stream is one
+// of targets, which is asked on its own.
+func (s *Server) revokeOn(ctx context.Context, cluster ClusterRef, sess *session, targets map[*session]bool,
+	list [][]string, reason string) revokeVote {
+	var v revokeVote
+	for _, batch := range list {
 		req := &pb.BrokerFrame{Body: &pb.BrokerFrame_RevokeRequest{RevokeRequest: &pb.RevokeRequest{CredentialIds: batch, Reason: reason}}}
-		got, err := call(s, ctx, cluster, req, func(f *pb.AgentFrame) ([]string, error) {
-			got, foreign, err := revokeAnswerOf(f, batch)
+		var (
+			f   *pb.AgentFrame
+			err error
+		)
+		start := time.Now()
+		for {
+			f, err = s.requestOne(ctx, sess, req)
+			if !errors.Is(err, errStreamClosed) {
+				break
+			}
+			next := s.successor(cluster, sess)
+			if next == nil {
+				break
+			}
+			if targets[next] {
+				s.metrics.observeRevoke(start, err)
+				return revokeVote{replaced: true}
+			}
+			sess = next
+		}
+		var got []string
+		if err == nil {
+			var foreign int
+			got, foreign, err = revokeAnswerOf(f, batch)
 			if foreign > 0 {
 				s.cfg.Log.Info("agent answered a revoke with credential ids it was not asked about; ignored them",
 					"cluster", cluster.String(), "ignored", foreign)
 			}
-			return got, err
-		}, s.metrics.observeRevoke)
-		gone = append(gone, got...)
+		}
+		s.metrics.observeRevoke(start, err)
 		if err != nil {
-			return gone, err
+			v.err = err
+			return v
+		}
+		v.gone = append(v.gone, got)
+	}
+	return v
+}
+
+// requestOne sends req down sess and waits for its answer, within
+// MintTimeout.
+func (s *Server) requestOne(ctx context.Context, sess *session, req *pb.BrokerFrame) (*pb.AgentFrame, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
+	defer cancel()
+	s.pending.Add(1)
+	defer s.pending.Add(-1)
+	return sess.request(ctx, req)
+}
+
+// successor returns the live stream that took over the requests of sess,
+// closed: the newest of the same agent SPIFFE ID and instance, if any.
+func (s *Server) successor(cluster ClusterRef, sess *session) *session {
+	if sess.instance == "" {
+		return nil
+	}
+	for _, next := range s.live(cluster) {
+		if next != sess && next.agent == sess.agent && next.instance == sess.instance {
+			return next
 		}
 	}
-	return gone, nil
+	return nil
 }
 
 // A revoke request carries at most maxRevokeIDs credential ids, of at most
