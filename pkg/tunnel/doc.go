@@ -16,9 +16,11 @@
 //
 // The grants an agent reports in its hello, and its grant updates after it,
 // go to ServerConfig.Grants (the broker's grant registry); a hello or update of more than MaxGrantsPerFrame grants closes the
-// stream. Server.Revoke sends a RevokeRequest the same way as Mint, in
-// batches small enough for the answer, and keeps of the answer only the
-// credential ids it asked about.
+// stream. Server.Revoke sends a RevokeRequest to every agent instance of
+// the cluster, not to one stream as Mint does, in batches small enough for
+// the answer, and counts an id gone only when every instance answered it
+// gone, of the credential ids it asked about: a stream that holds a stolen
+// SVID cannot answer a revoke for the honest agent.
 //
 //	srv, err := tunnel.NewServer(tunnel.ServerConfig{Resolver: r, Peer: identity.PeerSVID, Bundles: src, Grants: registry})
 //	credbrokerv1alpha1.RegisterAgentTunnelServer(grpcServer, srv)
