@@ -271,6 +271,13 @@ func New(cfg Config) (_ *Agent, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent: spoke client: %w", err)
 	}
+	// The escalation reviews have a client-side budget of their own: a new
+	// ServiceAccount costs four of them besides its mint's three writes,
+	// and neither should wait on the other.
+	reviewClient, err := kubernetes.NewForConfig(spokeConfig)
+	if err != nil {
+		return nil, fmt.Errorf("agent: spoke client: %w", err)
+	}
 	a.informers = informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(cfg.Namespace))
 	sas := a.informers.Core().V1().ServiceAccounts()
 	a.sas = sas.Lister()
@@ -287,7 +294,7 @@ func New(cfg Config) (_ *Agent, err error) {
 		ClusterProfileUID: tunnel.AdmittedClusterProfileUID,
 		CollectInterval:   cfg.CollectInterval,
 		MaxExpiration:     cfg.MaxExpiration,
-		Access:            spoke.NewAccessReviewer(client),
+		Access:            spoke.NewAccessReviewer(reviewClient),
 		AllowEscalating:   cfg.AllowEscalatingServiceAccounts,
 		Clock:             cfg.Clock,
 		Log:               cfg.Log.WithName("mint"),

@@ -23,21 +23,22 @@ var binaries = []string{"broker", "spoke-agent", "credbroker-plugin", "credbroke
 // foreign are flags the docs mention that belong to other tools, each with
 // the tool: a --flag in the docs that is neither ours nor listed here fails.
 var foreign = map[string]string{
-	"cert":                         "kubectl create secret tls",
-	"key":                          "kubectl create secret tls",
-	"from-file":                    "kubectl create secret generic",
-	"dry-run":                      "kubectl create",
-	"audience":                     "kubectl create token (also ours)",
-	"duration":                     "kubectl create token",
-	"clusterprofile-provider-file": "cluster-inventory-api consumers (their flag, pointing at a provider file)",
-	"server-side":                  "kubectl apply",
-	"context":                      "kubectl",
-	"namespace":                    "kubectl (also ours)",
-	"update":                       "go test in test/monitoring",
-	"timeout-coefficient":          "gremlins unleash (make mutate)",
-	"workers":                      "gremlins unleash (make mutate)",
-	"subresource":                  "kubectl patch --subresource=status",
-	"type":                         "kubectl patch --type",
+	"cert":                                 "kubectl create secret tls",
+	"key":                                  "kubectl create secret tls",
+	"from-file":                            "kubectl create secret generic",
+	"dry-run":                              "kubectl create",
+	"audience":                             "kubectl create token (also ours)",
+	"duration":                             "kubectl create token",
+	"clusterprofile-provider-file":         "cluster-inventory-api consumers (their flag, pointing at a provider file)",
+	"server-side":                          "kubectl apply",
+	"context":                              "kubectl",
+	"namespace":                            "kubectl (also ours)",
+	"update":                               "go test in test/monitoring",
+	"timeout-coefficient":                  "gremlins unleash (make mutate)",
+	"workers":                              "gremlins unleash (make mutate)",
+	"subresource":                          "kubectl patch --subresource=status",
+	"type":                                 "kubectl patch --type",
+	"service-account-max-token-expiration": "kube-apiserver (the spoke's cap on token lifetimes)",
 }
 
 // aliases are flag names our binaries accept but do not list in --help.
