@@ -17,6 +17,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/credbroker/credbroker/pkg/identity"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -104,14 +106,18 @@ func swallowRevokes(t *testing.T, spoke *framework.Cluster) *atomic.Int32 {
 // would have reported the revoke done while the grant, and its token, lived
 // on. The broker sends each revoke to every agent instance of the cluster,
 // so the honest agent deletes the grant, and the spoke refuses the token
-// within 20 s.
+// within 20 s: after an explicit revoke through the Grants service, and
+// after hub RBAC is withdrawn.
 func TestRogueStreamsCannotSwallowRevokes(t *testing.T) {
+	ctx := context.Background()
 	spoke := env.Spokes[0]
 	owner := newConsumer(t, "credbroker", spoke.Name)
-	ns := optIn(t, spoke, "swallowed", owner.username())
-	// The token is minted before the rogue streams connect, which would
-	// answer the mint with an error.
+	withdrawn := newConsumer(t, "credbroker", spoke.Name)
+	ns := optIn(t, spoke, "swallowed", owner.username(), withdrawn.username())
+	// The tokens are minted before the rogue streams connect, which would
+	// answer the mints with an error.
 	resp := mintOn(t, spoke, spoke.Name, owner, ns, "swallowed")
+	withdrawnTok := mintOn(t, spoke, spoke.Name, withdrawn, ns, "swallowed").GetToken()
 	id := resp.GetCredentialId()
 	client := grantsClient(t)
 	require.Eventually(t, func() bool {
@@ -119,10 +125,26 @@ func TestRogueStreamsCannotSwallowRevokes(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond, "the owner does not see its grant")
 
 	answered := swallowRevokes(t, spoke)
-	revoked, err := revokeGrants(owner, client, &pb.GrantSelector{CredentialId: id}, "the token leaked")
-	require.NoError(t, err)
-	revokedAt := time.Now()
-	assert.Positive(t, answered.Load(), "no revoke reached a rogue stream")
-	t.Logf("rogue streams answered %d revokes; revoked %d, pending %d", answered.Load(), len(revoked.GetRevoked()), len(revoked.GetPending()))
-	refusedAfter(t, spoke, resp.GetToken(), revokedAt, "a revoke that rogue streams answered")
+	t.Run("explicit revoke", func(t *testing.T) {
+		before := answered.Load()
+		revoked, err := revokeGrants(owner, client, &pb.GrantSelector{CredentialId: id}, "the token leaked")
+		require.NoError(t, err)
+		revokedAt := time.Now()
+		assert.Greater(t, answered.Load(), before, "no revoke reached a rogue stream")
+		t.Logf("rogue streams answered %d revokes; revoked %d, pending %d", answered.Load()-before, len(revoked.GetRevoked()), len(revoked.GetPending()))
+		refusedAfter(t, spoke, resp.GetToken(), revokedAt, "a revoke that rogue streams answered")
+	})
+	t.Run("hub RBAC withdrawn", func(t *testing.T) {
+		before := answered.Load()
+		bindings, err := env.Hub.Client.RbacV1().RoleBindings(framework.FleetNamespace).List(ctx, metav1.ListOptions{})
+		require.NoError(t, err)
+		i := slices.IndexFunc(bindings.Items, func(b rbacv1.RoleBinding) bool {
+			return slices.Contains(b.Subjects, framework.ServiceAccountSubject(withdrawn.namespace, withdrawn.name))
+		})
+		require.GreaterOrEqual(t, i, 0, "no RoleBinding lets %s use %s", withdrawn.username(), spoke.Name)
+		require.NoError(t, env.Hub.Client.RbacV1().RoleBindings(framework.FleetNamespace).Delete(ctx, bindings.Items[i].Name, metav1.DeleteOptions{}))
+		withdrawnAt := time.Now()
+		refusedAfter(t, spoke, withdrawnTok, withdrawnAt, "hub RBAC was withdrawn while rogue streams answered revokes")
+		assert.Greater(t, answered.Load(), before, "no revoke reached a rogue stream")
+	})
 }
