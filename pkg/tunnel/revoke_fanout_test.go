@@ -51,7 +51,7 @@ func TestRogueInstanceCannotSwallowRevokes(t *testing.T) {
 		{
 			name: "the rogue does not answer",
 			rogue: func(ctx context.Context, _ *pb.RevokeRequest) (*pb.RevokeResponse, error) {
-				<-ctx.Done()
+				<-ctx.Done() // the test's end
 				return nil, ctx.Err()
 			},
 			wantCode: codes.DeadlineExceeded,
@@ -65,12 +65,21 @@ func TestRogueInstanceCannotSwallowRevokes(t *testing.T) {
 				cfg.MaxStreamsPerCluster = 8
 			})
 			honest := &fakeAgentGrants{revoke: honestly}
-			rogue := &fakeAgentGrants{revoke: tt.rogue}
+			// The rogue's answers end with the test, before its agents stop.
+			end, ended := context.WithCancel(context.Background())
+			rogue := &fakeAgentGrants{revoke: func(ctx context.Context, req *pb.RevokeRequest) (*pb.RevokeResponse, error) {
+				ctx, cancel := context.WithCancel(ctx)
+				defer cancel()
+				stop := context.AfterFunc(end, cancel)
+				defer stop()
+				return tt.rogue(ctx, req)
+			}}
 			h.agent(t, agentA, &fakeMinter{}, withAgentGrants(honest))
 			for range 3 { // three instances of the rogue
 				h.agent(t, agentA, &fakeMinter{}, withAgentGrants(rogue))
 			}
 			waitConnected(t, h, clusterA, 4)
+			t.Cleanup(ended)
 
 			// Whichever stream a round robin would pick first.
 			const calls = 4
