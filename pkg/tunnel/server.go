@@ -708,7 +708,7 @@ func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, r
 		}
 		for _, id := range batch {
 			switch {
-			case answered && count[id] == voters:
+			case answered && voters > 0 && count[id] == voters:
 				gone = append(gone, id)
 			case count[id] > 0:
 				disagree++
