@@ -63,7 +63,8 @@ func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string
 // Learn takes the pending revokes that the replicas recorded (the broker
 // passes those of its PendingStore, each time they change), and sends those
 // it did not know of to their agents, if connected to this replica. Those
-// an agent already confirmed to this replica are forgotten.
+// whose revoke every agent instance confirmed to this replica are
+// forgotten; one stream's report of a deletion confirms nothing.
 func (r *Registry) Learn(ctx context.Context, revokes []PendingRevoke) {
 	now := r.cfg.Clock.Now()
 	var (
@@ -79,7 +80,7 @@ func (r *Registry) Learn(ctx context.Context, revokes []PendingRevoke) {
 		if _, ok := r.pending[id]; ok {
 			continue
 		}
-		if _, ok := r.revoked[id]; ok {
+		if rec, ok := r.revoked[id]; ok && rec.confirmed {
 			done = append(done, id)
 			continue
 		}

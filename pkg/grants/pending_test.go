@@ -399,3 +399,48 @@ func keys(m map[string]string) []string {
 	}
 	return out
 }
+
+// A stream's report that a pending grant is gone confirms nothing: every
+// stream of the cluster is sent the pending ids, so a rogue holder of the
+// cluster's SVID could otherwise wipe the record for every replica. The
+// revoke is sent again, and the record stays until the agents answer it.
+func TestRemovalReportDoesNotConfirmAPendingRevoke(t *testing.T) {
+	cluster := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
+	rec := &fakeRecorder{}
+	rev := &gatedRevoker{}
+	r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart)})
+	require.NoError(t, err)
+	r.Learn(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=a", "one", time.Hour), Reason: "leaked"}})
+	require.Eventually(t, func() bool { return rev.count("JTI=a") == 1 }, 10*time.Second, 10*time.Millisecond)
+
+	require.NoError(t, r.Report(t.Context(), cluster, &pb.GrantUpdate{Removed: []string{"JTI=a"}}))
+	require.Eventually(t, func() bool { return rev.count("JTI=a") == 2 }, 10*time.Second, 10*time.Millisecond,
+		"the removal sends the revoke again")
+	assert.Empty(t, rec.forgotten(), "one stream's word removes no record")
+	assert.True(t, r.Revoked("JTI=a"))
+	r.Learn(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=a", "one", time.Hour), Reason: "leaked"}})
+	assert.Empty(t, rec.forgotten(), "nor does this replica's view of it")
+
+	rev.set(true)
+	require.NoError(t, r.Report(t.Context(), cluster, &pb.GrantUpdate{Removed: []string{"JTI=a"}}))
+	require.Eventually(t, func() bool { return len(rec.forgotten()) == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the agents' answer to the revoke removes it")
+}
+
+// A replica that took one stream's word that a grant is gone still sends
+// the revoke that another replica recorded for it, and keeps the record.
+func TestRecordOfAGrantReportedGoneIsStillSent(t *testing.T) {
+	cluster := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
+	rec := &fakeRecorder{}
+	rev := &gatedRevoker{}
+	r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart)})
+	require.NoError(t, err)
+	require.NoError(t, r.Hello(t.Context(), cluster, []*pb.Grant{pendingGrant("JTI=b", "one", time.Hour)}))
+	require.NoError(t, r.Report(t.Context(), cluster, &pb.GrantUpdate{Removed: []string{"JTI=b"}}))
+	require.True(t, r.Revoked("JTI=b"))
+
+	r.Learn(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=b", "one", time.Hour), Reason: "leaked"}})
+	require.Eventually(t, func() bool { return rev.count("JTI=b") == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the recorded revoke is sent")
+	assert.Empty(t, rec.forgotten())
+}

@@ -152,6 +152,9 @@ type record struct {
 	// reason, of a revoked grant, is why it was revoked: the revoke is
 	// sent again with it when an agent reports the grant live again.
 	reason string
+	// confirmed, of a revoked grant, says that every agent instance
+	// answered its revoke, rather than one stream reporting it deleted.
+	confirmed bool
 	// index is the record's place in its expiryQueue.
 	index int
 }
@@ -323,20 +326,19 @@ func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame 
 		adds = append(adds, rec)
 	}
 
-	var (
-		retry  []pendingRevoke
-		forget []string
-	)
+	var retry []pendingRevoke
 	r.mu.Lock()
 	r.expire(now)
 	for _, id := range u.GetRemoved() {
 		if rec, ok := r.live[id]; ok && rec.cluster == cluster.NamespacedName {
 			r.drop(id)
-			r.markRevoked(id, rec.cluster, rec.expires, ReasonReportedDeleted)
+			r.markRevoked(id, rec.cluster, rec.expires, ReasonReportedDeleted, false)
 		}
 		if p, ok := r.pending[id]; ok && ClusterRef(p.grant).NamespacedName == cluster.NamespacedName {
-			delete(r.pending, id)
-			forget = append(forget, id)
+			// A removal is one stream's word, and every stream of the
+			// cluster is sent the pending ids: the revoke stays pending,
+			// and recorded, until every agent instance confirms it.
+			retry = append(retry, p)
 		}
 	}
 	var take []*record
@@ -399,7 +401,6 @@ func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame 
 			"cluster", cluster.String(), "holder", taken[0].holder.String(), "credentialID", taken[0].id,
 			"state", taken[0].state, "frame", frame, "ignored", len(taken))
 	}
-	r.forget(forget)
 	if len(retry) > 0 {
 		go r.retry(context.WithoutCancel(ctx), retry, false)
 	}
@@ -509,15 +510,16 @@ func (r *Registry) drop(id string) {
 
 // markRevoked records that the token of id, of cluster, which expires
 // at expires, is revoked, for reason. r.mu is held.
-func (r *Registry) markRevoked(id string, cluster types.NamespacedName, expires time.Time, reason string) {
+func (r *Registry) markRevoked(id string, cluster types.NamespacedName, expires time.Time, reason string, confirmed bool) {
 	if rec, ok := r.revoked[id]; ok {
+		rec.confirmed = rec.confirmed || confirmed
 		if expires.After(rec.expires) {
 			rec.expires = expires
 			heap.Fix(&r.revokedQueue, rec.index)
 		}
 		return
 	}
-	rec := &record{id: id, cluster: cluster, expires: expires, size: len(id) + revokedOverhead, reason: reason}
+	rec := &record{id: id, cluster: cluster, expires: expires, size: len(id) + revokedOverhead, reason: reason, confirmed: confirmed}
 	r.revoked[id] = rec
 	u := r.use[cluster]
 	if u == nil {
@@ -720,7 +722,7 @@ func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason strin
 			}
 			delete(r.pending, id)
 			r.drop(id)
-			r.markRevoked(id, ClusterRef(g).NamespacedName, g.GetExpirationTime().AsTime(), reason)
+			r.markRevoked(id, ClusterRef(g).NamespacedName, g.GetExpirationTime().AsTime(), reason, true)
 			revoked = append(revoked, g)
 		}
 		r.mu.Unlock()

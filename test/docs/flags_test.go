@@ -39,6 +39,7 @@ var foreign = map[string]string{
 	"subresource":                          "kubectl patch --subresource=status",
 	"type":                                 "kubectl patch --type",
 	"service-account-max-token-expiration": "kube-apiserver (the spoke's cap on token lifetimes)",
+	"service-account-extend-token-expiration": "kube-apiserver (a year for the kubelet's projected tokens)",
 }
 
 // aliases are flag names our binaries accept but do not list in --help.
