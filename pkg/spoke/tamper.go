@@ -3,7 +3,6 @@ package spoke
 import (
 	"context"
 	"fmt"
-	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -18,9 +17,9 @@ import (
 
 // Only the agent writes a grant (deploy/spoke/admission.yaml refuses
 // everyone else). Behind that, the agent checks every grant it sees
-// against what it writes itself: a grant that differs (a label removed or
-// added, an owner or scope annotation rewritten, a finalizer, data) was
-// changed by someone else, and the agent deletes it, which revokes its
+// against what it writes itself: a grant that differs (one of its
+// credbroker.io/ labels or annotations removed, added or rewritten, a
+// finalizer, data), even one being deleted, was changed by someone else, and the agent deletes it, which revokes its
 // token. Until the grant is gone the agent goes on answering for it with
 // what it had recorded: the brokers hear nothing of the change, revokes
 // find it by its recorded credential id and ClusterProfile, and its
@@ -110,23 +109,42 @@ func foreignFinalizers(grant *corev1.Secret) bool {
 	return false
 }
 
+// agentPrefix is the prefix of the agent's own labels and annotations.
+// Keys under other prefixes are not the agent's: a mutating webhook or
+// policy may stamp them on every Secret, and they steer no trust decision,
+// so the agent ignores them.
+const agentPrefix = "credbroker.io/"
+
+// agentKeys returns the keys of m under agentPrefix, sorted.
+func agentKeys(m map[string]string) []string {
+	var out []string
+	for k := range m {
+		if strings.HasPrefix(k, agentPrefix) {
+			out = append(out, k)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // foreignChange returns what in grant the agent would not have written,
-// or "" when nothing. Of a grant being deleted only its finalizers are
-// judged.
+// or "" when nothing. Only the agent's own labels and annotations (under
+// credbroker.io/) are judged, with finalizers, data, owners and
+// immutability. Of a grant being deleted the data, owners and immutability
+// are not judged: they cannot change once the grant was judged alive.
 func foreignChange(grant *corev1.Secret) string {
 	if foreignFinalizers(grant) {
 		return "finalizers added"
 	}
-	if grant.DeletionTimestamp != nil {
-		return ""
-	}
-	switch {
-	case len(grant.Data) > 0 || len(grant.StringData) > 0:
-		return "data added"
-	case len(grant.OwnerReferences) > 0:
-		return "owner references added"
-	case grant.Immutable != nil && *grant.Immutable:
-		return "made immutable"
+	if grant.DeletionTimestamp == nil {
+		switch {
+		case len(grant.Data) > 0 || len(grant.StringData) > 0:
+			return "data added"
+		case len(grant.OwnerReferences) > 0:
+			return "owner references added"
+		case grant.Immutable != nil && *grant.Immutable:
+			return "made immutable"
+		}
 	}
 	want := wantLabels(grant)
 	for _, k := range []string{GrantLabel, GrantServiceAccountLabel, GrantJTILabel} {
@@ -142,7 +160,7 @@ func foreignChange(grant *corev1.Secret) string {
 			return "label " + k + " changed"
 		}
 	}
-	for _, k := range slices.Sorted(maps.Keys(grant.Labels)) {
+	for _, k := range agentKeys(grant.Labels) {
 		if _, ok := want[k]; !ok {
 			return "label " + k + " added"
 		}
@@ -155,7 +173,7 @@ func foreignChange(grant *corev1.Secret) string {
 	if _, err := time.Parse(time.RFC3339, grant.Annotations[GrantExpirationAnnotation]); err != nil {
 		return "annotation " + GrantExpirationAnnotation + " changed"
 	}
-	for _, k := range slices.Sorted(maps.Keys(grant.Annotations)) {
+	for _, k := range agentKeys(grant.Annotations) {
 		if k != GrantCredentialIDAnnotation && !slices.Contains(grantAnnotations, k) {
 			return "annotation " + k + " added"
 		}
@@ -166,11 +184,8 @@ func foreignChange(grant *corev1.Secret) string {
 // changedFrom returns what changed from old to now that the agent would
 // not have changed, or "" when nothing: the agent records a token's
 // credential id and expiry once, and never changes an owner or scope
-// annotation.
+// annotation, also while the grant is being deleted.
 func changedFrom(old, now *corev1.Secret) string {
-	if now.DeletionTimestamp != nil || old.DeletionTimestamp != nil {
-		return ""
-	}
 	keys := slices.Clone(writtenOnce)
 	if old.Annotations[GrantCredentialIDAnnotation] != "" || now.Annotations[GrantCredentialIDAnnotation] == "" {
 		// Not the mint recording the token: the credential id and the

@@ -94,7 +94,7 @@ func TestGrantChangedByAnotherIsDeleted(t *testing.T) {
 		{name: "jti label removed", change: func(s *corev1.Secret) { delete(s.Labels, GrantJTILabel) }, why: "label credbroker.io/jti removed"},
 		{name: "jti label changed", change: func(s *corev1.Secret) { s.Labels[GrantJTILabel] = "other" }, why: "label credbroker.io/jti changed"},
 		{name: "ServiceAccount label changed", change: func(s *corev1.Secret) { s.Labels[GrantServiceAccountLabel] = "admin" }, why: "label credbroker.io/service-account changed"},
-		{name: "label added", change: func(s *corev1.Secret) { s.Labels["example.com/x"] = "y" }, why: "label example.com/x added"},
+		{name: "label added", change: func(s *corev1.Secret) { s.Labels["credbroker.io/x"] = "y" }, why: "label credbroker.io/x added"},
 		{name: "every label removed", change: func(s *corev1.Secret) { s.Labels = nil }, why: "label credbroker.io/grant removed"},
 		{name: "hub user rewritten", change: func(s *corev1.Secret) { s.Annotations[GrantHubUserAnnotation] = flux }, why: "annotation credbroker.io/hub-user changed"},
 		{name: "hub UID rewritten", change: func(s *corev1.Secret) { s.Annotations[GrantHubUIDAnnotation] = "other" }, why: "annotation credbroker.io/hub-uid changed"},
@@ -107,7 +107,7 @@ func TestGrantChangedByAnotherIsDeleted(t *testing.T) {
 		{name: "credential id removed", change: func(s *corev1.Secret) { delete(s.Annotations, GrantCredentialIDAnnotation) }, why: "annotation credbroker.io/credential-id removed"},
 		{name: "expiry pushed out", change: func(s *corev1.Secret) { s.Annotations[GrantExpirationAnnotation] = "2999-01-01T00:00:00Z" }, why: "annotation credbroker.io/expiration changed"},
 		{name: "hub user removed", change: func(s *corev1.Secret) { delete(s.Annotations, GrantHubUserAnnotation) }, why: "annotation credbroker.io/hub-user removed"},
-		{name: "annotation added", change: func(s *corev1.Secret) { s.Annotations["example.com/note"] = "x" }, why: "annotation example.com/note added"},
+		{name: "annotation added", change: func(s *corev1.Secret) { s.Annotations["credbroker.io/note"] = "x" }, why: "annotation credbroker.io/note added"},
 		{name: "finalizer added", change: func(s *corev1.Secret) { s.Finalizers = []string{"example.com/hold"} }, why: "finalizers added"},
 		{name: "data added", change: func(s *corev1.Secret) { s.Data = map[string][]byte{"k": []byte("v")} }, why: "data added"},
 		{
@@ -226,4 +226,103 @@ func TestRevokeOfAChangedGrant(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, []string{id}, resp.GetCredentialIds())
 	assert.Equal(t, []string{tamperedKey}, grants.Deleted())
+}
+
+// The attack: a namespace owner deletes a grant in the foreground and holds
+// it there with a dependent that has a finalizer, then rewrites the grant's
+// credential id and hub user to another live grant's. The agent used to
+// ignore every change to a grant being deleted, and told the brokers of
+// the rewritten grant as added, under the other grant's credential id. It
+// must judge the grant's own labels and annotations even while it is being
+// deleted, and never tell the brokers of a deleting grant as added, nor in
+// a hello.
+func TestDeletingGrantRewrittenIsNotReported(t *testing.T) {
+	grants := newFakeGrants()
+	var log syncLog
+	m, r, _ := tamperMinter(t, grants, log.logger())
+	now := metav1.NewTime(issuedAt)
+	grants.change(tamperedKey, func(s *corev1.Secret) {
+		s.DeletionTimestamp = &now
+		s.Finalizers = []string{metav1.FinalizerDeleteDependents}
+	})
+	grants.change(tamperedKey, func(s *corev1.Secret) {
+		s.Annotations[GrantCredentialIDAnnotation] = "JTI=other"
+		s.Annotations[GrantHubUserAnnotation] = flux
+		s.Labels[GrantJTILabel] = "other"
+	})
+	assert.Empty(t, m.Snapshot(), "a hello told of a grant being deleted")
+	require.Eventually(t, func() bool { return len(grants.Keys()) == 0 }, 5*time.Second, time.Millisecond,
+		"the agent left a grant that someone else changed")
+	require.Eventually(t, func() bool { return len(r.summary()) == 2 }, 5*time.Second, time.Millisecond)
+	assert.Equal(t, []string{"+JTI=jti-apps-deployer", "-JTI=jti-apps-deployer"}, r.summary(),
+		"the brokers must hear only of the grant the agent wrote, and of its deletion")
+	assert.Contains(t, log.String(), `"msg"="found a grant that someone other than the agent changed; deleting it"`)
+	assert.Contains(t, log.String(), `"credentialID"="JTI=jti-apps-deployer"`)
+}
+
+// A grant being deleted that an agent sees first (at start-up, say) is not
+// told to the brokers, as added nor in a hello: its token dies within a
+// minute of its deletion anyway, and the agent cannot tell what it wrote.
+func TestDeletingGrantSeenFirstIsNotReported(t *testing.T) {
+	now := metav1.NewTime(issuedAt)
+	src := newFakeGrants()
+	tamperMinter(t, src, logr.Discard())
+	g := src.Get(tamperedKey)
+	g.DeletionTimestamp = &now
+	g.Finalizers = []string{metav1.FinalizerDeleteDependents}
+
+	grants := newFakeGrants()
+	m, err := New(withGrants(Config{Tokens: &fakeTokens{}, ClusterProfile: profileFrom,
+		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
+	require.NoError(t, err)
+	grants.events = m.GrantEvents()
+	r := &recorder{}
+	t.Cleanup(m.Subscribe(r.fn))
+	grants.mu.Lock()
+	grants.secrets[tamperedKey] = g.DeepCopy()
+	grants.inform(nil, g)
+	grants.mu.Unlock()
+	assert.Empty(t, r.summary(), "the brokers heard of a grant being deleted as added")
+	assert.Empty(t, m.Snapshot(), "a hello told of a grant being deleted")
+}
+
+// Labels and annotations that are not the agent's (outside credbroker.io/)
+// steer no trust decision: a mutating webhook or policy that stamps every
+// Secret must not make the agent delete every grant. Only the agent's own
+// keys, finalizers, data, owners and immutability are judged.
+func TestForeignLabelsAndAnnotationsAreKept(t *testing.T) {
+	tests := []struct {
+		name   string
+		change func(*corev1.Secret)
+	}{
+		{name: "label added", change: func(s *corev1.Secret) { s.Labels["team"] = "x" }},
+		{name: "prefixed label added", change: func(s *corev1.Secret) { s.Labels["example.com/cost-center"] = "42" }},
+		{name: "annotation added", change: func(s *corev1.Secret) { s.Annotations["example.com/note"] = "x" }},
+		{name: "look-alike prefix", change: func(s *corev1.Secret) { s.Annotations["credbroker.io.example.com/x"] = "y" }},
+		{name: "labels and annotations", change: func(s *corev1.Secret) {
+			s.Labels["policies.kyverno.io/managed"] = "true"
+			s.Annotations["policies.kyverno.io/last-applied-patches"] = "add-labels"
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			grants := newFakeGrants()
+			var log syncLog
+			m, r, _ := tamperMinter(t, grants, log.logger())
+			grants.change(tamperedKey, tt.change)
+			// A grant changed after it is deleted after it: once it is
+			// gone, the agent has judged the change before.
+			_, err := m.Mint(admitted(t, "fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+			require.NoError(t, err)
+			grants.change("apps/credbroker-grant-2", func(s *corev1.Secret) { delete(s.Labels, GrantLabel) })
+			require.Eventually(t, func() bool { return len(grants.Deleted()) > 0 }, 5*time.Second, time.Millisecond)
+			assert.Equal(t, []string{"apps/credbroker-grant-2"}, grants.Deleted())
+			assert.Equal(t, []string{tamperedKey}, grants.Keys(), "the agent deleted a grant another party only labelled")
+			assert.Equal(t, "+JTI=jti-apps-deployer", r.summary()[0])
+			assert.Equal(t, 1, strings.Count(log.String(), "found a grant that someone other than the agent changed"))
+			snap := m.Snapshot()
+			require.Len(t, snap, 1)
+			assert.Equal(t, "JTI=jti-apps-deployer", snap[0].GetCredentialId())
+		})
+	}
 }

@@ -42,7 +42,8 @@ const defaultRevokeReason = "revoked by the broker"
 // changed by someone else: it queues the grant for Run to delete, which
 // revokes its token, and tells subscribers nothing of the change; they
 // learn of the grant's removal, under the credential id the agent had
-// recorded, once it is deleted.
+// recorded, once it is deleted. A grant being deleted is never told as
+// added.
 func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
@@ -53,7 +54,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			if sa := g.Annotations[GrantServiceAccountAnnotation]; sa != "" {
 				m.enqueueServiceAccount(g.Namespace, sa)
 			}
-			if g.Annotations[GrantCredentialIDAnnotation] != "" {
+			if g.Annotations[GrantCredentialIDAnnotation] != "" && g.DeletionTimestamp == nil {
 				m.publish(&credbrokerv1alpha1.GrantUpdate{Added: []*credbrokerv1alpha1.Grant{m.toGrant(g)}})
 			}
 		},
@@ -74,7 +75,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			if oldID != "" && oldID != newID {
 				u.Removed = []string{oldID}
 			}
-			if newID != "" {
+			if newID != "" && now.DeletionTimestamp == nil {
 				g := m.toGrant(now)
 				// A resync, or a change to nothing the broker sees, sends
 				// nothing.
@@ -141,12 +142,13 @@ func (m *Minter) Subscribe(fn func(*credbrokerv1alpha1.GrantUpdate)) (unsubscrib
 // Snapshot returns every grant in GrantCache that has a credential id,
 // ordered by credential id, whatever ClusterProfile it records: the broker
 // keeps those of the ClusterProfile it admitted the stream for. It leaves
-// out the grants someone else changed, which are being deleted.
+// out the grants someone else changed, which are being deleted, and every
+// grant being deleted, whose token dies within a minute anyway.
 func (m *Minter) Snapshot() []*credbrokerv1alpha1.Grant {
 	var out []*credbrokerv1alpha1.Grant
 	for _, obj := range m.grantCache.List() {
 		g, ok := obj.(*corev1.Secret)
-		if !ok || !isGrant(g) || g.Annotations[GrantCredentialIDAnnotation] == "" {
+		if !ok || !isGrant(g) || g.Annotations[GrantCredentialIDAnnotation] == "" || g.DeletionTimestamp != nil {
 			continue
 		}
 		if _, changed := m.changedRecord(g.UID); changed || foreignChange(g) != "" {

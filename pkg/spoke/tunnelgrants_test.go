@@ -330,7 +330,16 @@ func TestSubscribe(t *testing.T) {
 	renewed := minted.DeepCopy()
 	renewed.Annotations[GrantExpirationAnnotation] = issuedAt.Add(time.Hour).Format(time.RFC3339)
 	relabelled := minted.DeepCopy()
-	relabelled.Labels["unrelated"] = "x"
+	relabelled.Labels["credbroker.io/unrelated"] = "x"
+	stamped := minted.DeepCopy()
+	stamped.Labels["team"] = "x"
+	stamped.Annotations["example.com/owner"] = "x"
+	deleting := minted.DeepCopy()
+	deleting.DeletionTimestamp = &metav1.Time{Time: issuedAt}
+	deleting.Finalizers = []string{metav1.FinalizerDeleteDependents}
+	deletingRewritten := deleting.DeepCopy()
+	deletingRewritten.Annotations[GrantCredentialIDAnnotation] = "JTI=other"
+	deletingRewritten.Labels[GrantJTILabel] = "other"
 	rewritten := minted.DeepCopy()
 	rewritten.Annotations[GrantCredentialIDAnnotation] = "JTI=other"
 	notAGrant := minted.DeepCopy()
@@ -356,6 +365,19 @@ func TestSubscribe(t *testing.T) {
 			want:  []string{"-JTI=jti-g"},
 		},
 		{name: "seen changed", event: func(h cache.ResourceEventHandler) { h.OnAdd(relabelled, true) }},
+		{name: "a foreign label and annotation added", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, stamped) }},
+		{name: "seen with a foreign label and annotation", event: func(h cache.ResourceEventHandler) { h.OnAdd(stamped, true) }, want: []string{"+JTI=jti-g"}},
+		{name: "being deleted", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, deleting) }},
+		{name: "seen being deleted", event: func(h cache.ResourceEventHandler) { h.OnAdd(deleting, true) }},
+		{name: "credential id rewritten while being deleted", event: func(h cache.ResourceEventHandler) { h.OnUpdate(deleting, deletingRewritten) }},
+		{
+			name: "credential id rewritten while being deleted, then deleted",
+			event: func(h cache.ResourceEventHandler) {
+				h.OnUpdate(deleting, deletingRewritten)
+				h.OnDelete(deletingRewritten)
+			},
+			want: []string{"-JTI=jti-g"},
+		},
 		{
 			name:  "seen changed, then deleted",
 			event: func(h cache.ResourceEventHandler) { h.OnAdd(relabelled, true); h.OnDelete(relabelled) },
