@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -19,6 +18,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
 
+	"github.com/credbroker/credbroker/internal/serverurl"
 	"github.com/credbroker/credbroker/pkg/brokerclient"
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/token"
@@ -313,11 +313,8 @@ func answerToken(ref Reference, resp *pb.ExchangeResponse, fetched time.Time) (*
 	case resp.GetServer() == "":
 		return nil, fmt.Errorf("exchange for cluster %s: broker returned no server: the ClusterProfile lists no "+
 			"access provider to reach the spoke: %w", ref, errdefs.ErrFailedPrecondition)
-	case !isHTTPS(resp.GetServer()):
-		// client-go sends the bearer token whatever the scheme.
-		return nil, fmt.Errorf("exchange for cluster %s: refusing its token: its server %s is not an https URL, so the "+
-			"token would travel in cleartext; its cluster manager must give the ClusterProfile an https server: %w",
-			ref, redactedURL(resp.GetServer()), errdefs.ErrPermissionDenied)
+	case serverurl.Check(resp.GetServer()) != nil:
+		return nil, unusableServer(ref, resp.GetServer())
 	case resp.GetExpirationTime() == nil:
 		return nil, fmt.Errorf("exchange for cluster %s: broker returned no expiration time", ref)
 	}
@@ -338,19 +335,17 @@ func answerToken(ref Reference, resp *pb.ExchangeResponse, fetched time.Time) (*
 	}, nil
 }
 
-// isHTTPS reports whether raw is a URL with the https scheme, case aside.
-func isHTTPS(raw string) bool {
-	u, err := url.Parse(raw)
-	return err == nil && strings.EqualFold(u.Scheme, "https") && u.Opaque == "" && u.Host != ""
-}
-
-// redactedURL is raw as an error may show it: without a password.
-func redactedURL(raw string) string {
-	if u, err := url.Parse(raw); err == nil {
-		return u.Redacted()
+// unusableServer is the error for a broker answer whose server
+// serverurl.Check refuses, naming the server without a password and why.
+func unusableServer(ref Reference, server string) error {
+	err := serverurl.Check(server)
+	if errors.Is(err, serverurl.ErrNotHTTPS) {
+		// client-go sends the bearer token whatever the scheme.
+		return fmt.Errorf("exchange for cluster %s: refusing its token: its server %s is not an https URL, so the "+
+			"token would travel in cleartext; its cluster manager must give the ClusterProfile an https server: %w",
+			ref, serverurl.Redacted(server), errdefs.ErrPermissionDenied)
 	}
-	if strings.Contains(raw, "@") {
-		return "(a URL with user information)"
-	}
-	return raw
+	return fmt.Errorf("exchange for cluster %s: refusing its token: its server %s is not a usable API server URL: %v; "+
+		"its cluster manager must give the ClusterProfile an https server with a host and without user information, "+
+		"query or fragment: %w", ref, serverurl.Redacted(server), err, errdefs.ErrPermissionDenied)
 }

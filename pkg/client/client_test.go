@@ -205,6 +205,26 @@ func TestServerPin(t *testing.T) {
 		assert.Contains(t, err.Error(), "not an https URL")
 		assert.NotContains(t, err.Error(), "spoke-token-")
 	})
+	t.Run("answer with an https server that is no API server URL", func(t *testing.T) {
+		for _, tt := range []struct{ server, want string }{
+			{server: "https://u:secret@spoke.example", want: "it has user information"},
+			{server: "https://spoke.example?x=1", want: "it has a query"},
+			{server: "https://spoke.example#frag", want: "it has a fragment"},
+			{server: "https://:6443", want: "it has no host"},
+		} {
+			t.Run(tt.server, func(t *testing.T) {
+				b, c, _ := setup(t)
+				b.AnswerServer(tt.server)
+				cfg, err := c.RESTConfigFor(t.Context(), "fleet", "spoke")
+				require.ErrorIs(t, err, errdefs.ErrPermissionDenied)
+				assert.Nil(t, cfg)
+				assert.Contains(t, err.Error(), "fleet/spoke")
+				assert.Contains(t, err.Error(), tt.want)
+				assert.NotContains(t, err.Error(), "secret")
+				assert.NotContains(t, err.Error(), "spoke-token-")
+			})
+		}
+	})
 	t.Run("server changed after the config was built", func(t *testing.T) {
 		b, c, clk := setup(t)
 		cfg, err := c.RESTConfigFor(t.Context(), "fleet", "spoke")

@@ -349,6 +349,24 @@ func TestGetToken(t *testing.T) {
 			code:    codes.PermissionDenied,
 		},
 		{
+			// Refused before a token is minted, as an http server is.
+			name:    "exec info server has no host, as the broker answers",
+			respond: respondWithServer("https:///k8s/clusters/c-1"),
+			in:      execCredentialFor("https:///k8s/clusters/c-1", prodConfig),
+			wantErr: []string{"fleet/prod-eu-1", "https:///k8s/clusters/c-1", "it has no host"},
+			code:    codes.PermissionDenied,
+			is:      errdefs.ErrPermissionDenied,
+		},
+		{
+			name:     "exec info server has user information, as the broker answers",
+			respond:  respondWithServer("https://u:secret@spoke.example:6443"),
+			in:       execCredentialFor("https://u:secret@spoke.example:6443", prodConfig),
+			wantErr:  []string{"fleet/prod-eu-1", "https://u:xxxxx@spoke.example:6443", "it has user information"},
+			notInErr: []string{"secret"},
+			code:     codes.PermissionDenied,
+			is:       errdefs.ErrPermissionDenied,
+		},
+		{
 			name:    "broker answers a plain http server",
 			respond: respondWithServer("http://spoke.example:443"),
 			in:      execCredentialFor("https://spoke.example:443", prodConfig),

@@ -13,6 +13,7 @@ import (
 
 	clientauthenticationv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
 
+	"github.com/credbroker/credbroker/internal/serverurl"
 	"github.com/credbroker/credbroker/pkg/errdefs"
 )
 
@@ -22,92 +23,39 @@ import (
 // port always present (443 when absent), and
 // the path without trailing slashes ("" for none or "/"). The path is
 // otherwise kept as it is, case and escapes included, since a path can lead
-// to another cluster behind one proxy. A URL with a user, a query or a
-// fragment is refused, and so is an IPv6 zone: an API server URL has none of
-// them, and none is compared. So is a URL that is not https: client-go sends
-// the bearer token whatever the scheme, so over http it travels in
-// cleartext.
+// to another cluster behind one proxy. A URL that serverurl.Check refuses
+// (the rule the broker serves and the publisher pins a server by) is
+// refused: one with a user, a query, a fragment or an IPv6 zone, since an
+// API server URL has none of them and none is compared, or one that is not
+// https, since client-go sends the bearer token whatever the scheme, so
+// over http it travels in cleartext.
 //
 // The result is "https://<host>:<port><path>", with an IPv6 host in
 // brackets. Errors quote no user information.
 func canonicalServer(raw string) (string, error) {
-	if raw == "" {
-		return "", errors.New("the URL is empty")
+	if err := serverurl.Check(raw); err != nil {
+		return "", err
 	}
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "", errors.New("it is not a URL")
-	}
-	scheme := strings.ToLower(u.Scheme)
-	const defaultPort = "443"
-	if scheme != "https" || u.Opaque != "" {
-		return "", errNotHTTPS
-	}
-	if u.User != nil {
-		return "", errors.New("it has user information")
-	}
-	if u.RawQuery != "" || u.ForceQuery {
-		return "", errors.New("it has a query")
-	}
-	if u.Fragment != "" || strings.Contains(raw, "#") {
-		return "", errors.New("it has a fragment")
-	}
-
+	// Check has parsed raw, and checked its host and port.
+	u, _ := url.Parse(raw)
 	host, port := u.Hostname(), u.Port()
-	if host == "" {
-		return "", errors.New("it has no host")
-	}
-	if strings.HasSuffix(u.Host, ":") {
-		return "", errors.New("it has an empty port")
-	}
 	if port == "" {
-		port = defaultPort
+		port = "443"
 	}
-	n, err := strconv.ParseUint(port, 10, 16)
-	if err != nil || n == 0 {
-		return "", errors.New("it has an invalid port")
-	}
-	// url.Parse has checked that a bracketed host is an IPv6 address.
+	n, _ := strconv.ParseUint(port, 10, 16)
 	if addr, err := netip.ParseAddr(host); err == nil {
-		if addr.Zone() != "" {
-			return "", errors.New("it has an IPv6 zone")
-		}
 		host = addr.String()
-	} else if strings.IndexFunc(host, notHostRune) >= 0 {
-		return "", errors.New("its host is neither an IP address nor a DNS name in ASCII")
 	} else {
 		host = strings.ToLower(host)
 	}
-
 	path := strings.TrimRight(u.EscapedPath(), "/")
-	return scheme + "://" + net.JoinHostPort(host, strconv.FormatUint(n, 10)) + path, nil
-}
-
-// errNotHTTPS is the reason canonicalServer gives for a URL that is not
-// https.
-var errNotHTTPS = errors.New("it is not an https URL")
-
-// isHTTPS reports whether raw is a URL with the https scheme, case aside.
-func isHTTPS(raw string) bool {
-	u, err := url.Parse(raw)
-	return err == nil && strings.EqualFold(u.Scheme, "https") && u.Opaque == ""
-}
-
-// notHostRune reports whether r cannot appear in a DNS name.
-func notHostRune(r rune) bool {
-	return !('a' <= r && r <= 'z' || 'A' <= r && r <= 'Z' || '0' <= r && r <= '9' || r == '-' || r == '.' || r == '_')
+	return "https://" + net.JoinHostPort(host, strconv.FormatUint(n, 10)) + path, nil
 }
 
 // displayServer is raw as an error message may show it: without user
 // information, which may hold a password.
 func displayServer(raw string) string {
-	if u, err := url.Parse(raw); err == nil && u.User != nil {
-		return u.Redacted()
-	}
-	if strings.Contains(raw, "@") {
-		return "(a URL with user information)"
-	}
-	return raw
+	return serverurl.Redacted(raw)
 }
 
 // sameServer reports whether the ExecCredential's server, where client-go
@@ -144,9 +92,12 @@ func sameServer(cluster Reference, execServer, brokerServer string) error {
 // name than the server's host. It names every such setting.
 func checkTransport(cluster Reference, c *clientauthenticationv1.Cluster) error {
 	var problems []string
-	if !isHTTPS(c.Server) {
+	switch err := serverurl.Check(c.Server); {
+	case errors.Is(err, serverurl.ErrNotHTTPS):
 		problems = append(problems, fmt.Sprintf("the server %s is not an https URL, so the client would send the token "+
 			"in cleartext", displayServer(c.Server)))
+	case err != nil:
+		problems = append(problems, fmt.Sprintf("the server %s is not a usable API server URL: %v", displayServer(c.Server), err))
 	}
 	if c.InsecureSkipTLSVerify {
 		problems = append(problems, "insecure-skip-tls-verify is true, so the client would not verify the server it sends the token to")

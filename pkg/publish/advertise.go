@@ -5,11 +5,12 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
-	"net/url"
 	"strings"
 
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+
+	"github.com/credbroker/credbroker/internal/serverurl"
 )
 
 // The kinds of conflict between what agents advertise and what is
@@ -30,12 +31,12 @@ const (
 // an agent.
 const maxLoggedURL = 256
 
-// ValidServer reports whether server may be published: an absolute https
-// URL with a host, and without user info, query or fragment.
+// ValidServer reports whether server may be published or pinned: what
+// serverurl.Check accepts (an absolute https URL, scheme case aside, with a
+// host, and without user info, query or fragment), the rule by which the
+// broker serves a server, so that every entry the broker serves is pinned.
 func ValidServer(server string) bool {
-	u, err := url.Parse(server)
-	return err == nil && u.Scheme == "https" && u.Hostname() != "" && u.Opaque == "" && u.User == nil &&
-		u.RawQuery == "" && !u.ForceQuery && u.Fragment == ""
+	return serverurl.Valid(server)
 }
 
 // verdict is what the published entry and the agents' advertisements
@@ -133,7 +134,9 @@ func describe(server string, caData []byte) string {
 	return clipURL(server) + " ca=" + hex.EncodeToString(sum[:6])
 }
 
+// clipURL is s, without a password, quoted and clipped for a log line.
 func clipURL(s string) string {
+	s = serverurl.Redacted(s)
 	if len(s) <= maxLoggedURL {
 		return fmt.Sprintf("%q", s)
 	}

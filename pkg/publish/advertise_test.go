@@ -228,6 +228,45 @@ func TestReconcileNeverLetsAnAgentRepoint(t *testing.T) {
 	assert.Zero(t, p.Conflicts())
 }
 
+// An entry an admin wrote is pinned whenever the broker would serve it,
+// whatever its spelling: the agents cannot repoint it. One the broker
+// refuses is not kept, as a non-https entry is not.
+func TestReconcilePinsEveryAdminEntryTheBrokerServes(t *testing.T) {
+	const decoy = "https://decoy.example:6443"
+	for _, tt := range []struct {
+		server string
+		pinned bool
+	}{
+		{server: "HTTPS://spoke.example:6443", pinned: true},
+		{server: "HTTPS://SPOKE.EXAMPLE", pinned: true},
+		{server: "https://spoke.example:6443/k8s/clusters/c-1/", pinned: true},
+		{server: "https://[2001:DB8::1]:6443", pinned: true},
+		{server: "http://spoke.example:6443"},
+		{server: "https://u:secret@spoke.example:6443"},
+		{server: "https://spoke.example:6443?x=1"},
+		{server: "https://spoke.example:6443#"},
+		{server: "https://:6443"},
+		{server: "https://spoke.example:0"},
+	} {
+		t.Run(tt.server, func(t *testing.T) {
+			p, src, hub, _ := newFixture(t)
+			hub.cp.Status.AccessProviders = []v1alpha1.AccessProvider{*provider(tt.server, "admin-ca")}
+			src.live, src.ads = 1, []Advertisement{{Server: decoy, CAData: []byte("evil"), Streams: 1}}
+			_, err := p.Reconcile(context.Background(), key)
+			require.NoError(t, err)
+			entry, _ := p.observed(hub.cp)
+			require.NotNil(t, entry)
+			if tt.pinned {
+				assert.Equal(t, tt.server, entry.Cluster.Server, "an agent repointed the admin's entry")
+				assert.Equal(t, []byte("admin-ca"), entry.Cluster.CertificateAuthorityData)
+				assert.Equal(t, 1, p.Conflicts())
+				return
+			}
+			assert.Equal(t, decoy, entry.Cluster.Server, "an entry the broker refuses is not kept")
+		})
+	}
+}
+
 // A log line names an advertised server clipped: it comes from an agent.
 func TestConflictLogClipsTheServer(t *testing.T) {
 	p, src, _, _ := newFixture(t)
