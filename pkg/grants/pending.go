@@ -7,9 +7,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/go-logr/logr"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -63,6 +65,11 @@ const (
 	// DefaultPendingMaxBytes bounds the ConfigMap's data, well under the
 	// 1 MiB an object may have: about 2,000 pending revokes.
 	DefaultPendingMaxBytes = 512 << 10
+	// DefaultPendingClusterShare divides MaxBytes into the share of it that
+	// the records of one ClusterProfile may take by default: an eighth, so
+	// that one cluster's agents, which never answer, fill at most an eighth
+	// of the record and leave the rest to the other clusters.
+	DefaultPendingClusterShare = 8
 )
 
 // PendingStoreConfig configures a PendingStore.
@@ -82,6 +89,12 @@ type PendingStoreConfig struct {
 	// MaxBytes bounds the ConfigMap's data: a revoke that would make it
 	// larger is refused. Default DefaultPendingMaxBytes.
 	MaxBytes int
+	// MaxClusterBytes bounds the bytes that the records of one
+	// ClusterProfile may take: a revoke that would make its
+	// ClusterProfile's records larger is refused, and the other
+	// ClusterProfiles' revokes are still recorded. Default
+	// MaxBytes/DefaultPendingClusterShare.
+	MaxClusterBytes int
 	// Clock expires the records. Default: the real clock.
 	Clock clock.PassiveClock
 	// Log receives records that could not be read and writes that failed.
@@ -100,8 +113,6 @@ type PendingStore struct {
 	cfg PendingStoreConfig
 
 	mu sync.Mutex
-	// present holds the keys of the ConfigMap as last seen or written.
-	present map[string]bool
 	// forget holds the credential ids to drop, by key.
 	forget   map[string]string
 	onChange []func([]PendingRevoke)
@@ -125,10 +136,14 @@ func NewPendingStore(cfg PendingStoreConfig) (*PendingStore, error) {
 	if cfg.MaxBytes <= 0 {
 		cfg.MaxBytes = DefaultPendingMaxBytes
 	}
+	if cfg.MaxClusterBytes <= 0 {
+		cfg.MaxClusterBytes = cfg.MaxBytes / DefaultPendingClusterShare
+	}
+	cfg.MaxClusterBytes = min(cfg.MaxClusterBytes, cfg.MaxBytes)
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	s := &PendingStore{cfg: cfg, present: map[string]bool{}, forget: map[string]string{}, wake: make(chan struct{}, 1)}
+	s := &PendingStore{cfg: cfg, forget: map[string]string{}, wake: make(chan struct{}, 1)}
 	if _, err := cfg.Informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { s.observe(obj) },
 		UpdateFunc: func(_, obj any) { s.observe(obj) },
@@ -159,18 +174,30 @@ func (s *PendingStore) observe(obj any) {
 	}
 	now := s.cfg.Clock.Now()
 	var (
-		live    []PendingRevoke
-		invalid int
+		live          []PendingRevoke
+		invalid, over int
+		size          int
 	)
-	present := map[string]bool{}
 	if cm != nil {
-		for key, value := range cm.Data {
-			present[key] = true
+		// Only as much as this store would write is handed on, in the order
+		// of the keys: a ConfigMap written by hand past MaxBytes costs the
+		// replicas no more memory than a full one.
+		keys := make([]string, 0, len(cm.Data))
+		for key := range cm.Data {
+			keys = append(keys, key)
+		}
+		slices.Sort(keys)
+		for _, key := range keys {
+			value := cm.Data[key]
 			p, err := s.decode(key, value, now)
 			switch {
 			case err != nil:
 				invalid++
-			case p.Grant != nil:
+			case p.Grant == nil:
+			case size+len(key)+len(value) > s.cfg.MaxBytes:
+				over++
+			default:
+				size += len(key) + len(value)
 				live = append(live, p)
 			}
 		}
@@ -179,8 +206,11 @@ func (s *PendingStore) observe(obj any) {
 		s.cfg.Log.Info("pending revoke records could not be read; they are dropped at the next write",
 			"configMap", s.cfg.Namespace+"/"+s.cfg.Name, "invalid", invalid)
 	}
+	if over > 0 {
+		s.cfg.Log.Info("pending revoke records past the record's limit are ignored",
+			"configMap", s.cfg.Namespace+"/"+s.cfg.Name, "ignored", over, "maxBytes", s.cfg.MaxBytes)
+	}
 	s.mu.Lock()
-	s.present = present
 	fns := s.onChange
 	s.mu.Unlock()
 	for _, fn := range fns {
@@ -188,41 +218,102 @@ func (s *PendingStore) observe(obj any) {
 	}
 }
 
-// Record implements PendingRecorder.
+// Record implements PendingRecorder. The revokes of a ClusterProfile
+// whose records would take more than MaxClusterBytes, or that would make
+// the record larger than MaxBytes, are refused with
+// errdefs.ErrResourceExhausted; the others are still recorded, and the
+// error says how many.
 func (s *PendingStore) Record(ctx context.Context, revokes []PendingRevoke) error {
 	if len(revokes) == 0 {
 		return nil
 	}
-	return s.modify(ctx, func(data map[string]string, now time.Time) (bool, error) {
+	var refusal error
+	err := s.modify(ctx, func(data, clusterOf map[string]string, now time.Time) (bool, error) {
+		refusal = nil
+		type entry struct{ key, value string }
+		var order []string
+		groups := map[string][]entry{}
 		for _, p := range revokes {
-			key, value, ok := s.encode(p, now)
-			if ok {
-				data[key] = value
+			key, value, cluster, err := s.encode(p, now)
+			if err != nil {
+				return false, err
 			}
+			if key == "" {
+				continue
+			}
+			if _, ok := groups[cluster]; !ok {
+				order = append(order, cluster)
+			}
+			groups[cluster] = append(groups[cluster], entry{key, value})
 		}
-		if n := dataSize(data); n > s.cfg.MaxBytes {
-			return false, fmt.Errorf("the hub's record of pending revokes, ConfigMap %s/%s, would hold %d bytes, more than its limit of %d; "+
-				"it empties as agents come back and tokens expire: %w", s.cfg.Namespace, s.cfg.Name, n, s.cfg.MaxBytes, errdefs.ErrResourceExhausted)
+		sizes := map[string]int{}
+		for key, value := range data {
+			sizes[clusterOf[key]] += len(key) + len(value)
 		}
-		return true, nil
+		total := dataSize(data)
+		changed := false
+		var refusedCluster string
+		refused, recorded, refusedClusters := 0, 0, 0
+		for _, cluster := range order {
+			add := 0
+			for _, e := range groups[cluster] {
+				add += len(e.key) + len(e.value)
+				if old, ok := data[e.key]; ok {
+					add -= len(e.key) + len(old)
+				}
+			}
+			switch {
+			case total+add > s.cfg.MaxBytes:
+				return false, fmt.Errorf("the hub's record of pending revokes, ConfigMap %s/%s, would hold %d bytes, more than its limit of %d; "+
+					"it empties as agents come back and tokens expire: %w", s.cfg.Namespace, s.cfg.Name, total+add, s.cfg.MaxBytes, errdefs.ErrResourceExhausted)
+			case sizes[cluster]+add > s.cfg.MaxClusterBytes:
+				if refusedClusters == 0 {
+					refusedCluster = fmt.Sprintf("%s, whose records would take %d bytes", cluster, sizes[cluster]+add)
+				}
+				refusedClusters++
+				refused += len(groups[cluster])
+				continue
+			}
+			for _, e := range groups[cluster] {
+				data[e.key] = e.value
+				clusterOf[e.key] = cluster
+			}
+			sizes[cluster] += add
+			total += add
+			recorded += len(groups[cluster])
+			changed = true
+		}
+		if refused > 0 {
+			others := ""
+			if refusedClusters > 1 {
+				others = fmt.Sprintf(" and %d other ClusterProfiles", refusedClusters-1)
+			}
+			refusal = fmt.Errorf("the hub's record of pending revokes, ConfigMap %s/%s, has no room for %d revokes of ClusterProfile %s%s, "+
+				"more than the share of %d bytes that one ClusterProfile may take; %d revokes of other ClusterProfiles were recorded; "+
+				"the share empties as that ClusterProfile's agents answer and its tokens expire: %w",
+				s.cfg.Namespace, s.cfg.Name, refused, refusedCluster, others, s.cfg.MaxClusterBytes, recorded, errdefs.ErrResourceExhausted)
+		}
+		return changed, nil
 	})
+	if err != nil {
+		return err
+	}
+	return refusal
 }
 
-// Forget implements PendingRecorder. Only ids that the ConfigMap holds, as
-// this replica last saw or wrote it, cost a write.
+// Forget implements PendingRecorder. It queues every id, whatever this
+// replica's informer last showed: the informer may lag behind this
+// replica's own writes, and a removal of a key the ConfigMap does not hold
+// costs a read but no write.
 func (s *PendingStore) Forget(ids []string) {
-	s.mu.Lock()
-	n := 0
-	for _, id := range ids {
-		if key := pendingKey(id); s.present[key] {
-			s.forget[key] = id
-			n++
-		}
-	}
-	s.mu.Unlock()
-	if n == 0 {
+	if len(ids) == 0 {
 		return
 	}
+	s.mu.Lock()
+	for _, id := range ids {
+		s.forget[pendingKey(id)] = id
+	}
+	s.mu.Unlock()
 	select {
 	case s.wake <- struct{}{}:
 	default:
@@ -247,7 +338,7 @@ func (s *PendingStore) Run(ctx context.Context) error {
 		if len(keys) == 0 {
 			continue
 		}
-		err := s.modify(ctx, func(data map[string]string, _ time.Time) (bool, error) {
+		err := s.modify(ctx, func(data, _ map[string]string, _ time.Time) (bool, error) {
 			changed := false
 			for key := range keys {
 				if _, ok := data[key]; ok {
@@ -285,8 +376,9 @@ const pendingAttempts = 8
 
 // modify reads the ConfigMap (or starts an empty one), drops its expired
 // and unreadable records, lets change edit its data, and writes it back if
-// change says so or anything was dropped, again on a conflict.
-func (s *PendingStore) modify(ctx context.Context, change func(data map[string]string, now time.Time) (bool, error)) error {
+// change says so or anything was dropped, again on a conflict. clusterOf
+// holds the ClusterProfile, namespace/name, of each key of data.
+func (s *PendingStore) modify(ctx context.Context, change func(data, clusterOf map[string]string, now time.Time) (bool, error)) error {
 	var last error
 	for range pendingAttempts {
 		cm, err := s.cfg.ConfigMaps.Get(ctx, s.cfg.Name, metav1.GetOptions{})
@@ -302,15 +394,18 @@ func (s *PendingStore) modify(ctx context.Context, change func(data map[string]s
 		}
 		now := s.cfg.Clock.Now()
 		data := map[string]string{}
+		clusterOf := map[string]string{}
 		pruned := false
 		for key, value := range cm.Data {
-			if p, err := s.decode(key, value, now); err != nil || p.Grant == nil {
+			p, err := s.decode(key, value, now)
+			if err != nil || p.Grant == nil {
 				pruned = true
 				continue
 			}
 			data[key] = value
+			clusterOf[key] = p.Grant.GetCluster().GetNamespace() + "/" + p.Grant.GetCluster().GetName()
 		}
-		changed, err := change(data, now)
+		changed, err := change(data, clusterOf, now)
 		if err != nil {
 			return err
 		}
@@ -326,12 +421,6 @@ func (s *PendingStore) modify(ctx context.Context, change func(data map[string]s
 		}
 		switch {
 		case err == nil:
-			s.mu.Lock()
-			s.present = make(map[string]bool, len(data))
-			for key := range data {
-				s.present[key] = true
-			}
-			s.mu.Unlock()
 			return nil
 		case apierrors.IsConflict(err) || apierrors.IsAlreadyExists(err):
 			last = err
@@ -383,32 +472,83 @@ func pendingKey(id string) string {
 	return "r." + hex.EncodeToString(sum[:16])
 }
 
-// encode returns the key and value of p, whose expiry it bounds by
-// MaxLifetime from now, and false for a revoke without a credential id or
-// of a token that has expired.
-func (s *PendingStore) encode(p PendingRevoke, now time.Time) (string, string, bool) {
+// encode returns the key, value and ClusterProfile (namespace/name) of p,
+// whose expiry it bounds by MaxLifetime from now, and whose reason it
+// cleans, and an empty key for a revoke without a credential id or of a
+// token that has expired. It fails, with errdefs.ErrInvalidArgument, for a
+// revoke whose record decode would not read back.
+func (s *PendingStore) encode(p PendingRevoke, now time.Time) (string, string, string, error) {
 	g := p.Grant
 	id := g.GetCredentialId()
 	exp := g.GetExpirationTime().AsTime()
 	if id == "" || !exp.After(now) {
-		return "", "", false
+		return "", "", "", nil
 	}
-	exp = minTime(exp, now.Add(s.cfg.MaxLifetime))
-	reason := p.Reason
-	if len(reason) > maxReasonLength {
-		reason = reason[:maxReasonLength]
-	}
-	raw, err := json.Marshal(pendingRecord{
+	rec := pendingRecord{
 		CredentialID: id,
 		Cluster:      g.GetCluster().GetNamespace() + "/" + g.GetCluster().GetName(),
 		ClusterUID:   g.GetClusterUid(),
-		Expires:      exp.UTC(),
-		Reason:       reason,
-	})
-	if err != nil {
-		return "", "", false
+		Expires:      minTime(exp, now.Add(s.cfg.MaxLifetime)).UTC(),
+		Reason:       cleanReason(p.Reason),
 	}
-	return pendingKey(id), string(raw), true
+	key := pendingKey(id)
+	var buf strings.Builder
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	err := enc.Encode(rec)
+	value := strings.TrimSuffix(buf.String(), "\n")
+	if err == nil {
+		err = checkRecord(key, value, rec)
+	}
+	if err != nil {
+		return "", "", "", fmt.Errorf("the revoke of %s on ClusterProfile %s cannot be recorded: %w: %w", clip(id), clip(rec.Cluster), err, errdefs.ErrInvalidArgument)
+	}
+	return key, value, rec.Cluster, nil
+}
+
+// cleanReason drops what decode refuses from reason: bytes that are not
+// UTF-8 and control characters, and clips it to maxReasonLength bytes on a
+// rune boundary.
+func cleanReason(reason string) string {
+	reason = strings.ToValidUTF8(reason, "")
+	reason = strings.Map(func(r rune) rune {
+		if isControl(r) {
+			return -1
+		}
+		return r
+	}, reason)
+	if len(reason) <= maxReasonLength {
+		return reason
+	}
+	// reason is valid UTF-8, so reason[0] starts a rune and the loop ends.
+	cut := maxReasonLength
+	for !utf8.RuneStart(reason[cut]) {
+		cut--
+	}
+	return reason[:cut]
+}
+
+// checkRecord is the check of a record that encode makes before it writes
+// one and decode makes when it reads one: what encode writes, decode reads
+// back.
+func checkRecord(key, value string, rec pendingRecord) error {
+	ns, name, _ := strings.Cut(rec.Cluster, "/")
+	jti, ok := strings.CutPrefix(rec.CredentialID, "JTI=")
+	switch {
+	case len(value) > maxPendingRecord:
+		return errors.New("record too long")
+	case key != pendingKey(rec.CredentialID):
+		return errors.New("key does not match the credential id")
+	case !ok || jti == "" || len(jti) > maxJTILength || strings.ContainsFunc(jti, notVisibleASCII):
+		return errors.New("not a credential id")
+	case len(validation.IsDNS1123Label(ns)) > 0 || len(validation.IsDNS1123Subdomain(name)) > 0:
+		return errors.New("not a ClusterProfile")
+	case len(rec.ClusterUID) > 128:
+		return errors.New("ClusterProfile UID too long")
+	case len(rec.Reason) > maxReasonLength || !utf8.ValidString(rec.Reason) || strings.ContainsFunc(rec.Reason, isControl):
+		return errors.New("reason too long or not text")
+	}
+	return nil
 }
 
 // decode reads one record. It returns an error for a record that is not
@@ -422,21 +562,13 @@ func (s *PendingStore) decode(key, value string, now time.Time) (PendingRevoke, 
 	if err := json.Unmarshal([]byte(value), &rec); err != nil {
 		return PendingRevoke{}, err
 	}
-	ns, name, _ := strings.Cut(rec.Cluster, "/")
-	jti, ok := strings.CutPrefix(rec.CredentialID, "JTI=")
-	switch {
-	case key != pendingKey(rec.CredentialID):
-		return PendingRevoke{}, errors.New("key does not match the credential id")
-	case !ok || jti == "" || len(jti) > maxJTILength || strings.ContainsFunc(jti, notVisibleASCII):
-		return PendingRevoke{}, errors.New("not a credential id")
-	case len(validation.IsDNS1123Label(ns)) > 0 || len(validation.IsDNS1123Subdomain(name)) > 0:
-		return PendingRevoke{}, errors.New("not a ClusterProfile")
-	case len(rec.ClusterUID) > 128 || len(rec.Reason) > maxReasonLength || strings.ContainsFunc(rec.Reason, isControl):
-		return PendingRevoke{}, errors.New("field too long")
+	if err := checkRecord(key, value, rec); err != nil {
+		return PendingRevoke{}, err
 	}
 	if !rec.Expires.After(now) {
 		return PendingRevoke{}, nil
 	}
+	ns, name, _ := strings.Cut(rec.Cluster, "/")
 	exp := minTime(rec.Expires, now.Add(s.cfg.MaxLifetime))
 	return PendingRevoke{
 		Grant: &pb.Grant{

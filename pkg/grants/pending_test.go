@@ -8,6 +8,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -443,4 +444,146 @@ func TestRecordOfAGrantReportedGoneIsStillSent(t *testing.T) {
 	require.Eventually(t, func() bool { return rev.count("JTI=b") == 1 }, 10*time.Second, 10*time.Millisecond,
 		"the recorded revoke is sent")
 	assert.Empty(t, rec.forgotten())
+}
+
+// A reason of multi-byte runes past the limit, with control characters,
+// is recorded clipped on a rune boundary and read back as written, and
+// the record survives the next write: what Record acknowledged as
+// recorded is not dropped as unreadable.
+func TestPendingStoreLongReasonSurvives(t *testing.T) {
+	tests := []struct {
+		name   string
+		reason string
+	}{
+		{name: "three-byte runes split at the limit", reason: strings.Repeat("€", 100)},
+		{name: "four-byte runes split at the limit", reason: "a" + strings.Repeat("🔑", 75)},
+		{name: "control characters", reason: "leaked\x07\n\tkey\x7f " + strings.Repeat("é", 150)},
+		{name: "not UTF-8", reason: "bad \xff\xfe bytes " + strings.Repeat("<&>\"", 80)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cms := &fakeConfigMaps{}
+			s, inf, _ := newTestStore(t, cms, 0)
+			var seen []PendingRevoke
+			s.OnChange(func(p []PendingRevoke) { seen = p })
+			require.NoError(t, s.Record(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=a", "one", time.Hour), Reason: tt.reason}}))
+			require.NoError(t, s.Record(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=b", "one", time.Hour)}}))
+			assert.ElementsMatch(t, []string{pendingKey("JTI=a"), pendingKey("JTI=b")}, keys(cms.data()), "the first record survives the next write")
+
+			inf.handler.OnAdd(cms.cms[DefaultPendingConfigMap].DeepCopy(), false)
+			require.Len(t, seen, 2)
+			for _, p := range seen {
+				if p.Grant.GetCredentialId() != "JTI=a" {
+					continue
+				}
+				assert.LessOrEqual(t, len(p.Reason), maxReasonLength)
+				assert.True(t, utf8.ValidString(p.Reason))
+				assert.False(t, strings.ContainsFunc(p.Reason, isControl))
+				assert.NotEmpty(t, p.Reason)
+				assert.True(t, strings.HasPrefix(tt.reason, p.Reason[:3]) || strings.Contains(p.Reason, "bytes"), "the reason is kept")
+			}
+		})
+	}
+}
+
+// A confirmed revoke is dropped from the record even when this replica's
+// informer last delivered a view older than its own write, which lacks
+// the record.
+func TestPendingStoreForgetWhileInformerLags(t *testing.T) {
+	cms := &fakeConfigMaps{}
+	s, inf, _ := newTestStore(t, cms, 0)
+	require.NoError(t, s.Record(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=a", "one", time.Hour)}}))
+	// The informer's event of the ConfigMap before the write arrives late.
+	inf.handler.OnAdd(&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: DefaultPendingConfigMap, Namespace: "credbroker-system", ResourceVersion: "0"}}, false)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	s.Forget([]string{"JTI=a"})
+	require.Eventually(t, func() bool { return len(cms.data()) == 0 }, 10*time.Second, 10*time.Millisecond,
+		"the confirmed revoke stays in the record")
+}
+
+// One ClusterProfile's revokes take at most its share of the record (an
+// eighth by default), so a rogue agent that never answers and the hub
+// ServiceAccount that revokes the grants it reported cannot fill the
+// record for every other cluster: the revoke past the share is refused
+// with ResourceExhausted naming the cluster, and other clusters' revokes
+// are still recorded, also in the same call.
+func TestPendingStoreClusterShare(t *testing.T) {
+	cms := &fakeConfigMaps{}
+	s, _, _ := newTestStore(t, cms, 0)
+	reason := strings.Repeat("r", maxReasonLength)
+	var err error
+	n := 0
+	for ; n < 10000 && err == nil; n++ {
+		err = s.Record(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=rogue-"+strconv.Itoa(n), "rogue", time.Hour), Reason: reason}})
+	}
+	t.Logf("the rogue's cluster was refused at its record %d, with %d bytes recorded", n, dataSize(cms.data()))
+	require.ErrorIs(t, err, errdefs.ErrResourceExhausted)
+	assert.ErrorContains(t, err, "ClusterProfile fleet/rogue")
+	assert.LessOrEqual(t, dataSize(cms.data()), DefaultPendingMaxBytes/DefaultPendingClusterShare, "the rogue's cluster takes at most its share")
+
+	require.NoError(t, s.Record(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=other-1", "other", time.Hour), Reason: reason}}),
+		"another cluster's revoke is recorded")
+	err = s.Record(t.Context(), []PendingRevoke{
+		{Grant: pendingGrant("JTI=rogue-more", "rogue", time.Hour), Reason: reason},
+		{Grant: pendingGrant("JTI=other-2", "other", time.Hour), Reason: reason},
+	})
+	require.ErrorIs(t, err, errdefs.ErrResourceExhausted)
+	assert.ErrorContains(t, err, "1 revokes of ClusterProfile fleet/rogue")
+	assert.ErrorContains(t, err, "1 revokes of other ClusterProfiles were recorded")
+	assert.Contains(t, cms.data(), pendingKey("JTI=other-2"), "the other cluster's revoke in the same call")
+	assert.NotContains(t, cms.data(), pendingKey("JTI=rogue-more"))
+}
+
+// A ConfigMap written by hand past the record's limit hands the replicas
+// no more revokes than a full record holds.
+func TestPendingStoreHandsOnAtMostMaxBytes(t *testing.T) {
+	cms := &fakeConfigMaps{}
+	const maxBytes = 4 << 10
+	s, inf, _ := newTestStore(t, cms, maxBytes)
+	var seen []PendingRevoke
+	s.OnChange(func(p []PendingRevoke) { seen = p })
+	data := map[string]string{}
+	for i := range 1000 {
+		key, value, _, err := s.encode(PendingRevoke{Grant: pendingGrant("JTI=x-"+strconv.Itoa(i), "one", time.Hour)}, pendingStart)
+		require.NoError(t, err)
+		data[key] = value
+	}
+	require.Greater(t, dataSize(data), 10*maxBytes)
+	inf.handler.OnAdd(&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: DefaultPendingConfigMap}, Data: data}, false)
+	require.NotEmpty(t, seen)
+	size := 0
+	for _, p := range seen {
+		size += len(pendingKey(p.Grant.GetCredentialId())) + len(data[pendingKey(p.Grant.GetCredentialId())])
+	}
+	assert.LessOrEqual(t, size, maxBytes)
+}
+
+// A revoke whose record would not be read back is refused with
+// InvalidArgument, instead of being answered as recorded and dropped at the
+// next read.
+func TestPendingStoreRefusesWhatItCannotReadBack(t *testing.T) {
+	tests := []struct {
+		name  string
+		grant func(g *pb.Grant)
+	}{
+		{name: "ClusterProfile UID too long", grant: func(g *pb.Grant) { g.ClusterUid = strings.Repeat("u", 200) }},
+		{name: "not a credential id", grant: func(g *pb.Grant) { g.CredentialId = "token" }},
+		{name: "not a ClusterProfile name", grant: func(g *pb.Grant) { g.Cluster.Name = "Not_DNS" }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cms := &fakeConfigMaps{}
+			s, _, _ := newTestStore(t, cms, 0)
+			g := pendingGrant("JTI=a", "one", time.Hour)
+			tt.grant(g)
+			err := s.Record(t.Context(), []PendingRevoke{{Grant: g}})
+			require.ErrorIs(t, err, errdefs.ErrInvalidArgument)
+			assert.ErrorContains(t, err, "cannot be recorded")
+			assert.Empty(t, cms.data())
+		})
+	}
 }
