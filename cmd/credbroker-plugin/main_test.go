@@ -163,7 +163,9 @@ func TestBinary(t *testing.T) {
 		wantCode int
 		// wantCluster is the ClusterProfile the broker must see, "" for none.
 		wantCluster string
-		wantStderr  string
+		// wantAudiences, when set, are the audiences the broker must see.
+		wantAudiences []string
+		wantStderr    string
 	}{
 		{name: "cluster from exec info", args: base, execInfo: execInfo(prod), wantCluster: "fleet/prod-eu-1"},
 		{name: "cluster from flag", args: withBase("--cluster", "fleet/staging"), execInfo: execInfo(prod), wantCluster: "fleet/staging"},
@@ -210,7 +212,13 @@ func TestBinary(t *testing.T) {
 			name: "service account given twice", args: withBase("--service-account", "apps/a", "--service-account=apps/b"), execInfo: execInfo(prod),
 			wantCode: 2, wantStderr: `"--service-account"`,
 		},
-		{name: "audience given twice", args: withBase("--audience", "a", "--audience", "sts.amazonaws.com"), execInfo: execInfo(prod), wantCode: 2, wantStderr: `"--audience"`},
+		{
+			// Older credbroker kubeconfig wrote one --audience per audience.
+			// An appended audience cannot redirect the token, and the
+			// spoke's opt-in must allow it.
+			name: "audience given twice adds one", args: withBase("--audience", "a", "--audience", "sts.amazonaws.com", "--audience", "a"),
+			execInfo: execInfo(prod), wantCluster: "fleet/prod-eu-1", wantAudiences: []string{"a", "sts.amazonaws.com"},
+		},
 		{name: "expiration given twice", args: withBase("--expiration-seconds", "600", "--expiration-seconds", "86400"), execInfo: execInfo(prod), wantCode: 2, wantStderr: `"--expiration-seconds"`},
 		{name: "timeout given twice", args: withBase("--timeout", "1s"), execInfo: execInfo(prod), wantCode: 2, wantStderr: `"--timeout"`},
 		{
@@ -252,6 +260,9 @@ func TestBinary(t *testing.T) {
 				assert.Empty(t, got, "the broker must not be called")
 			} else if assert.Len(t, got, 1) {
 				assert.Equal(t, tt.wantCluster, got[0].GetCluster().GetNamespace()+"/"+got[0].GetCluster().GetName())
+				if tt.wantAudiences != nil {
+					assert.Equal(t, tt.wantAudiences, got[0].GetAudiences())
+				}
 			}
 
 			if tt.wantCode != 0 {

@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -43,12 +44,24 @@ func newFlagSet(o *options) (*pflag.FlagSet, *cmdflags.Common) {
 	fs.StringVar(&o.tokenFile, "token-file", defaultTokenFile, "file holding the projected hub ServiceAccount token, audience \"credbroker\"; read on every call")
 	fs.StringVar(&o.cluster, "cluster", "", "ClusterProfile `<namespace>/<name>` to get a token for; overrides ExecCredential spec.cluster.config")
 	fs.StringVar(&o.serviceAccount, "service-account", "", "spoke ServiceAccount `<namespace>/<name>` to get a token for; default: the single one that allows the caller")
-	fs.Var(&o.audiences, "audience", "`audience` of the spoke token; several comma-separated; default: the spoke API server's")
+	fs.Var(&o.audiences, audienceFlag, "`audience` of the spoke token; repeatable or comma-separated; default: the spoke API server's")
 	fs.Int64Var(&o.expirationSeconds, "expiration-seconds", 0, "requested token lifetime in seconds; 0 means the broker's maximum")
 	fs.DurationVar(&o.timeout, "timeout", plugin.DefaultTimeout, "bound on one token request, connection included")
-	fs.VisitAll(func(f *pflag.Flag) { f.Value = &onceValue{Value: f.Value} })
+	fs.VisitAll(func(f *pflag.Flag) {
+		if f.Name != audienceFlag {
+			f.Value = &onceValue{Value: f.Value}
+		}
+	})
 	return fs, common
 }
+
+// audienceFlag is the one flag that takes several values: its repeats
+// add audiences, as they did before every other flag took one value, so
+// that a kubeconfig with one --audience per audience keeps working. An
+// audience appended by a ClusterProfile's additional-args cannot redirect
+// the token (the server and CA are pinned by the broker's answer), and the
+// spoke's opt-in must allow each audience, or the exchange is refused.
+const audienceFlag = "audience"
 
 // onceValue is a flag that takes one value. cluster-inventory-api's
 // pkg/access, with a provider's profileSourcedCLIArgsPolicy: Append, appends
@@ -153,7 +166,9 @@ func loadCAFile(name string) (*x509.CertPool, error) {
 	return pool, nil
 }
 
-// listFlag is a flag of comma-separated values.
+// listFlag is a repeatable flag whose values may also be comma-separated.
+// A value given again is taken once, since pkg/access appends the same
+// additional-args again on every BuildConfigFromCP of one process.
 type listFlag []string
 
 func (l *listFlag) String() string { return strings.Join(*l, ",") }
@@ -166,7 +181,9 @@ func (l *listFlag) Set(s string) error {
 		if v == "" {
 			return fmt.Errorf("empty value in %q", s)
 		}
-		*l = append(*l, v)
+		if !slices.Contains(*l, v) {
+			*l = append(*l, v)
+		}
 	}
 	return nil
 }

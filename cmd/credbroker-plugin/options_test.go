@@ -83,7 +83,24 @@ func TestParseArgs(t *testing.T) {
 				`and a ClusterProfile's additional-args may not override it`,
 		},
 		{name: "an empty value after another", args: with("--cluster", "fleet/a", "--cluster="), wantErr: `for "--cluster" flag: given before as "fleet/a"`},
-		{name: "a list given twice", args: with("--audience", "a", "--audience", "a,b"), wantErr: `for "--audience" flag: given before as "a"`},
+		{
+			// Older credbroker kubeconfig wrote one --audience per audience:
+			// those kubeconfigs keep working. An extra audience cannot
+			// redirect the token, and the spoke's opt-in gates each one.
+			name: "an audience flag per audience, as older kubeconfigs have",
+			args: with("--audience", "a", "--audience", "b", "--audience", "c,d"),
+			check: func(t *testing.T, cfg plugin.Config) {
+				assert.Equal(t, []string{"a", "b", "c", "d"}, cfg.Audiences)
+			},
+		},
+		{
+			name: "audiences given again are taken once",
+			args: with("--audience", "a", "--audience", "a,b", "--audience", "b"),
+			check: func(t *testing.T, cfg plugin.Config) {
+				assert.Equal(t, []string{"a", "b"}, cfg.Audiences)
+			},
+		},
+		{name: "an empty audience after another", args: with("--audience", "a", "--audience="), wantErr: "empty value"},
 		{
 			name: "the same flags again",
 			args: append(with("--cluster", "fleet/a", "--audience", "a,b"), with("--cluster=fleet/a", "--audience", "a,b")...),
@@ -109,6 +126,49 @@ func TestParseArgs(t *testing.T) {
 			require.NoError(t, err, "parseArgs must produce a Config that plugin.New accepts")
 		})
 	}
+}
+
+// Every flag but --audience takes one value: a ClusterProfile's appended
+// additional-args cannot override it. The same value again is taken.
+func TestEveryFlagButAudienceTakesOneValue(t *testing.T) {
+	dir := t.TempDir()
+	ca, err := testpki.NewCA("plugin.test")
+	require.NoError(t, err)
+	caFile, err := ca.WriteBundle(dir)
+	require.NoError(t, err)
+	other, err := testpki.NewCA("other.test")
+	require.NoError(t, err)
+	otherDir := filepath.Join(dir, "other")
+	require.NoError(t, os.Mkdir(otherDir, 0o700))
+	otherCAFile, err := other.WriteBundle(otherDir)
+	require.NoError(t, err)
+	values := map[string][2]string{
+		"broker-address":     {"broker.example:8443", "evil.example:443"},
+		"ca-file":            {caFile, otherCAFile},
+		"token-file":         {"/tok", "/evil"},
+		"cluster":            {"fleet/a", "fleet/b"},
+		"service-account":    {"apps/a", "apps/b"},
+		"expiration-seconds": {"600", "3600"},
+		"timeout":            {"5s", "6s"},
+	}
+	var o options
+	fs, _ := newFlagSet(&o)
+	fs.VisitAll(func(f *pflag.Flag) {
+		if f.Name == audienceFlag || f.Value.Type() == "bool" {
+			return
+		}
+		v, ok := values[f.Name]
+		if !assert.True(t, ok, "no values to test --%s with", f.Name) {
+			return
+		}
+		base := []string{"--broker-address", values["broker-address"][0], "--ca-file", caFile}
+		t.Run(f.Name, func(t *testing.T) {
+			_, err := parseArgs(append(base, "--"+f.Name, v[0], "--"+f.Name, v[1]))
+			require.ErrorContains(t, err, `for "--`+f.Name+`" flag: given before as`)
+			_, err = parseArgs(append(base, "--"+f.Name, v[0], "--"+f.Name, v[0]))
+			require.NoError(t, err, "the same value again is taken")
+		})
+	})
 }
 
 func TestNewProviderRejectsBadAddress(t *testing.T) {
