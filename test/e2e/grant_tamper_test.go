@@ -253,3 +253,114 @@ func TestGrantChangedByAnotherIsRevoked(t *testing.T) {
 		}
 	}
 }
+
+// The attack: a namespace owner deletes a grant in the foreground and holds
+// the delete open with a dependent ConfigMap of its own that has a
+// finalizer. The grant then has a deletionTimestamp, and admission used to
+// allow any update of it, so that the garbage collector can remove its
+// finalizers; the owner rewrote its credential id and hub user to another
+// live grant's, and the agent told the brokers. With
+// deploy/spoke/admission.yaml an identity other than the agent may only
+// remove finalizers from a grant being deleted: every other change is
+// refused, and the brokers keep what the agent wrote.
+func TestDeletingGrantCannotBeRewritten(t *testing.T) {
+	ctx := context.Background()
+	cluster := env.Spokes[0]
+	c := newConsumer(t, "credbroker", cluster.Name)
+	// Two audiences: two grants, where one exchange would be answered from
+	// the broker's cache.
+	ns := optInAudiences(t, cluster, "held", []string{"victim", "held"}, c.username())
+	applySpokeAdmission(t, cluster, ns)
+
+	victim, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster), Audiences: []string{"victim"}})
+	require.NoError(t, err)
+	held, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster), Audiences: []string{"held"}})
+	require.NoError(t, err)
+	require.NotEqual(t, victim.GetCredentialId(), held.GetCredentialId())
+	knownToEveryReplica(t, victim.GetCredentialId())
+	knownToEveryReplica(t, held.GetCredentialId())
+	name := boundSecret(t, held.GetToken())
+	secrets := cluster.Client.CoreV1().Secrets(ns)
+	grant, err := secrets.Get(ctx, name, metav1.GetOptions{})
+	require.NoError(t, err)
+
+	// The hold: a dependent that blocks the foreground delete, with a
+	// finalizer of its own.
+	configMaps := cluster.Client.CoreV1().ConfigMaps(ns)
+	yes := true
+	_, err = configMaps.Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{
+		Name:       "hold",
+		Finalizers: []string{"example.com/hold"},
+		OwnerReferences: []metav1.OwnerReference{{
+			APIVersion: "v1", Kind: "Secret", Name: name, UID: grant.UID, BlockOwnerDeletion: &yes,
+		}},
+	}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = configMaps.Patch(context.Background(), "hold", types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`), metav1.PatchOptions{})
+	})
+	foreground := metav1.DeletePropagationForeground
+	require.NoError(t, secrets.Delete(ctx, name, metav1.DeleteOptions{PropagationPolicy: &foreground}))
+	grant, err = secrets.Get(ctx, name, metav1.GetOptions{})
+	require.NoError(t, err)
+	require.NotNil(t, grant.DeletionTimestamp)
+	require.Contains(t, grant.Finalizers, metav1.FinalizerDeleteDependents)
+
+	patches := map[string]string{
+		"rewrite the credential id and hub user": `{"metadata":{"annotations":{"` + spoke.GrantCredentialIDAnnotation + `":"` + victim.GetCredentialId() +
+			`","` + spoke.GrantHubUserAnnotation + `":"system:serviceaccount:hub:someone-else"}}}`,
+		"rewrite the ClusterProfile": `{"metadata":{"annotations":{"` + spoke.GrantClusterProfileAnnotation + `":"fleet/other"}}}`,
+		"add an annotation":          `{"metadata":{"annotations":{"example.com/x":"y"}}}`,
+		"strip the jti label":        `{"metadata":{"labels":{"` + spoke.GrantJTILabel + `":null}}}`,
+		"add a label":                `{"metadata":{"labels":{"example.com/x":"y"}}}`,
+		"strip every annotation":     `{"metadata":{"annotations":null}}`,
+		"add data":                   `{"data":{"k":"dg=="}}`,
+		"add an owner": `{"metadata":{"ownerReferences":[{"apiVersion":"v1","kind":"ConfigMap","name":"hold","uid":"` +
+			string(grant.UID) + `"}]}}`,
+	}
+	for what, patch := range patches {
+		t.Run(what, func(t *testing.T) {
+			_, err := secrets.Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+			require.Error(t, err, "someone other than the agent changed a grant being deleted")
+			assert.True(t, apierrors.IsForbidden(err), "%v", err)
+			assert.Contains(t, err.Error(), "ValidatingAdmissionPolicy 'credbroker-grant-writers'")
+			assert.Contains(t, err.Error(), "only remove finalizers")
+		})
+	}
+	t.Run("add a finalizer", func(t *testing.T) {
+		// The API server refuses it, or the policy does.
+		_, err := secrets.Patch(ctx, name, types.MergePatchType,
+			[]byte(`{"metadata":{"finalizers":["`+metav1.FinalizerDeleteDependents+`","example.com/hold"]}}`), metav1.PatchOptions{})
+		require.Error(t, err, "someone other than the agent added a finalizer to a grant being deleted")
+		t.Logf("refused: %v", err)
+	})
+	after, err := secrets.Get(ctx, name, metav1.GetOptions{})
+	require.NoError(t, err)
+	assert.Equal(t, grant.Finalizers, after.Finalizers)
+	assert.Equal(t, grant.Annotations, after.Annotations)
+	assert.Equal(t, grant.Labels, after.Labels)
+	for i, b := range deployment.Brokers {
+		got := b.Grants().Select(grants.Selector{CredentialID: victim.GetCredentialId()})
+		require.Len(t, got, 1, "replica %d", i)
+		assert.Equal(t, c.username(), got[0].GetSubject().GetUsername(), "replica %d misattributes grant %s", i, victim.GetCredentialId())
+	}
+
+	// The garbage collector's part stays open: removing the finalizers,
+	// which ends the delete.
+	t.Run("remove the finalizers", func(t *testing.T) {
+		_, err := secrets.Patch(ctx, name, types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`), metav1.PatchOptions{})
+		require.NoError(t, err)
+		require.Eventually(t, func() bool {
+			_, err := secrets.Get(ctx, name, metav1.GetOptions{})
+			return apierrors.IsNotFound(err)
+		}, 10*time.Second, 50*time.Millisecond, "the grant outlived the removal of its finalizers")
+	})
+	for i, b := range deployment.Brokers {
+		require.Eventually(t, func() bool { return b.Grants().Revoked(held.GetCredentialId()) }, 20*time.Second, 50*time.Millisecond,
+			"replica %d does not know grant %s is gone", i, held.GetCredentialId())
+		got := b.Grants().Select(grants.Selector{CredentialID: victim.GetCredentialId()})
+		require.Len(t, got, 1, "replica %d dropped the live grant %s", i, victim.GetCredentialId())
+	}
+	_, err = secrets.Get(ctx, boundSecret(t, victim.GetToken()), metav1.GetOptions{})
+	require.NoError(t, err, "the victim's grant is gone")
+}
