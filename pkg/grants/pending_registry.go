@@ -68,8 +68,9 @@ func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string
 func (r *Registry) Learn(ctx context.Context, revokes []PendingRevoke) {
 	now := r.cfg.Clock.Now()
 	var (
-		fresh []pendingRevoke
-		done  []string
+		fresh   []pendingRevoke
+		done    []string
+		foreign []heldElsewhere
 	)
 	r.mu.Lock()
 	for _, p := range revokes {
@@ -80,6 +81,13 @@ func (r *Registry) Learn(ctx context.Context, revokes []PendingRevoke) {
 		if _, ok := r.pending[id]; ok {
 			continue
 		}
+		if h, ok := r.foreignID(id, ClusterRef(p.Grant).NamespacedName); ok {
+			// A record that names another ClusterProfile's grant (a
+			// hand-edited one): its agents would answer it gone, and
+			// the other's grant must not be taken for revoked.
+			foreign = append(foreign, h)
+			continue
+		}
 		if rec, ok := r.revoked[id]; ok && rec.confirmed {
 			done = append(done, id)
 			continue
@@ -88,10 +96,9 @@ func (r *Registry) Learn(ctx context.Context, revokes []PendingRevoke) {
 		fresh = append(fresh, r.pending[id])
 	}
 	r.mu.Unlock()
+	r.logForeign("recorded pending revokes", foreign)
 	r.forget(done)
-	if len(fresh) > 0 {
-		go r.retry(context.WithoutCancel(ctx), fresh, true)
-	}
+	r.sendAgain(ctx, fresh, true)
 }
 
 // retryUnreported sends again the pending revokes of cluster whose grants
@@ -111,9 +118,7 @@ func (r *Registry) retryUnreported(ctx context.Context, cluster tunnel.ClusterRe
 		}
 	}
 	r.mu.Unlock()
-	if len(list) > 0 {
-		go r.retry(context.WithoutCancel(ctx), list, false)
-	}
+	r.sendAgain(ctx, list, false)
 }
 
 // forget drops ids from the recorded pending revokes, if any.

@@ -364,7 +364,9 @@ func TestRegistryLearnsPendingRevokes(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			rec := &fakeRecorder{}
 			rev := &gatedRevoker{}
-			r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart)})
+			// The hello sends the revoke again after RetryInterval.
+			r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart),
+				RetryInterval: time.Millisecond})
 			require.NoError(t, err)
 			r.Learn(t.Context(), []PendingRevoke{
 				{Grant: pendingGrant("JTI=a", "one", time.Hour), Reason: "leaked"},
@@ -409,7 +411,9 @@ func TestRemovalReportDoesNotConfirmAPendingRevoke(t *testing.T) {
 	cluster := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
 	rec := &fakeRecorder{}
 	rev := &gatedRevoker{}
-	r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart)})
+	// The removals send the revoke again after RetryInterval.
+	r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart),
+		RetryInterval: time.Millisecond})
 	require.NoError(t, err)
 	r.Learn(t.Context(), []PendingRevoke{{Grant: pendingGrant("JTI=a", "one", time.Hour), Reason: "leaked"}})
 	require.Eventually(t, func() bool { return rev.count("JTI=a") == 1 }, 10*time.Second, 10*time.Millisecond)

@@ -100,6 +100,15 @@ type RegistryConfig struct {
 	// mints lives longer. The broker passes its MaxExpiration. Default
 	// DefaultMaxGrantLifetime.
 	MaxGrantLifetime time.Duration
+	// RetryInterval is the least time between two sends of one grant's
+	// revoke that agents' reports and hellos set off: a stream that
+	// reports revoked or pending grants again and again, or reconnects in a
+	// loop, makes the broker send each revoke once per RetryInterval at
+	// most, and the revokes of one ClusterProfile are sent one request at
+	// a time. A send that the interval holds back goes once it has passed,
+	// timed by Clock when Clock is a clock.Clock. Default
+	// DefaultRetryInterval.
+	RetryInterval time.Duration
 	// Log receives revocations that failed and refused reports. Default:
 	// discard.
 	Log logr.Logger
@@ -119,6 +128,9 @@ const (
 	DefaultMaxGrantBytesPerCluster = 32 << 20
 	// DefaultMaxGrantLifetime is the broker's default maximum expiration.
 	DefaultMaxGrantLifetime = time.Hour
+	// DefaultRetryInterval is the tunnel's default mint timeout: the
+	// longest a revoke waits for one agent stream's answer.
+	DefaultRetryInterval = 10 * time.Second
 )
 
 // MaxCredentialIDBytes bounds a reported grant's credential id: "JTI="
@@ -190,6 +202,20 @@ type Registry struct {
 	// pending holds the revokes that have not reached an agent, by
 	// credential id.
 	pending map[string]pendingRevoke
+	// retries holds, by ClusterProfile, the revokes that reports, hellos
+	// and Learn asked to send again; a ClusterProfile has an entry while
+	// its one sender (sendRetries) runs.
+	retries map[types.NamespacedName]*retryQueue
+	// sent is when sendRetries last sent the revoke of a credential id,
+	// for RetryInterval.
+	sent map[string]time.Time
+}
+
+// retryQueue is the revokes of one ClusterProfile to send again, by
+// credential id; quiet says that all were asked for quietly.
+type retryQueue struct {
+	revokes map[string]pendingRevoke
+	quiet   bool
 }
 
 // NewRegistry returns an empty Registry.
@@ -212,6 +238,9 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 	if cfg.MaxGrantLifetime <= 0 {
 		cfg.MaxGrantLifetime = DefaultMaxGrantLifetime
 	}
+	if cfg.RetryInterval <= 0 {
+		cfg.RetryInterval = DefaultRetryInterval
+	}
 	return &Registry{
 		cfg:       cfg,
 		live:      map[string]*record{},
@@ -220,6 +249,8 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 		use:       map[types.NamespacedName]*usage{},
 		revoked:   map[string]*record{},
 		pending:   map[string]pendingRevoke{},
+		retries:   map[types.NamespacedName]*retryQueue{},
+		sent:      map[string]time.Time{},
 	}, nil
 }
 
@@ -401,9 +432,7 @@ func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame 
 			"cluster", cluster.String(), "holder", taken[0].holder.String(), "credentialID", taken[0].id,
 			"state", taken[0].state, "frame", frame, "ignored", len(taken))
 	}
-	if len(retry) > 0 {
-		go r.retry(context.WithoutCancel(ctx), retry, false)
-	}
+	r.sendAgain(ctx, retry, false)
 	if len(stale) > 0 {
 		go r.revokeStale(context.WithoutCancel(ctx), cluster, stale)
 	}
@@ -439,6 +468,32 @@ func (r *Registry) heldElsewhere(id string, cluster types.NamespacedName) (heldE
 		return heldElsewhere{id: id, holder: rec.cluster, state: "revoked"}, true
 	}
 	return heldElsewhere{}, false
+}
+
+// foreignID reports whether id is a live or revoked grant of a
+// ClusterProfile other than cluster: a revoke of id for cluster, such as a
+// pending-revokes record that names another ClusterProfile's credential
+// id, must neither drop it nor mark it revoked, since cluster's agents,
+// which do not hold it, answer it gone. r.mu is held.
+func (r *Registry) foreignID(id string, cluster types.NamespacedName) (heldElsewhere, bool) {
+	if rec, ok := r.live[id]; ok && rec.cluster != cluster {
+		return heldElsewhere{id: id, holder: rec.cluster, state: "live"}, true
+	}
+	if rec, ok := r.revoked[id]; ok && rec.cluster != cluster {
+		return heldElsewhere{id: id, holder: rec.cluster, state: "revoked"}, true
+	}
+	return heldElsewhere{}, false
+}
+
+// logForeign logs, in one line, the revokes of ids that foreignID found
+// held by another ClusterProfile, in what (for logs).
+func (r *Registry) logForeign(what string, foreign []heldElsewhere) {
+	if len(foreign) == 0 {
+		return
+	}
+	r.cfg.Log.Info("revoke of another ClusterProfile's credential id ignored",
+		"in", what, "credentialID", foreign[0].id, "holder", foreign[0].holder.String(), "state", foreign[0].state,
+		"ignored", len(foreign))
 }
 
 // refuse logs a report of an agent of cluster, in frame, that breaks bound
@@ -477,6 +532,101 @@ func (r *Registry) retry(ctx context.Context, list []pendingRevoke, quiet bool) 
 	for reason, gs := range byReason {
 		r.deliver(ctx, gs, reason, quiet)
 	}
+}
+
+// sendAgain queues list, by ClusterProfile, for sendRetries to send again,
+// and starts the sender of each ClusterProfile that has none running. What
+// is queued while a send is in flight goes once after it, however often it
+// was asked for: a stream that reports the same revoked ids in a loop sets
+// off no more than one request at a time per ClusterProfile, and each id
+// at most once per RetryInterval. quiet leaves out the log line of a
+// revoke that found no agent connected.
+func (r *Registry) sendAgain(ctx context.Context, list []pendingRevoke, quiet bool) {
+	if len(list) == 0 {
+		return
+	}
+	var start []types.NamespacedName
+	r.mu.Lock()
+	for _, p := range list {
+		c := ClusterRef(p.grant).NamespacedName
+		q := r.retries[c]
+		if q == nil {
+			q = &retryQueue{revokes: map[string]pendingRevoke{}, quiet: true}
+			r.retries[c] = q
+			start = append(start, c)
+		}
+		q.revokes[p.grant.GetCredentialId()] = p
+		q.quiet = q.quiet && quiet
+	}
+	r.mu.Unlock()
+	for _, c := range start {
+		go r.sendRetries(context.WithoutCancel(ctx), c)
+	}
+}
+
+// sendRetries sends the queued revokes of cluster, those whose id was sent
+// within RetryInterval once it has passed, until none is queued, and then
+// removes the queue, under the lock that sendAgain takes, so that no
+// queued revoke is left without a sender.
+func (r *Registry) sendRetries(ctx context.Context, cluster types.NamespacedName) {
+	var waited time.Time // now is no earlier than the end of a wait
+	for {
+		r.mu.Lock()
+		q := r.retries[cluster]
+		if q == nil {
+			r.mu.Unlock()
+			return
+		}
+		now := r.cfg.Clock.Now()
+		if now.Before(waited) {
+			now = waited
+		}
+		var (
+			due  []pendingRevoke
+			wait time.Duration
+		)
+		for id, p := range q.revokes {
+			if !p.grant.GetExpirationTime().AsTime().After(now) {
+				delete(q.revokes, id)
+				continue
+			}
+			if at, ok := r.sent[id]; ok && now.Sub(at) < r.cfg.RetryInterval && !now.Before(at) {
+				if left := r.cfg.RetryInterval - now.Sub(at); wait == 0 || left < wait {
+					wait = left
+				}
+				continue
+			}
+			delete(q.revokes, id)
+			r.sent[id] = now
+			due = append(due, p)
+		}
+		quiet := q.quiet
+		if len(due) > 0 {
+			q.quiet = true
+		}
+		if len(due) == 0 && len(q.revokes) == 0 {
+			delete(r.retries, cluster)
+			r.mu.Unlock()
+			return
+		}
+		r.mu.Unlock()
+		if len(due) == 0 {
+			r.after(wait)
+			waited = now.Add(wait)
+			continue
+		}
+		slices.SortFunc(due, func(a, b pendingRevoke) int { return cmp.Compare(a.grant.GetCredentialId(), b.grant.GetCredentialId()) })
+		r.retry(ctx, due, quiet)
+	}
+}
+
+// after waits d, on Clock when it is a clock.Clock.
+func (r *Registry) after(d time.Duration) {
+	if c, ok := r.cfg.Clock.(clock.Clock); ok {
+		<-c.After(d)
+		return
+	}
+	<-time.After(d)
 }
 
 // put adds rec, a live grant whose id is not live, to the live grants.
@@ -586,6 +736,11 @@ func (r *Registry) expire(now time.Time) {
 			delete(r.pending, id)
 		}
 	}
+	for id, at := range r.sent {
+		if now.Sub(at) >= r.cfg.RetryInterval || now.Before(at) {
+			delete(r.sent, id)
+		}
+	}
 }
 
 // expiryQueue is a heap of records, the earliest expiry first.
@@ -687,17 +842,25 @@ func (r *Registry) Revoked(credentialID string) bool {
 // of a revoke that found no agent connected.
 func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason string, quiet bool) (revoked, pending []*pb.Grant) {
 	byCluster := map[tunnel.ClusterRef][]*pb.Grant{}
-	var clusters []tunnel.ClusterRef
+	var (
+		clusters []tunnel.ClusterRef
+		foreign  []heldElsewhere
+	)
 	r.mu.Lock()
 	for _, g := range grants {
-		r.pending[g.GetCredentialId()] = pendingRevoke{grant: g, reason: reason}
 		c := ClusterRef(g)
+		if h, ok := r.foreignID(g.GetCredentialId(), c.NamespacedName); ok {
+			foreign = append(foreign, h)
+			continue
+		}
+		r.pending[g.GetCredentialId()] = pendingRevoke{grant: g, reason: reason}
 		if _, ok := byCluster[c]; !ok {
 			clusters = append(clusters, c)
 		}
 		byCluster[c] = append(byCluster[c], g)
 	}
 	r.mu.Unlock()
+	r.logForeign("revoke", foreign)
 	for _, cluster := range clusters {
 		gs := byCluster[cluster]
 		ids := make([]string, len(gs))
@@ -713,6 +876,7 @@ func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason strin
 		for _, id := range gone {
 			isGone[id] = true
 		}
+		foreign = foreign[:0]
 		r.mu.Lock()
 		for _, g := range gs {
 			id := g.GetCredentialId()
@@ -721,11 +885,18 @@ func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason strin
 				continue
 			}
 			delete(r.pending, id)
+			if h, ok := r.foreignID(id, cluster.NamespacedName); ok {
+				// Another ClusterProfile's agent reported it meanwhile:
+				// this one's "gone" says nothing of that grant.
+				foreign = append(foreign, h)
+				continue
+			}
 			r.drop(id)
-			r.markRevoked(id, ClusterRef(g).NamespacedName, g.GetExpirationTime().AsTime(), reason, true)
+			r.markRevoked(id, cluster.NamespacedName, g.GetExpirationTime().AsTime(), reason, true)
 			revoked = append(revoked, g)
 		}
 		r.mu.Unlock()
+		r.logForeign("revoke answer", foreign)
 		r.forget(gone)
 	}
 	return revoked, pending
