@@ -364,3 +364,49 @@ func TestDeletingGrantCannotBeRewritten(t *testing.T) {
 	_, err = secrets.Get(ctx, boundSecret(t, victim.GetToken()), metav1.GetOptions{})
 	require.NoError(t, err, "the victim's grant is gone")
 }
+
+// Labels and annotations outside credbroker.io/ are not the agent's: a
+// mutating webhook or policy that stamps every Secret (a team label, a
+// cost annotation) must not make the agent delete every grant. Here a
+// spoke admin stamps one, with no admission policy loaded; the grant and
+// its token live on, and a change to the agent's own keys on another grant
+// is still deleted.
+func TestForeignLabelsKeepTheGrant(t *testing.T) {
+	ctx := context.Background()
+	cluster := env.Spokes[0]
+	c := newConsumer(t, "credbroker", cluster.Name)
+	ns := optInAudiences(t, cluster, "stamped", []string{"stamped", "tampered"}, c.username())
+	stamped, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster), Audiences: []string{"stamped"}})
+	require.NoError(t, err)
+	tampered, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster), Audiences: []string{"tampered"}})
+	require.NoError(t, err)
+	knownToEveryReplica(t, stamped.GetCredentialId())
+	knownToEveryReplica(t, tampered.GetCredentialId())
+	secrets := cluster.Client.CoreV1().Secrets(ns)
+	name := boundSecret(t, stamped.GetToken())
+
+	patch := func(name, patch string) {
+		t.Helper()
+		// An earlier test's admission policies may still be loaded.
+		var err error
+		require.Eventually(t, func() bool {
+			_, err = secrets.Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+			return err == nil
+		}, 10*time.Second, 50*time.Millisecond, "the admin could not change the grant: %v", err)
+	}
+	patch(name, `{"metadata":{"labels":{"team":"x","example.com/cost-center":"42"},"annotations":{"example.com/owner":"x"}}}`)
+	// The agent judges the changes in order: once the second grant, whose
+	// own label was removed, is found changed, the first was judged.
+	patch(boundSecret(t, tampered.GetToken()), `{"metadata":{"labels":{"`+spoke.GrantLabel+`":null}}}`)
+	logLine(t, `"msg"="found a grant that someone other than the agent changed; deleting it"`,
+		`"credentialID"="`+tampered.GetCredentialId()+`"`)
+	for line := range strings.Lines(logs.String()) {
+		assert.False(t, strings.Contains(line, "someone other than the agent changed") &&
+			strings.Contains(line, `"credentialID"="`+stamped.GetCredentialId()+`"`),
+			"the agent took foreign labels for a change: %s", line)
+	}
+	got, err := secrets.Get(ctx, name, metav1.GetOptions{})
+	require.NoError(t, err, "the agent deleted a grant that only gained foreign labels")
+	assert.Equal(t, "x", got.Labels["team"])
+	knownToEveryReplica(t, stamped.GetCredentialId())
+}
