@@ -86,8 +86,9 @@
 // on Secrets selected by type, indexed by ServiceAccount and by credential
 // id), never by listing them every interval. Only the agent writes a grant
 // (deploy/spoke/admission.yaml); a grant that differs from what the agent
-// wrote (a label, an annotation, a finalizer, data) was changed by someone
-// else, and the agent deletes it, which revokes its token, and reports its
+// wrote (one of its credbroker.io/ labels or annotations, a finalizer,
+// data; other labels and annotations are ignored), even one being deleted,
+// was changed by someone else, and the agent deletes it, which revokes its token, and reports its
 // removal only once it is gone. Run collects
 // grants: it deletes each one when its token expires (a timer on
 // Config.Clock), and every CollectInterval, starting at once, it looks
