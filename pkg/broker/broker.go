@@ -155,6 +155,7 @@ func New(cfg Config) (b *Broker, err error) {
 		Pending:                 b.pending,
 		MaxGrantBytesPerCluster: cfg.MaxGrantBytesPerCluster,
 		MaxGrantLifetime:        cfg.MaxExpiration,
+		RetryInterval:           cfg.MintTimeout,
 		Log:                     cfg.Log.WithName("grants"),
 	}); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
