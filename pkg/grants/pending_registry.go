@@ -21,7 +21,7 @@ import (
 // they first appear. From the call on, Revoked reports every one of grants
 // as revoked.
 func (r *Registry) RevokeRecorded(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant, err error) {
-	revoked, pending = r.deliver(ctx, grants, reason, false)
+	revoked, pending = r.deliver(ctx, grants, reason, false, nil)
 	if len(pending) == 0 || r.cfg.Pending == nil {
 		return revoked, pending, nil
 	}
@@ -92,9 +92,10 @@ func (r *Registry) Learn(ctx context.Context, revokes []PendingRevoke) {
 			done = append(done, id)
 			continue
 		}
-		r.pending[id] = pendingRevoke{grant: p.Grant, reason: p.Reason}
+		r.pending[id] = pendingRevoke{grant: p.Grant, reason: p.Reason, learnt: true}
 		fresh = append(fresh, r.pending[id])
 	}
+	r.dropUnrecorded(revokes)
 	r.mu.Unlock()
 	r.logForeign("recorded pending revokes", foreign)
 	r.forget(done)
@@ -125,5 +126,24 @@ func (r *Registry) retryUnreported(ctx context.Context, cluster tunnel.ClusterRe
 func (r *Registry) forget(ids []string) {
 	if len(ids) > 0 && r.cfg.Pending != nil {
 		r.cfg.Pending.Forget(ids)
+	}
+}
+
+// dropUnrecorded drops the learnt pending revokes that revokes, the
+// records as they are now, no longer hold: another replica's agent
+// confirmed them, or they expired or were removed. So rewriting the records
+// again and again holds no more of them in memory than the record holds.
+// A learnt revoke of a grant that this replica holds live is kept until
+// its agent answers, so that no token of it is handed out again. r.mu is
+// held.
+func (r *Registry) dropUnrecorded(revokes []PendingRevoke) {
+	recorded := make(map[string]bool, len(revokes))
+	for _, p := range revokes {
+		recorded[p.Grant.GetCredentialId()] = true
+	}
+	for id, p := range r.pending {
+		if _, live := r.live[id]; p.learnt && !recorded[id] && !live {
+			delete(r.pending, id)
+		}
 	}
 }

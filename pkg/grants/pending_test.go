@@ -591,3 +591,35 @@ func TestPendingStoreRefusesWhatItCannotReadBack(t *testing.T) {
 		})
 	}
 }
+
+// A replica holds no more learnt pending revokes than the record holds
+// now: records that left the ConfigMap (confirmed by another replica,
+// expired, or written by hand and rewritten) are dropped from memory, so
+// rewriting the ConfigMap again and again with fresh records does not
+// grow the brokers. A revoke that this replica could not record is kept.
+func TestLearnKeepsOnlyTheRecordedSet(t *testing.T) {
+	rec := &fakeRecorder{}
+	rev := &gatedRevoker{}
+	r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart)})
+	require.NoError(t, err)
+	rec.fail = errdefs.ErrResourceExhausted
+	_, _, err = r.RevokeRecorded(t.Context(), []*pb.Grant{pendingGrant("JTI=own", "one", time.Hour)}, "not recorded")
+	require.ErrorIs(t, err, errdefs.ErrResourceExhausted)
+
+	const rounds, perRound = 20, 100
+	for round := range rounds {
+		set := make([]PendingRevoke, perRound)
+		for i := range set {
+			set[i] = PendingRevoke{Grant: pendingGrant("JTI=x-"+strconv.Itoa(round)+"-"+strconv.Itoa(i), "one", time.Hour)}
+		}
+		r.Learn(t.Context(), set)
+	}
+	r.mu.Lock()
+	n := len(r.pending)
+	r.mu.Unlock()
+	t.Logf("pending revokes held after %d rewrites of %d records: %d", rounds, perRound, n)
+	assert.Equal(t, perRound+1, n, "the last set, and this replica's own")
+	assert.True(t, r.Revoked("JTI=own"))
+	assert.True(t, r.Revoked("JTI=x-19-0"))
+	assert.False(t, r.Revoked("JTI=x-0-0"), "a record that left the ConfigMap")
+}

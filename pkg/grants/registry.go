@@ -149,6 +149,9 @@ const (
 type pendingRevoke struct {
 	grant  *pb.Grant
 	reason string
+	// learnt marks a revoke that Learn took from the recorded ones, and
+	// drops once the record is gone.
+	learnt bool
 }
 
 // record is what the registry holds of one grant: a live one (grant is
@@ -526,11 +529,15 @@ const ReasonClusterProfileReplaced = "the ClusterProfile was deleted and created
 // found no agent connected.
 func (r *Registry) retry(ctx context.Context, list []pendingRevoke, quiet bool) {
 	byReason := map[string][]*pb.Grant{}
+	learnt := map[string]bool{}
 	for _, p := range list {
 		byReason[p.reason] = append(byReason[p.reason], p.grant)
+		if p.learnt {
+			learnt[p.grant.GetCredentialId()] = true
+		}
 	}
 	for reason, gs := range byReason {
-		r.deliver(ctx, gs, reason, quiet)
+		r.deliver(ctx, gs, reason, quiet, learnt)
 	}
 }
 
@@ -840,7 +847,10 @@ func (r *Registry) Revoked(credentialID string) bool {
 // incarnation, as RevokeRecorded says, and forgets the recorded revokes
 // that an agent confirmed; it records none. quiet leaves out the log line
 // of a revoke that found no agent connected.
-func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason string, quiet bool) (revoked, pending []*pb.Grant) {
+//
+// The ids of learnt are those of learnt revokes (see dropUnrecorded): one
+// whose record is gone meanwhile is neither sent nor held again.
+func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason string, quiet bool, learnt map[string]bool) (revoked, pending []*pb.Grant) {
 	byCluster := map[tunnel.ClusterRef][]*pb.Grant{}
 	var (
 		clusters []tunnel.ClusterRef
@@ -853,7 +863,12 @@ func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason strin
 			foreign = append(foreign, h)
 			continue
 		}
-		r.pending[g.GetCredentialId()] = pendingRevoke{grant: g, reason: reason}
+		cur, ok := r.pending[g.GetCredentialId()]
+		if learnt[g.GetCredentialId()] && (!ok || !cur.learnt) {
+			continue
+		}
+		// A learnt revoke stays learnt when it is sent again.
+		r.pending[g.GetCredentialId()] = pendingRevoke{grant: g, reason: reason, learnt: cur.learnt}
 		if _, ok := byCluster[c]; !ok {
 			clusters = append(clusters, c)
 		}
