@@ -887,6 +887,15 @@ func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason strin
 			r.cfg.Log.Info("revoke not delivered; it is sent again when the agent reports the grants",
 				"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
 		}
+		if errors.Is(err, tunnel.ErrNoAgent) {
+			// Nothing was sent: the next agent to connect gets the
+			// revoke at once, not a RetryInterval later.
+			r.mu.Lock()
+			for _, id := range ids {
+				delete(r.sent, id)
+			}
+			r.mu.Unlock()
+		}
 		isGone := make(map[string]bool, len(gone))
 		for _, id := range gone {
 			isGone[id] = true

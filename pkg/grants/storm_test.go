@@ -52,7 +52,7 @@ func (s *stormRevoker) Revoke(ctx context.Context, cluster tunnel.ClusterRef, id
 		}
 	}
 	if offline {
-		return nil, fmt.Errorf("no agent: %w", errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("%w: %w", tunnel.ErrNoAgent, errdefs.ErrUnavailable)
 	}
 	return ids, nil
 }
@@ -266,4 +266,24 @@ func TestRevokeOfAnotherClustersIDDropsNothing(t *testing.T) {
 			assert.Equal(t, []string{id}, ids(revoked))
 		})
 	}
+}
+
+// A send that found no agent connected sent nothing, so it does not count
+// against RetryInterval: the agent that connects next gets the revoke at
+// its hello, not an interval later.
+func TestRevokeThatFoundNoAgentIsSentAtTheNextHello(t *testing.T) {
+	ctx := context.Background()
+	clk := clocktesting.NewFakeClock(start)
+	rev := &stormRevoker{offline: true}
+	rec := &fakeRecorder{}
+	r, err := NewRegistry(RegistryConfig{Revoker: rev, Clock: clk, Pending: rec, RetryInterval: time.Hour})
+	require.NoError(t, err)
+	gs, list := stormGrants(1)
+	r.Learn(ctx, []PendingRevoke{{Grant: gs[0], Reason: "the token leaked"}})
+	require.Eventually(t, func() bool { return rev.count() >= 1 && !rev.busy() }, 10*time.Second, time.Millisecond)
+
+	rev.set(func(s *stormRevoker) { s.offline = false })
+	require.NoError(t, r.Hello(ctx, spoke1, gs))
+	require.Eventually(t, func() bool { return slices.Contains(rec.forgotten(), list[0]) }, 10*time.Second, time.Millisecond,
+		"the revoke waited for the interval (the clock never moves here)")
 }

@@ -657,6 +657,10 @@ func (s *Server) Mint(ctx context.Context, cluster ClusterRef, req *pb.MintReque
 // wrap errdefs sentinels as Mint's do: ErrUnavailable when no agent is
 // connected, and otherwise the first instance's failure, with the ids gone
 // in every instance's answer. It implements grants.Revoker.
+// ErrNoAgent is what Revoke's error wraps when no agent stream of the
+// cluster was open, so that nothing was sent.
+var ErrNoAgent = errors.New("no agent is connected")
+
 func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, reason string) ([]string, error) {
 	list := batches(ids, maxRevokeIDs, maxRevokeBytes)
 	if len(list) == 0 {
@@ -664,7 +668,7 @@ func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, r
 	}
 	targets := s.revokeTargets(cluster)
 	if len(targets) == 0 {
-		return nil, fmt.Errorf("no agent is connected for cluster %s: %w", cluster, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("%w for cluster %s: %w", ErrNoAgent, cluster, errdefs.ErrUnavailable)
 	}
 	isTarget := make(map[*session]bool, len(targets))
 	for _, sess := range targets {
