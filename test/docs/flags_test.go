@@ -38,6 +38,7 @@ var foreign = map[string]string{
 	"workers":                              "gremlins unleash (make mutate)",
 	"subresource":                          "kubectl patch --subresource=status",
 	"type":                                 "kubectl patch --type",
+	"cascade":                              "kubectl delete --cascade=foreground",
 	"service-account-max-token-expiration": "kube-apiserver (the spoke's cap on token lifetimes)",
 	"service-account-extend-token-expiration": "kube-apiserver (a year for the kubelet's projected tokens)",
 }
