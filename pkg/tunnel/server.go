@@ -685,13 +685,21 @@ func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, r
 		gone     []string
 		err      error
 		disagree int // ids some instances answered gone and others not
-		voters   = len(votes)
+		voters   int
 	)
+	for _, v := range votes {
+		if !v.replaced {
+			voters++
+		}
+	}
 	for b, batch := range list {
 		count := make(map[string]int, len(batch))
 		answered := true
 		for _, v := range votes {
-			if b >= len(v.gone) {
+			switch {
+			case v.replaced:
+				continue
+			case b >= len(v.gone):
 				answered = false
 				if err == nil {
 					err = v.err
@@ -723,12 +731,12 @@ func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, r
 
 // revokeVote is one agent instance's answer to a revoke: the ids it
 // answered gone, per batch, up to the first batch it failed, and that
-// failure. An instance whose stream closed under a request is counted by
-// the stream that took its requests over, unless that stream votes on its
-// own (revokeOn).
+// failure. An instance whose stream closed while another stream of it
+// took the same requests is replaced: that stream answers for it.
 type revokeVote struct {
-	gone [][]string
-	err  error
+	gone     [][]string
+	err      error
+	replaced bool
 }
 
 // revokeTargets returns the streams a revoke of cluster goes to: every
@@ -750,8 +758,7 @@ func (s *Server) revokeTargets(cluster ClusterRef) []*session {
 // revokeOn sends the batches of list to sess, one request at a time, and
 // returns its vote. A stream that closes under a request hands the rest to
 // the newest stream of the same agent instance, unless that stream is one
-// of targets, which is asked on its own: then sess did not answer the
-// rest, and those ids stay pending.
+// of targets, which is asked on its own.
 func (s *Server) revokeOn(ctx context.Context, cluster ClusterRef, sess *session, targets map[*session]bool,
 	list [][]string, reason string) revokeVote {
 	var v revokeVote
@@ -772,15 +779,8 @@ func (s *Server) revokeOn(ctx context.Context, cluster ClusterRef, sess *session
 				break
 			}
 			if targets[next] {
-				// next votes on its own: were its answer to stand for
-				// sess too, a rogue stream that names itself with an
-				// honest instance's value would cast the honest vote.
-				// The batches sess did not answer stay pending.
-				err = fmt.Errorf("the agent stream closed under the revoke, and the stream that took its requests over is asked on its own: %w",
-					errdefs.ErrUnavailable)
 				s.metrics.observeRevoke(start, err)
-				v.err = err
-				return v
+				return revokeVote{replaced: true}
 			}
 			sess = next
 		}
