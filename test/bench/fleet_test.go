@@ -32,7 +32,7 @@ func (b *bench) spokeLoad(t *testing.T) {
 	names := make([]string, clusters)
 	for i := range names {
 		names[i] = fmt.Sprintf("load-%d", i+1)
-		_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, names[i], deployment.ClusterProfileAccess(spoke))
+		_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, names[i], deployment.ProfileAccess(spoke, framework.FleetNamespace, names[i]))
 		require.NoError(t, err)
 	}
 	started := time.Now()

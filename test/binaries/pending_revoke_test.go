@@ -29,7 +29,7 @@ import (
 func TestPendingRevokeRecordedOnHub(t *testing.T) {
 	ctx := t.Context()
 	profile := unique("pending")
-	cp, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, profile, deployment.ClusterProfileAccess(spoke))
+	cp, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, profile, deployment.ProfileAccess(spoke, framework.FleetNamespace, profile))
 	require.NoError(t, err)
 	c := newConsumer(t, profile)
 	sa, err := env.Hub.Client.CoreV1().ServiceAccounts(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})

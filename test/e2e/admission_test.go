@@ -17,12 +17,15 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
 
+	"github.com/credbroker/credbroker/pkg/plugin"
 	"github.com/credbroker/credbroker/test/framework"
 )
 
@@ -33,6 +36,16 @@ func applyFile(t *testing.T, path string) {
 	ctx := context.Background()
 	raw, err := os.ReadFile(path)
 	require.NoError(t, err)
+	// The API server stops enforcing a deleted policy a moment after the
+	// delete. A test after this one writes ClusterProfile statuses that
+	// deploy/hub/admission.yaml refuses, so wait for the end of
+	// credbroker-profile-access (this cleanup runs after the deletes).
+	var profileAccess bool
+	t.Cleanup(func() {
+		if profileAccess {
+			assert.NoError(t, waitForProfileAccessPolicyGone(ctx), "credbroker-profile-access is still enforced after the test")
+		}
+	})
 	docs := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
 	for {
 		doc, err := docs.Read()
@@ -48,6 +61,7 @@ func applyFile(t *testing.T, path string) {
 		client := env.Hub.Client
 		switch o := obj.(type) {
 		case *admissionregistrationv1.ValidatingAdmissionPolicy:
+			profileAccess = profileAccess || o.Name == "credbroker-profile-access"
 			_, err = client.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, o, metav1.CreateOptions{})
 			t.Cleanup(func() {
 				_ = client.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(context.Background(), o.Name, metav1.DeleteOptions{})
@@ -77,6 +91,26 @@ func inventoryAs(t *testing.T, user string) inventory.Interface {
 	c, err := inventory.NewForConfig(cfg)
 	require.NoError(t, err)
 	return c
+}
+
+// waitForProfileAccessPolicyGone waits until the hub accepts, in a dry run,
+// a status write of the first spoke's ClusterProfile whose credbroker entry
+// names another ClusterProfile, which credbroker-profile-access refuses.
+func waitForProfileAccessPolicyGone(ctx context.Context) error {
+	profiles := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace)
+	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		cp, err := profiles.Get(ctx, env.Spokes[0].Name, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		spoke := env.Spokes[0]
+		cp.Status.AccessProviders = []v1alpha1.AccessProvider{{Name: plugin.Name, Cluster: clientcmdv1.Cluster{
+			Server: spoke.Server, CertificateAuthorityData: spoke.CAData,
+			Extensions: []clientcmdv1.NamedExtension{execExtension(framework.FleetNamespace, env.Spokes[1].Name)},
+		}}}
+		_, err = profiles.UpdateStatus(ctx, cp, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err == nil, nil
+	})
 }
 
 // deploy/hub/admission.yaml lets only identities granted

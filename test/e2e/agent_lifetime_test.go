@@ -26,7 +26,7 @@ func TestAgentStreamEndsWithItsSVID(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
 	name, ttl := uniqueName(t, "expiring"), 30*time.Second
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)
 	optInAudiences(t, spoke, "expiring-sa", []string{"before-expiry", "after-expiry", "after-renewal"}, c.username())
@@ -69,7 +69,7 @@ func TestBundleWithoutTheCAClosesItsAgentsStreams(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
 	name := uniqueName(t, "rotated")
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke, framework.FleetNamespace, name))
 	require.NoError(t, err)
 
 	// The trust domain gains a second CA, and the agent of fleet/rotated an

@@ -44,7 +44,7 @@ func TestRestartedAgentCollectsGrantsOfExpiredTokens(t *testing.T) {
 	ctx := context.Background()
 	cluster := env.Spokes[1]
 	name := uniqueName(t, "restarted")
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(cluster))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(cluster, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)
 	ns := optIn(t, cluster, "restarted-sa", c.username())

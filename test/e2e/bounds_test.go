@@ -47,7 +47,7 @@ type floodAgent struct {
 func newFloodAgent(t *testing.T, cluster string) *floodAgent {
 	t.Helper()
 	ctx := context.Background()
-	if _, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, cluster, deployment.ClusterProfileAccess(env.Spokes[0])); err != nil && !apierrors.IsAlreadyExists(err) {
+	if _, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, cluster, deployment.ProfileAccess(env.Spokes[0], framework.FleetNamespace, cluster)); err != nil && !apierrors.IsAlreadyExists(err) {
 		require.NoError(t, err)
 	}
 	t.Cleanup(func() {

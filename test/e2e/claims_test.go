@@ -23,7 +23,7 @@ import (
 func claimant(t *testing.T, spoke *framework.Cluster, ns, name, agentID string) {
 	t.Helper()
 	ctx := context.Background()
-	_, err := env.Hub.CreateClusterProfile(ctx, ns, name, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, ns, name, deployment.ProfileAccess(spoke, ns, name))
 	require.NoError(t, err)
 	profiles := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(ns)
 	t.Cleanup(func() { _ = profiles.Delete(context.Background(), name, metav1.DeleteOptions{}) })
@@ -106,7 +106,7 @@ func TestClusterProfileCannotInheritATerminatingAgent(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
 	victim, heir := uniqueName(t, "victim"), uniqueName(t, "heir")
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, victim, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, victim, deployment.ProfileAccess(spoke, framework.FleetNamespace, victim))
 	require.NoError(t, err)
 	stop, err := deployment.StartAgent(ctx, spoke, framework.AgentID(victim))
 	require.NoError(t, err)

@@ -36,7 +36,7 @@ func TestRollingRestartLosesNoCall(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[0]
 	name := uniqueName(t, "rolling")
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)
 	const maxCalls = 1000

@@ -182,7 +182,7 @@ func TestAllowedEscalatingServiceAccountIsServed(t *testing.T) {
 	ctx := context.Background()
 	cluster := env.Spokes[1]
 	name := uniqueName(t, "escalation-allowed")
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(cluster))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(cluster, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)
 	ns := uniqueName(t, "spoke")

@@ -123,18 +123,7 @@ func TestProfileCannotNameAnotherProfilesExecConfig(t *testing.T) {
 	})
 	require.NoError(t, err)
 
-	// The policy's removal takes effect a moment after the test ends; wait
-	// for it, so that the next test may write what it likes (this cleanup
-	// runs after applyFile's).
 	probe := create("probe")
-	t.Cleanup(func() {
-		assert.Eventually(t, func() bool {
-			_, err := writeStatus(probe.Name, func(s *v1alpha1.ClusterProfileStatus) {
-				s.AccessProviders = []v1alpha1.AccessProvider{entry(namesProd, rawExtension(additionalArgsExtension, `{"args":["--v=1"]}`))}
-			})
-			return err == nil
-		}, 30*time.Second, 200*time.Millisecond, "the policy is still enforced after the test")
-	})
 	applyFile(t, "../../deploy/hub/admission.yaml")
 	var probeErr error
 	enforced := assert.Eventually(t, func() bool {

@@ -62,7 +62,7 @@ func startRogueAgent(t *testing.T) *rogueAgent {
 	t.Helper()
 	ctx := context.Background()
 	// It points at a real spoke, so that the exchange reaches the agent.
-	if _, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, rogueCluster, deployment.ClusterProfileAccess(env.Spokes[0])); err != nil && !apierrors.IsAlreadyExists(err) {
+	if _, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, rogueCluster, deployment.ProfileAccess(env.Spokes[0], framework.FleetNamespace, rogueCluster)); err != nil && !apierrors.IsAlreadyExists(err) {
 		require.NoError(t, err)
 	}
 	certPEM, keyPEM, err := deployment.CA.IssueSVID(framework.AgentID(rogueCluster), time.Hour)

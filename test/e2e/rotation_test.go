@@ -44,7 +44,7 @@ func TestRotationWithoutAGap(t *testing.T) {
 		duration  = 21 * time.Second
 		interval  = 100 * time.Millisecond
 	)
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	c := newConsumer(t, "credbroker", name)
 	audiences := make([]string, int(duration/interval)+20)
@@ -60,16 +60,26 @@ func TestRotationWithoutAGap(t *testing.T) {
 		ID: id, SVIDTTL: agentTTL, FileCheckInterval: 100 * time.Millisecond, Log: &log,
 	})
 	require.NoError(t, err)
-	defer stop()
+	t.Cleanup(stop)
+	// Whatever happens, the agent and the shared brokers end with long-lived
+	// certificates, served before the agent stops (cleanups run last
+	// first): its revokes of the grants it minted need its streams, which
+	// an SVID of agentTTL would close a few seconds after the last rotation.
+	t.Cleanup(func() {
+		_, _, err := deployment.WriteAgentSVID(spoke, id, deployment.CA, time.Hour)
+		assert.NoError(t, err)
+		assert.NoError(t, deployment.WriteBrokerSVID(time.Hour))
+		assert.NoError(t, deployment.WriteBrokerServing(time.Hour))
+		assert.NoError(t, deployment.WaitForBrokerCertificates(ctx, 30*time.Minute))
+		for i, b := range deployment.Brokers {
+			assert.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 30*time.Second, 20*time.Millisecond,
+				"replica %d lost the agent after the rotations", i)
+		}
+	})
 	for i, b := range deployment.Brokers {
 		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 10*time.Second, 20*time.Millisecond,
 			"replica %d never admits the agent", i)
 	}
-	// Whatever happens, the shared brokers end with long-lived certificates.
-	t.Cleanup(func() {
-		assert.NoError(t, deployment.WriteBrokerSVID(time.Hour))
-		assert.NoError(t, deployment.WriteBrokerServing(time.Hour))
-	})
 
 	runCtx, cancel := context.WithTimeout(ctx, duration)
 	defer cancel()
@@ -198,7 +208,7 @@ func TestWorkloadAPIAgentRotates(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
 	name := uniqueName(t, "workload-api")
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	api, err := fakeworkload.Start()
 	require.NoError(t, err)

@@ -86,7 +86,7 @@ func TestDeletedClusterProfileRevokesIssuedTokens(t *testing.T) {
 	ctx := context.Background()
 	spoke := env.Spokes[1]
 	profile := uniqueName(t, "revoked-with-profile")
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, profile, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, profile, deployment.ProfileAccess(spoke, framework.FleetNamespace, profile))
 	require.NoError(t, err)
 	stop, err := deployment.StartAgent(ctx, spoke, framework.AgentID(profile))
 	require.NoError(t, err)

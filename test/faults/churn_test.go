@@ -109,7 +109,7 @@ func TestChurn(t *testing.T) {
 	for r := range rounds {
 		roundEnd := start.Add(total * time.Duration(r+1) / time.Duration(len(rounds)))
 		name := fmt.Sprintf("churn-%d-%d", seq.Add(1), r)
-		_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke2))
+		_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke2, framework.FleetNamespace, name))
 		require.NoError(t, err)
 		require.NoError(t, env.Hub.GrantClusterProfileToken(ctx, framework.FleetNamespace, name, c.Namespace, c.Name))
 		agentOpts := framework.AgentProcessOptions{Bin: agentBin, BrokerAddresses: []string{f.brokerOpts.AgentAddress}, ClusterProfile: name}

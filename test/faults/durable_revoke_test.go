@@ -25,7 +25,7 @@ import (
 func TestAcknowledgedRevokeSurvivesReplicaKill(t *testing.T) {
 	ctx := t.Context()
 	profile := unique("durable")
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, profile, deployment.ClusterProfileAccess(spoke2))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, profile, deployment.ProfileAccess(spoke2, framework.FleetNamespace, profile))
 	require.NoError(t, err)
 	cluster := &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: profile}
 

@@ -123,7 +123,7 @@ func restoreClusterProfile(t *testing.T, name string) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	spoke := spoke2
-	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ClusterProfileAccess(spoke))
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke, framework.FleetNamespace, name))
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Errorf("recreate ClusterProfile %s: %v", name, err)
 		return

@@ -2,6 +2,7 @@ package framework
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -326,7 +327,15 @@ func withName(s logr.LogSink, name string) logr.LogSink {
 // ClusterProfile: its server and CA, and the exec extension that tells
 // credbroker-plugin which ClusterProfile it serves.
 func (d *Deployment) ClusterProfileAccess(spoke *Cluster) *Access {
-	ext, _ := json.Marshal(plugin.ExecConfig{ClusterProfile: &plugin.Reference{Namespace: FleetNamespace, Name: spoke.Name}})
+	return d.ProfileAccess(spoke, FleetNamespace, spoke.Name)
+}
+
+// ProfileAccess is the access provider entry of the ClusterProfile
+// namespace/name that reaches spoke: spoke's server and CA, and an exec
+// config that names that ClusterProfile itself, as deploy/hub/admission.yaml
+// requires of every credbroker entry.
+func (d *Deployment) ProfileAccess(spoke *Cluster, namespace, name string) *Access {
+	ext, _ := json.Marshal(plugin.ExecConfig{ClusterProfile: &plugin.Reference{Namespace: namespace, Name: name}})
 	return spoke.Access(plugin.Name, ext)
 }
 
@@ -391,6 +400,38 @@ func (d *Deployment) WriteBrokerServing(ttl time.Duration) error {
 		return err
 	}
 	return testpki.WriteFileAtomic(d.tlsCert, certPEM, 0o644)
+}
+
+// WaitForBrokerCertificates waits until both ports of every replica serve
+// a certificate valid for at least validFor: a test that rotated them with
+// short lifetimes writes long ones back and calls this before it stops its
+// agents, whose revokes need the streams, or hands the replicas on to the
+// next test.
+func (d *Deployment) WaitForBrokerCertificates(ctx context.Context, validFor time.Duration) error {
+	served := func(addr string) (time.Time, error) {
+		dialer := &tls.Dialer{Config: &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12}} //nolint:gosec // only reads the served certificate's lifetime
+		conn, err := dialer.DialContext(ctx, "tcp", addr)
+		if err != nil {
+			return time.Time{}, err
+		}
+		defer conn.Close()
+		certs := conn.(*tls.Conn).ConnectionState().PeerCertificates
+		if len(certs) == 0 {
+			return time.Time{}, fmt.Errorf("framework: %s served no certificate", addr)
+		}
+		return certs[0].NotAfter, nil
+	}
+	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		for _, b := range d.Brokers {
+			for _, addr := range []string{b.ExchangeAddr(), b.AgentAddr()} {
+				notAfter, err := served(addr)
+				if err != nil || time.Until(notAfter) < validFor {
+					return false, nil
+				}
+			}
+		}
+		return true, nil
+	})
 }
 
 // AgentOptions configure StartAgentWith.
