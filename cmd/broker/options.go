@@ -83,6 +83,14 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.IntVar(&cfg.MaxGrantBytesPerCluster, "max-grant-bytes-per-cluster", cfg.MaxGrantBytesPerCluster, "bytes of the grants one ClusterProfile's agents report that this replica holds (about 50,000 grants by default); a report past it closes the agent's stream")
 	fs.Var(&positiveUint32Value{&cfg.MaxConcurrentStreams}, "max-concurrent-streams", "concurrent calls (HTTP/2 streams) per connection on both gRPC ports")
 	fs.BoolVar(&cfg.Profiling, "profiling", cfg.Profiling, "serve net/http/pprof under /debug/pprof/ on --metrics-address, for profiling (CPU, heap, allocs, mutex, block, goroutines)")
+	var proxyCA string
+	fs.StringVar(&cfg.ProxyAddress, "proxy-address", "", "address of the API proxy (TLS, with --tls-cert-file), which carries consumers' requests to the spoke API servers that agents offer through their data path; empty disables it")
+	fs.StringVar(&cfg.ProxyURL, "proxy-url", "", "https base URL of --proxy-address as consumers reach it, such as https://credbroker.credbroker-system.svc:8445; with --publish-access-provider, published with /clusters/<namespace>/<name> for a ClusterProfile whose agents offer a data path and advertise no server")
+	fs.StringVar(&proxyCA, "proxy-ca-file", "", "PEM CA bundle that verifies --proxy-url, published with it")
+	fs.IntVar(&cfg.ProxyMaxRequestsPerCluster, "proxy-max-requests-per-cluster", cfg.ProxyMaxRequestsPerCluster, "proxied requests in flight to one ClusterProfile (watches and upgraded connections included)")
+	fs.IntVar(&cfg.ProxyMaxRequestsPerConsumer, "proxy-max-requests-per-consumer", cfg.ProxyMaxRequestsPerConsumer, "proxied requests in flight of one hub consumer")
+	fs.DurationVar(&cfg.ProxyResponseHeaderTimeout, "proxy-response-header-timeout", cfg.ProxyResponseHeaderTimeout, "how long the API proxy waits for a spoke API server's answer to start")
+	fs.DurationVar(&cfg.ProxyIdleTimeout, "proxy-idle-timeout", cfg.ProxyIdleTimeout, "how long the API proxy keeps a consumer's idle connection open")
 	audit.AddFlags(fs)
 	common.AddLogFlags()
 	if err := common.Parse(args); err != nil {
@@ -99,6 +107,11 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	if spiffeID != "" {
 		if cfg.SPIFFEID, err = spiffeid.FromString(spiffeID); err != nil {
 			return cfg, nil, fmt.Errorf("--spiffe-id: %w", err)
+		}
+	}
+	if proxyCA != "" {
+		if cfg.ProxyCAData, err = os.ReadFile(proxyCA); err != nil {
+			return cfg, nil, fmt.Errorf("--proxy-ca-file: %w", err)
 		}
 	}
 	if cfg.PendingRevokesNamespace == "" {

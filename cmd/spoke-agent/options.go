@@ -52,6 +52,7 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.IntVar(&cfg.SpokeBurst, "spoke-burst", cfg.SpokeBurst, "burst of the agent's spoke client")
 	fs.StringVar(&cfg.AdvertiseServer, "advertise-server", "", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
 	fs.StringVar(&advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
+	fs.BoolVar(&cfg.DataPath, "data-path", false, "carry the broker's API proxy connections to this spoke's API server (konnectivity), for a hub that cannot reach it; default: on when --advertise-server is not set and the spoke config names its CA")
 	common.AddLogFlags()
 	if err := common.Parse(args); err != nil {
 		return cfg, err
@@ -101,6 +102,11 @@ func parseFlags(args []string) (agent.Config, error) {
 	}
 	if cfg.Spoke, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
 		return cfg, fmt.Errorf("spoke config: %w", err)
+	}
+	if !fs.Changed("data-path") {
+		// On by default for a spoke whose server the hub is not told of,
+		// when the spoke config names the CA to send to the brokers.
+		cfg.DataPath = cfg.AdvertiseServer == "" && agent.CheckDataPath(cfg.Spoke) == nil
 	}
 	return cfg, cfg.Validate()
 }

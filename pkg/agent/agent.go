@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"crypto/x509"
 	"errors"
@@ -9,6 +10,7 @@ import (
 	"math"
 	"net"
 	"net/url"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -28,6 +30,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/clock"
 
+	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/spoke"
 	"github.com/credbroker/credbroker/pkg/token"
@@ -90,6 +93,12 @@ type Config struct {
 	// agent never guesses them: the in-cluster URL is not the hub's.
 	AdvertiseServer string
 	AdvertiseCAData []byte
+	// DataPath offers the spoke API server to the brokers' API proxy: the
+	// agent keeps a konnectivity stream to every broker address beside its
+	// AgentTunnel stream, and connects the brokers' dials to Spoke's host,
+	// whose server name and CA it sends in its hello (package apiproxy).
+	// For a spoke the hub cannot reach. Spoke must then name its CA.
+	DataPath bool
 	// Namespace limits the ServiceAccounts the agent may mint for, and the
 	// grants it watches; empty means all namespaces.
 	Namespace string
@@ -180,6 +189,11 @@ func (c *Config) Validate() error {
 		pool := x509.NewCertPool()
 		need(c.AdvertiseServer != "", "an advertised CA needs an advertised server")
 		need(pool.AppendCertsFromPEM(c.AdvertiseCAData), "the advertised CA holds no PEM certificate")
+	}
+	if c.DataPath && c.Spoke != nil {
+		if _, err := dataPathOf(c.Spoke); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
 	need(c.ShutdownGrace > 0, "the shutdown grace must be positive")
@@ -322,6 +336,19 @@ func New(cfg Config) (_ *Agent, err error) {
 
 	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
 	hello := &pb.Hello{AgentVersion: Version, Server: cfg.AdvertiseServer, CertificateAuthorityData: cfg.AdvertiseCAData}
+	var backend *apiproxy.Backend
+	if cfg.DataPath {
+		dp, err := dataPathOf(cfg.Spoke)
+		if err != nil {
+			return nil, fmt.Errorf("agent: %w", err)
+		}
+		hello.DataPath = &pb.DataPath{ServerName: dp.serverName, CertificateAuthorityData: dp.caData}
+		if backend, err = apiproxy.NewBackend(apiproxy.BackendConfig{
+			Credentials: creds, APIServer: dp.address, AgentID: cfg.SPIFFEID.String(), Log: cfg.Log.WithName("datapath"),
+		}); err != nil {
+			return nil, fmt.Errorf("agent: %w", err)
+		}
+	}
 	clientConfig := func(target, addr string) tunnel.ClientConfig {
 		return tunnel.ClientConfig{
 			Address:          addr,
@@ -372,6 +399,9 @@ func New(cfg Config) (_ *Agent, err error) {
 			case <-ctx.Done():
 			}
 		}()
+		if backend != nil {
+			go backend.Serve(ctx, addr)
+		}
 		return c.Run(ctx)
 	}
 	for _, target := range cfg.BrokerAddresses {
@@ -460,4 +490,45 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	a.cfg.Log.Info("agent running", "brokers", a.cfg.BrokerAddresses, "namespace", a.cfg.Namespace)
 	return g.Wait()
+}
+
+// CheckDataPath reports why the data path cannot be offered with the spoke
+// client config spoke, or nil: it needs an https host and a CA.
+func CheckDataPath(spoke *rest.Config) error {
+	_, err := dataPathOf(spoke)
+	return err
+}
+
+// dataPath is how the brokers reach the spoke API server through the
+// agent: the address the agent dials, and the name and CA that verify it.
+type dataPath struct {
+	address, serverName string
+	caData              []byte
+}
+
+// dataPathOf derives the data path from the agent's spoke client config:
+// its https host (port 443 by default), its TLS server name or else the
+// host's name, and its CA, which must be set.
+func dataPathOf(spoke *rest.Config) (dataPath, error) {
+	u, err := url.Parse(spoke.Host)
+	if err != nil || u.Scheme != "https" || u.Hostname() == "" {
+		return dataPath{}, fmt.Errorf("the data path needs the spoke API server's https URL, got %q", spoke.Host)
+	}
+	port := u.Port()
+	if port == "" {
+		port = "443"
+	}
+	dp := dataPath{address: net.JoinHostPort(u.Hostname(), port), serverName: cmp.Or(spoke.TLSClientConfig.ServerName, u.Hostname())}
+	switch {
+	case len(spoke.TLSClientConfig.CAData) > 0:
+		dp.caData = spoke.TLSClientConfig.CAData
+	case spoke.TLSClientConfig.CAFile != "":
+		if dp.caData, err = os.ReadFile(spoke.TLSClientConfig.CAFile); err != nil {
+			return dataPath{}, fmt.Errorf("the data path needs the spoke API server's CA: %w", err)
+		}
+	}
+	if !x509.NewCertPool().AppendCertsFromPEM(dp.caData) {
+		return dataPath{}, errors.New("the data path needs the spoke API server's CA in the spoke client config (certificate-authority), to send to the brokers")
+	}
+	return dp, nil
 }

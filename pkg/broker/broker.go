@@ -36,10 +36,12 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/clock"
+	agentpb "sigs.k8s.io/apiserver-network-proxy/proto/agent"
 	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
 	inventoryinformers "sigs.k8s.io/cluster-inventory-api/client/informers/externalversions"
 
 	"github.com/credbroker/credbroker/internal/probe"
+	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/clusterprofile"
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/grants"
@@ -57,6 +59,11 @@ type Broker struct {
 	log logr.Logger
 
 	exchangeLis, agentLis, metricsLis net.Listener
+	// router carries the agents' data path streams; proxyServer, on
+	// proxyLis, is the API proxy, nil unless ProxyAddress is set.
+	router      *apiproxy.Router
+	proxyServer *http.Server
+	proxyLis    net.Listener
 
 	svid      identity.Source
 	keyPair   *identity.KeyPairFile
@@ -246,6 +253,9 @@ func New(cfg Config) (b *Broker, err error) {
 	if b.triggers, err = newTriggers(cfg, hub, hubClient, accessReviews, b); err != nil {
 		return nil, fmt.Errorf("broker: %w", err)
 	}
+	if err := b.newDataPath(); err != nil {
+		return nil, fmt.Errorf("broker: %w", err)
+	}
 
 	b.health = health.NewServer()
 	b.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
@@ -305,7 +315,7 @@ func (r tunnelRevoker) Revoke(ctx context.Context, cluster tunnel.ClusterRef, id
 }
 
 func (b *Broker) closeListeners() {
-	for _, l := range []net.Listener{b.exchangeLis, b.agentLis, b.metricsLis} {
+	for _, l := range []net.Listener{b.exchangeLis, b.agentLis, b.metricsLis, b.proxyLis} {
 		if l != nil {
 			_ = l.Close()
 		}
@@ -377,6 +387,8 @@ func (b *Broker) Run(ctx context.Context) error {
 	}
 	agents := b.grpcServer(identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain), agentKeepalive)
 	pb.RegisterAgentTunnelServer(agents, b.tunnel)
+	agentpb.RegisterAgentServiceServer(agents, b.router)
+	g.Go(func() error { return b.router.Run(ctx) })
 
 	serveGRPC := func(name string, s *grpc.Server, lis net.Listener) {
 		g.Go(func() error {
@@ -397,6 +409,9 @@ func (b *Broker) Run(ctx context.Context) error {
 	})
 	if b.metricsLis != nil {
 		g.Go(func() error { return b.serveMetrics(drained) })
+	}
+	if b.proxyServer != nil {
+		g.Go(func() error { return b.serveProxy(ctx, drained) })
 	}
 
 	b.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/rest"
 
+	"github.com/credbroker/credbroker/internal/serverurl"
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/token"
@@ -161,6 +162,25 @@ type Config struct {
 	PublishIdentity                         string
 	PublishDisconnectGrace                  time.Duration
 
+	// ProxyAddress, when set, serves the API proxy over TLS (with the
+	// exchange port's certificate): the spoke API servers that agents carry
+	// over their data path streams, under /clusters/<namespace>/<name>/,
+	// for tokens that credbroker minted (package apiproxy). ProxyURL is its
+	// https base URL as consumers reach it, and ProxyCAData the PEM bundle
+	// that verifies it there: the publisher writes them, with the path of
+	// the ClusterProfile, into the status of a ClusterProfile whose agents
+	// carry its API server and advertise no server of their own.
+	ProxyAddress string
+	ProxyURL     string
+	ProxyCAData  []byte
+	// ProxyMaxRequestsPerCluster and ProxyMaxRequestsPerConsumer bound the
+	// proxied requests in flight to one ClusterProfile and of one hub
+	// consumer; ProxyResponseHeaderTimeout bounds the wait for a spoke's
+	// answer to start, and ProxyIdleTimeout how long a consumer's idle
+	// keep-alive connection stays open.
+	ProxyMaxRequestsPerCluster, ProxyMaxRequestsPerConsumer int
+	ProxyResponseHeaderTimeout, ProxyIdleTimeout            time.Duration
+
 	// Log receives operational logs; Audit receives one line per exchange,
 	// per Grants call, and per agent stream connected, disconnected or
 	// refused (the broker binary writes it to --audit-log-path as JSON
@@ -172,47 +192,51 @@ type Config struct {
 // chosen per installation (files, hub config, trust domain).
 func Default() Config {
 	return Config{
-		ExchangeAddress:            ":8443",
-		AgentAddress:               ":8444",
-		MetricsAddress:             ":8080",
-		HubQPS:                     200,
-		HubBurst:                   400,
-		InformerResync:             10 * time.Minute,
-		CacheSyncTimeout:           time.Minute,
-		ShutdownGrace:              15 * time.Second,
-		MaxStreamsPerCluster:       512,
-		MaxConcurrentStreams:       1000,
-		MaxGrantBytesPerCluster:    grants.DefaultMaxGrantBytesPerCluster,
-		FileCheckInterval:          5 * time.Second,
-		Audience:                   "credbroker",
-		PendingRevokesNamespace:    "credbroker-system",
-		MaxExpiration:              time.Hour,
-		MintTimeout:                10 * time.Second,
-		AgentMaxConnectionAge:      time.Hour,
-		AgentMaxConnectionAgeGrace: 30 * time.Second,
-		AgentKeepaliveTime:         5 * time.Second,
-		AgentKeepaliveTimeout:      3 * time.Second,
-		AccessProviderName:         "credbroker",
-		AuthnTTL:                   10 * time.Second,
-		AllowTTL:                   10 * time.Second,
-		DenyTTL:                    2 * time.Second,
-		RateLimit:                  20,
-		RateBurst:                  2000,
-		ReviewRateLimit:            100,
-		ReviewBurst:                200,
-		PeerReviewRateLimit:        10,
-		PeerReviewBurst:            20,
-		NamespaceReviewRateLimit:   tokenexchange.DefaultNamespaceReviewRateLimit,
-		NamespaceReviewBurst:       tokenexchange.DefaultNamespaceReviewBurst,
-		IssuerKeysRefresh:          5 * time.Minute,
-		IssuerKeysMinRefresh:       15 * time.Second,
-		GrantRecheckInterval:       5 * time.Minute,
-		RBACDebounce:               2 * time.Second,
-		RBACDebounceMax:            5 * time.Second,
-		GrantReviewRateLimit:       20,
-		GrantReviewBurst:           20,
-		PublishLeaseName:           "credbroker-publisher",
-		PublishDisconnectGrace:     30 * time.Second,
+		ExchangeAddress:             ":8443",
+		AgentAddress:                ":8444",
+		MetricsAddress:              ":8080",
+		HubQPS:                      200,
+		HubBurst:                    400,
+		InformerResync:              10 * time.Minute,
+		CacheSyncTimeout:            time.Minute,
+		ShutdownGrace:               15 * time.Second,
+		MaxStreamsPerCluster:        512,
+		MaxConcurrentStreams:        1000,
+		MaxGrantBytesPerCluster:     grants.DefaultMaxGrantBytesPerCluster,
+		FileCheckInterval:           5 * time.Second,
+		Audience:                    "credbroker",
+		PendingRevokesNamespace:     "credbroker-system",
+		MaxExpiration:               time.Hour,
+		MintTimeout:                 10 * time.Second,
+		AgentMaxConnectionAge:       time.Hour,
+		AgentMaxConnectionAgeGrace:  30 * time.Second,
+		AgentKeepaliveTime:          5 * time.Second,
+		AgentKeepaliveTimeout:       3 * time.Second,
+		AccessProviderName:          "credbroker",
+		AuthnTTL:                    10 * time.Second,
+		AllowTTL:                    10 * time.Second,
+		DenyTTL:                     2 * time.Second,
+		RateLimit:                   20,
+		RateBurst:                   2000,
+		ReviewRateLimit:             100,
+		ReviewBurst:                 200,
+		PeerReviewRateLimit:         10,
+		PeerReviewBurst:             20,
+		NamespaceReviewRateLimit:    tokenexchange.DefaultNamespaceReviewRateLimit,
+		NamespaceReviewBurst:        tokenexchange.DefaultNamespaceReviewBurst,
+		IssuerKeysRefresh:           5 * time.Minute,
+		IssuerKeysMinRefresh:        15 * time.Second,
+		GrantRecheckInterval:        5 * time.Minute,
+		RBACDebounce:                2 * time.Second,
+		RBACDebounceMax:             5 * time.Second,
+		GrantReviewRateLimit:        20,
+		GrantReviewBurst:            20,
+		PublishLeaseName:            "credbroker-publisher",
+		PublishDisconnectGrace:      30 * time.Second,
+		ProxyMaxRequestsPerCluster:  1000,
+		ProxyMaxRequestsPerConsumer: 100,
+		ProxyResponseHeaderTimeout:  time.Minute,
+		ProxyIdleTimeout:            90 * time.Second,
 	}
 }
 
@@ -266,6 +290,17 @@ func (c *Config) Validate() error {
 	need(c.RBACDebounce > 0 && c.RBACDebounceMax >= c.RBACDebounce,
 		"the RBAC debounce must be positive and at most its maximum (%s, %s)", c.RBACDebounce, c.RBACDebounceMax)
 	need(finite(c.GrantReviewRateLimit) && c.GrantReviewBurst > 0, "the grant review rate limit and burst must be positive and finite")
+	if c.ProxyAddress != "" {
+		need(c.ProxyMaxRequestsPerCluster > 0 && c.ProxyMaxRequestsPerConsumer > 0, "the proxy's request limits must be positive")
+		need(c.ProxyResponseHeaderTimeout > 0 && c.ProxyIdleTimeout > 0, "the proxy's timeouts must be positive")
+	}
+	if c.ProxyURL != "" {
+		need(c.ProxyAddress != "", "a proxy URL needs the proxy address it is served on")
+		if err := serverurl.Check(c.ProxyURL); err != nil {
+			errs = append(errs, fmt.Errorf("the proxy URL: %w", err))
+		}
+		need(len(c.ProxyCAData) > 0, "a proxy URL needs the CA that verifies it")
+	}
 	if c.PublishAccessProvider {
 		need(c.PublishLeaseNamespace != "" && c.PublishLeaseName != "", "publishing the access provider needs the namespace and name of its Lease")
 		need(c.AccessProviderName != "", "publishing the access provider needs its name")

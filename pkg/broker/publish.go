@@ -18,6 +18,7 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
 
+	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/publish"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 )
@@ -34,10 +35,22 @@ func (s tunnelSource) Advertised(key types.NamespacedName) ([]publish.Advertisem
 	if err != nil {
 		return nil, 0
 	}
-	ads, live := s.b.tunnel.Advertised(tunnel.ClusterRef{NamespacedName: key, UID: cp.UID})
+	ref := tunnel.ClusterRef{NamespacedName: key, UID: cp.UID}
+	ads, live := s.b.tunnel.Advertised(ref)
 	out := make([]publish.Advertisement, 0, len(ads))
 	for _, a := range ads {
 		out = append(out, publish.Advertisement{Server: a.Server, CAData: a.CAData, Streams: a.Streams})
+	}
+	// Agents that advertise no server of their own, and all offer their
+	// API server through the data path, are reached through the API proxy.
+	if len(ads) == 0 && s.b.cfg.ProxyURL != "" {
+		if offers, n := s.b.tunnel.DataPaths(ref); len(offers) > 0 && n == live {
+			streams := 0
+			for _, o := range offers {
+				streams += o.Streams
+			}
+			out = append(out, publish.Advertisement{Server: apiproxy.URL(s.b.cfg.ProxyURL, key), CAData: s.b.cfg.ProxyCAData, Streams: streams})
+		}
 	}
 	return out, live
 }

@@ -830,6 +830,26 @@ func (r *Registry) Select(s Selector) []*pb.Grant {
 	return out
 }
 
+// Live returns the grant of credentialID while its token may be used: it
+// is live, unexpired, and no revoke of it is recorded or pending here. The
+// grant is shared; the caller must not change it.
+func (r *Registry) Live(credentialID string) (*pb.Grant, bool) {
+	now := r.cfg.Clock.Now()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	rec, ok := r.live[credentialID]
+	if !ok || !rec.expires.After(now) {
+		return nil, false
+	}
+	if _, ok := r.pending[credentialID]; ok {
+		return nil, false
+	}
+	if _, ok := r.revoked[credentialID]; ok {
+		return nil, false
+	}
+	return rec.grant, true
+}
+
 // Revoked reports whether the token of credentialID was revoked, or its
 // grant deleted, as far as this replica knows.
 func (r *Registry) Revoked(credentialID string) bool {

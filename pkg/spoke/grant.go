@@ -2,6 +2,8 @@ package spoke
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"net/url"
@@ -59,6 +61,10 @@ const (
 	// authentication.kubernetes.io/credential-id, and the broker's audit
 	// line's credentialID.
 	GrantCredentialIDAnnotation = "credbroker.io/credential-id"
+	// GrantTokenSHA256Annotation is the SHA-256 of the token, in lowercase
+	// hex, recorded with the credential id: the broker's API proxy forwards
+	// a bearer only when its hash is that of a live grant's token.
+	GrantTokenSHA256Annotation = "credbroker.io/token-sha256"
 	// GrantHubGroupsAnnotation lists the hub subject's groups, as the hub's
 	// TokenReview reported them, separated by commas; a comma or percent
 	// sign inside a group is percent-encoded. A broker that restarts redoes
@@ -249,8 +255,8 @@ func newGrant(info grantInfo) *corev1.Secret {
 }
 
 // mintedPatch returns the merge patch that records a minted token's
-// credential id, jti and expiration on its grant.
-func mintedPatch(credentialID string, expiration time.Time) ([]byte, error) {
+// credential id, jti, hash and expiration on its grant.
+func mintedPatch(credentialID string, tokenSHA256 [sha256.Size]byte, expiration time.Time) ([]byte, error) {
 	labels := map[string]any{}
 	if jti, ok := strings.CutPrefix(credentialID, "JTI="); ok && len(validation.IsValidLabelValue(jti)) == 0 {
 		labels[GrantJTILabel] = jti
@@ -259,6 +265,7 @@ func mintedPatch(credentialID string, expiration time.Time) ([]byte, error) {
 		"labels": labels,
 		"annotations": map[string]any{
 			GrantCredentialIDAnnotation: credentialID,
+			GrantTokenSHA256Annotation:  hex.EncodeToString(tokenSHA256[:]),
 			GrantExpirationAnnotation:   expiration.UTC().Format(time.RFC3339),
 		},
 	}}
@@ -267,6 +274,16 @@ func mintedPatch(credentialID string, expiration time.Time) ([]byte, error) {
 		return nil, fmt.Errorf("encode grant patch: %w", err)
 	}
 	return b, nil
+}
+
+// grantTokenSHA256 returns the token hash that grant records, or nil when
+// it records none that is well formed.
+func grantTokenSHA256(grant *corev1.Secret) []byte {
+	b, err := hex.DecodeString(grant.Annotations[GrantTokenSHA256Annotation])
+	if err != nil || len(b) != sha256.Size {
+		return nil
+	}
+	return b
 }
 
 // grantExpiration returns when grant's token expires: its

@@ -2,6 +2,7 @@ package spoke
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"maps"
@@ -369,7 +370,7 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 		exp = m.clock.Now().Add(time.Duration(seconds) * time.Second)
 	}
 	id := token.ID(out.Status.Token)
-	patch, err := mintedPatch(id, exp)
+	patch, err := mintedPatch(id, sha256.Sum256([]byte(out.Status.Token)), exp)
 	if err == nil {
 		err = m.grants.Patch(ctx, sa.Namespace, grant.Name, patch)
 	}

@@ -500,7 +500,7 @@ func TestMinterIntegration(t *testing.T) {
 		future := time.Now().Add(time.Hour).UTC().Format(time.RFC3339)
 		withJTI := func(prefix, jti string) string {
 			name := createSecret(t, cs, prefix, GrantType, future)
-			patch, err := mintedPatch("JTI="+jti, time.Now().Add(time.Hour))
+			patch, err := mintedPatch("JTI="+jti, [32]byte{}, time.Now().Add(time.Hour))
 			require.NoError(t, err)
 			require.NoError(t, NewGrantStore(cs, "").Patch(t.Context(), testNamespace, name, patch))
 			return name

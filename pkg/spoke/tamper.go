@@ -174,7 +174,7 @@ func foreignChange(grant *corev1.Secret) string {
 		return "annotation " + GrantExpirationAnnotation + " changed"
 	}
 	for _, k := range agentKeys(grant.Annotations) {
-		if k != GrantCredentialIDAnnotation && !slices.Contains(grantAnnotations, k) {
+		if k != GrantCredentialIDAnnotation && k != GrantTokenSHA256Annotation && !slices.Contains(grantAnnotations, k) {
 			return "annotation " + k + " added"
 		}
 	}
@@ -190,7 +190,7 @@ func changedFrom(old, now *corev1.Secret) string {
 	if old.Annotations[GrantCredentialIDAnnotation] != "" || now.Annotations[GrantCredentialIDAnnotation] == "" {
 		// Not the mint recording the token: the credential id and the
 		// expiry stay as they are.
-		keys = append(keys, GrantCredentialIDAnnotation, GrantExpirationAnnotation)
+		keys = append(keys, GrantCredentialIDAnnotation, GrantTokenSHA256Annotation, GrantExpirationAnnotation)
 	}
 	for _, k := range keys {
 		was, had := old.Annotations[k]

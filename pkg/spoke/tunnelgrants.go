@@ -179,6 +179,7 @@ func (m *Minter) toGrant(g *corev1.Secret) *credbrokerv1alpha1.Grant {
 		Audiences:      grantAudiences(g),
 		ExpirationTime: timestamppb.New(grantExpiration(g, time.Duration(m.maxSeconds)*time.Second)),
 		Secret:         &credbrokerv1alpha1.ObjectReference{Namespace: g.Namespace, Name: g.Name},
+		TokenSha256:    grantTokenSHA256(g),
 	}
 	if ns, name, ok := strings.Cut(a[GrantClusterProfileAnnotation], "/"); ok {
 		out.Cluster = &credbrokerv1alpha1.ObjectReference{Namespace: ns, Name: name}

@@ -3,6 +3,7 @@ package tokenexchange
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -365,7 +366,15 @@ func (s *Service) record(ctx context.Context, cluster tunnel.ClusterRef, user us
 		ServiceAccount: &pb.ObjectReference{Namespace: m.serviceAccount.Namespace, Name: m.serviceAccount.Name},
 		Audiences:      slices.Clone(m.audiences),
 		ExpirationTime: timestamppb.New(m.expiry),
+		TokenSha256:    tokenSHA256(m.token),
 	}}})
+}
+
+// tokenSHA256 is the hash of token that its grant records, for the API
+// proxy.
+func tokenSHA256(token string) []byte {
+	sum := sha256.Sum256([]byte(token))
+	return sum[:]
 }
 
 // allow spends one unit of user's rate limit (RateLimit, RateBurst) on

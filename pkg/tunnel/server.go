@@ -197,35 +197,73 @@ type session struct {
 	leaving atomic.Bool
 }
 
+// Admission is what the broker admitted a stream's peer as.
+type Admission struct {
+	// Agent is the peer's SPIFFE ID.
+	Agent spiffeid.ID
+	// Cluster is the one ClusterProfile incarnation the agent serves.
+	Cluster ClusterRef
+	// Expires is when the peer's SVID, or a CA of its chain, expires: the
+	// stream must end then.
+	Expires time.Time
+	chain   []*x509.Certificate
+}
+
+// Admit judges the peer of a stream whose context is ctx, as Connect does:
+// its SVID must verify against the current trust bundle, by the clock of
+// now (a connection outlives the handshake that verified it), and map to a
+// ClusterProfile. Another stream service on the agent port, such as the
+// data path, admits its streams with it, logs and audits nothing else, and
+// calls Readmit while the stream lives.
+func (s *Server) Admit(ctx context.Context) (Admission, error) {
+	id, chain, err := s.cfg.Peer(ctx)
+	if err != nil {
+		return Admission{}, fmt.Errorf("agent stream: %w", err)
+	}
+	adm := Admission{Agent: id, chain: chain}
+	if adm.Expires, err = s.verify(id, chain); err != nil {
+		return adm, err
+	}
+	if adm.Cluster, err = s.cfg.Resolver.ResolveAgent(id); err != nil {
+		return adm, fmt.Errorf("agent %s: %w", id, err)
+	}
+	return adm, nil
+}
+
+// Readmit reports why a stream admitted as adm may no longer live, or nil:
+// its SVID no longer verifies against the trust bundle of now, or its
+// agent no longer maps to the same ClusterProfile incarnation.
+func (s *Server) Readmit(adm Admission) error {
+	if _, err := s.verify(adm.Agent, adm.chain); err != nil {
+		return err
+	}
+	got, err := s.cfg.Resolver.ResolveAgent(adm.Agent)
+	switch {
+	case err != nil:
+		return fmt.Errorf("agent %s no longer serves %s: %w", adm.Agent, adm.Cluster, err)
+	case got != adm.Cluster:
+		return fmt.Errorf("agent %s no longer serves %s: the ClusterProfile changed: %w", adm.Agent, adm.Cluster, errdefs.ErrPermissionDenied)
+	}
+	return nil
+}
+
 // Connect serves one agent stream until the agent leaves, the stream breaks,
 // or the agent's ClusterProfile stops accepting it.
 func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame]) error {
 	ctx := stream.Context()
 	instance := instanceOf(ctx)
-	id, chain, err := s.cfg.Peer(ctx)
+	adm, err := s.Admit(ctx)
 	if err != nil {
-		err = fmt.Errorf("agent stream: %w", err)
-		s.auditAgent("agent refused", "", instance, "", err)
+		if adm.Agent.IsZero() {
+			s.auditAgent("agent refused", "", instance, "", err)
+		} else {
+			s.cfg.Log.Info("agent refused", "agent", adm.Agent.String(), "reason", err.Error())
+			s.auditAgent("agent refused", adm.Agent.String(), instance, "", err)
+		}
 		return errdefs.ToStatus(err).Err()
 	}
-	log := s.cfg.Log.WithValues("agent", id.String())
-	// A connection outlives the handshake that verified its chain: a new
-	// stream on an old connection is judged again, by the clock and the
-	// trust bundle of now.
-	expires, err := s.verify(id, chain)
-	if err != nil {
-		log.Info("agent refused", "reason", err.Error())
-		s.auditAgent("agent refused", id.String(), instance, "", err)
-		return errdefs.ToStatus(err).Err()
-	}
-	cluster, err := s.cfg.Resolver.ResolveAgent(id)
-	if err != nil {
-		log.Info("agent refused", "reason", err.Error())
-		err = fmt.Errorf("agent %s: %w", id, err)
-		s.auditAgent("agent refused", id.String(), instance, "", err)
-		return errdefs.ToStatus(err).Err()
-	}
-	log = log.WithValues("cluster", cluster.String())
+	id, chain, expires, cluster := adm.Agent, adm.chain, adm.Expires, adm.Cluster
+	log := s.cfg.Log.WithValues("agent", id.String(), "cluster", cluster.String())
 
 	hello, err := recvHello(ctx, stream, s.cfg.HelloTimeout)
 	if err != nil {
@@ -558,6 +596,36 @@ func (s *Server) ConnectedClusters() int {
 		}
 	}
 	return n
+}
+
+// DataPathOffer is one way to verify a spoke API server that live sessions
+// of a cluster offered in their hellos for the data path, and how many did.
+type DataPathOffer struct {
+	ServerName string
+	CAData     []byte
+	Streams    int
+}
+
+// DataPaths returns every distinct data path offer of the live sessions of
+// cluster, oldest first, with the number of live sessions (those that
+// offered none included). Like Advertised, it picks none.
+func (s *Server) DataPaths(cluster ClusterRef) (offers []DataPathOffer, live int) {
+	list := s.live(cluster)
+	for _, sess := range list {
+		dp := sess.hello.GetDataPath()
+		if dp == nil {
+			continue
+		}
+		i := slices.IndexFunc(offers, func(o DataPathOffer) bool {
+			return o.ServerName == dp.GetServerName() && bytes.Equal(o.CAData, dp.GetCertificateAuthorityData())
+		})
+		if i < 0 {
+			offers = append(offers, DataPathOffer{ServerName: dp.GetServerName(), CAData: dp.GetCertificateAuthorityData()})
+			i = len(offers) - 1
+		}
+		offers[i].Streams++
+	}
+	return offers, len(list)
 }
 
 // Advertisement is one spoke API server URL and CA that live sessions of a

@@ -139,6 +139,8 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 
 	cfg := broker.Default()
 	cfg.ExchangeAddress, cfg.AgentAddress, cfg.MetricsAddress = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
+	// The API proxy serves with the exchange port's certificate.
+	cfg.ProxyAddress = "127.0.0.1:0"
 	cfg.TLSCertFile, cfg.TLSKeyFile = tlsCert, tlsKey
 	d.tlsCert, d.tlsKey = tlsCert, tlsKey
 	if opts.SPIFFEEndpointSocket != "" {
@@ -224,6 +226,9 @@ func (d *Deployment) RestartBroker(i int) (drained time.Duration, err error) {
 		return drained, fmt.Errorf("framework: restart broker-%d: %w", i, err)
 	}
 	cfg.ExchangeAddress, cfg.AgentAddress, cfg.MetricsAddress = old.ExchangeAddr(), old.AgentAddr(), old.MetricsAddr()
+	if cfg.ProxyAddress != "" {
+		cfg.ProxyAddress = old.ProxyAddr()
+	}
 	b, err := broker.New(cfg)
 	if err != nil {
 		return drained, fmt.Errorf("framework: restart broker-%d: %w", i, err)

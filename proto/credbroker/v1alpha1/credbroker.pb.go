@@ -624,7 +624,11 @@ type Hello struct {
 	// grants are the live grants on the spoke, of tokens minted for the
 	// ClusterProfile the agent serves, when the agent sent its hello. The
 	// broker replaces what it knew of the cluster's grants with them.
-	Grants        []*Grant `protobuf:"bytes,4,rep,name=grants,proto3" json:"grants,omitempty"`
+	Grants []*Grant `protobuf:"bytes,4,rep,name=grants,proto3" json:"grants,omitempty"`
+	// data_path, when set, offers this spoke's API server to the broker's
+	// API proxy through the agent's konnectivity connection: the broker's
+	// TLS connections to it, carried by the agent, verify it with this.
+	DataPath      *DataPath `protobuf:"bytes,5,opt,name=data_path,json=dataPath,proto3" json:"data_path,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -687,6 +691,70 @@ func (x *Hello) GetGrants() []*Grant {
 	return nil
 }
 
+func (x *Hello) GetDataPath() *DataPath {
+	if x != nil {
+		return x.DataPath
+	}
+	return nil
+}
+
+// DataPath is how the broker verifies a spoke API server it reaches
+// through the agents.
+type DataPath struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// server_name is the name the spoke API server's serving certificate is
+	// checked against, such as the host of the agent's in-cluster config.
+	ServerName string `protobuf:"bytes,1,opt,name=server_name,json=serverName,proto3" json:"server_name,omitempty"`
+	// certificate_authority_data is the PEM bundle that verifies it.
+	CertificateAuthorityData []byte `protobuf:"bytes,2,opt,name=certificate_authority_data,json=certificateAuthorityData,proto3" json:"certificate_authority_data,omitempty"`
+	unknownFields            protoimpl.UnknownFields
+	sizeCache                protoimpl.SizeCache
+}
+
+func (x *DataPath) Reset() {
+	*x = DataPath{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DataPath) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DataPath) ProtoMessage() {}
+
+func (x *DataPath) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DataPath.ProtoReflect.Descriptor instead.
+func (*DataPath) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *DataPath) GetServerName() string {
+	if x != nil {
+		return x.ServerName
+	}
+	return ""
+}
+
+func (x *DataPath) GetCertificateAuthorityData() []byte {
+	if x != nil {
+		return x.CertificateAuthorityData
+	}
+	return nil
+}
+
 // Grant describes one spoke token the broker handed out, as recorded on the
 // grant Secret the token is bound to. It never holds the token.
 type Grant struct {
@@ -707,14 +775,18 @@ type Grant struct {
 	// expiration_time is when the token expires.
 	ExpirationTime *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=expiration_time,json=expirationTime,proto3" json:"expiration_time,omitempty"`
 	// secret is the grant Secret on the spoke.
-	Secret        *ObjectReference `protobuf:"bytes,8,opt,name=secret,proto3" json:"secret,omitempty"`
+	Secret *ObjectReference `protobuf:"bytes,8,opt,name=secret,proto3" json:"secret,omitempty"`
+	// token_sha256 is the SHA-256 of the token, which the broker's API proxy
+	// compares with a bearer's before it forwards it; empty for a grant
+	// recorded before it was written.
+	TokenSha256   []byte `protobuf:"bytes,9,opt,name=token_sha256,json=tokenSha256,proto3" json:"token_sha256,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Grant) Reset() {
 	*x = Grant{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -726,7 +798,7 @@ func (x *Grant) String() string {
 func (*Grant) ProtoMessage() {}
 
 func (x *Grant) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -739,7 +811,7 @@ func (x *Grant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Grant.ProtoReflect.Descriptor instead.
 func (*Grant) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{8}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Grant) GetCredentialId() string {
@@ -798,6 +870,13 @@ func (x *Grant) GetSecret() *ObjectReference {
 	return nil
 }
 
+func (x *Grant) GetTokenSha256() []byte {
+	if x != nil {
+		return x.TokenSha256
+	}
+	return nil
+}
+
 // GrantSelector picks grants: every field that is set must match. An empty
 // selector matches every grant.
 type GrantSelector struct {
@@ -815,7 +894,7 @@ type GrantSelector struct {
 
 func (x *GrantSelector) Reset() {
 	*x = GrantSelector{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -827,7 +906,7 @@ func (x *GrantSelector) String() string {
 func (*GrantSelector) ProtoMessage() {}
 
 func (x *GrantSelector) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -840,7 +919,7 @@ func (x *GrantSelector) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GrantSelector.ProtoReflect.Descriptor instead.
 func (*GrantSelector) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{9}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *GrantSelector) GetCredentialId() string {
@@ -874,7 +953,7 @@ type ListGrantsRequest struct {
 
 func (x *ListGrantsRequest) Reset() {
 	*x = ListGrantsRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -886,7 +965,7 @@ func (x *ListGrantsRequest) String() string {
 func (*ListGrantsRequest) ProtoMessage() {}
 
 func (x *ListGrantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -899,7 +978,7 @@ func (x *ListGrantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGrantsRequest.ProtoReflect.Descriptor instead.
 func (*ListGrantsRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{10}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListGrantsRequest) GetSelector() *GrantSelector {
@@ -920,7 +999,7 @@ type ListGrantsResponse struct {
 
 func (x *ListGrantsResponse) Reset() {
 	*x = ListGrantsResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -932,7 +1011,7 @@ func (x *ListGrantsResponse) String() string {
 func (*ListGrantsResponse) ProtoMessage() {}
 
 func (x *ListGrantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -945,7 +1024,7 @@ func (x *ListGrantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGrantsResponse.ProtoReflect.Descriptor instead.
 func (*ListGrantsResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{11}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListGrantsResponse) GetGrants() []*Grant {
@@ -968,7 +1047,7 @@ type RevokeGrantsRequest struct {
 
 func (x *RevokeGrantsRequest) Reset() {
 	*x = RevokeGrantsRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -980,7 +1059,7 @@ func (x *RevokeGrantsRequest) String() string {
 func (*RevokeGrantsRequest) ProtoMessage() {}
 
 func (x *RevokeGrantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -993,7 +1072,7 @@ func (x *RevokeGrantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeGrantsRequest.ProtoReflect.Descriptor instead.
 func (*RevokeGrantsRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{12}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *RevokeGrantsRequest) GetSelector() *GrantSelector {
@@ -1032,7 +1111,7 @@ type RevokeGrantsResponse struct {
 
 func (x *RevokeGrantsResponse) Reset() {
 	*x = RevokeGrantsResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1044,7 +1123,7 @@ func (x *RevokeGrantsResponse) String() string {
 func (*RevokeGrantsResponse) ProtoMessage() {}
 
 func (x *RevokeGrantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1057,7 +1136,7 @@ func (x *RevokeGrantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeGrantsResponse.ProtoReflect.Descriptor instead.
 func (*RevokeGrantsResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{13}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RevokeGrantsResponse) GetRevoked() []*Grant {
@@ -1087,7 +1166,7 @@ type RevokeRequest struct {
 
 func (x *RevokeRequest) Reset() {
 	*x = RevokeRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1099,7 +1178,7 @@ func (x *RevokeRequest) String() string {
 func (*RevokeRequest) ProtoMessage() {}
 
 func (x *RevokeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1112,7 +1191,7 @@ func (x *RevokeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeRequest.ProtoReflect.Descriptor instead.
 func (*RevokeRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{14}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RevokeRequest) GetCredentialIds() []string {
@@ -1140,7 +1219,7 @@ type RevokeResponse struct {
 
 func (x *RevokeResponse) Reset() {
 	*x = RevokeResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1152,7 +1231,7 @@ func (x *RevokeResponse) String() string {
 func (*RevokeResponse) ProtoMessage() {}
 
 func (x *RevokeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1165,7 +1244,7 @@ func (x *RevokeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeResponse.ProtoReflect.Descriptor instead.
 func (*RevokeResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{15}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RevokeResponse) GetCredentialIds() []string {
@@ -1188,7 +1267,7 @@ type GrantUpdate struct {
 
 func (x *GrantUpdate) Reset() {
 	*x = GrantUpdate{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1200,7 +1279,7 @@ func (x *GrantUpdate) String() string {
 func (*GrantUpdate) ProtoMessage() {}
 
 func (x *GrantUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1213,7 +1292,7 @@ func (x *GrantUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GrantUpdate.ProtoReflect.Descriptor instead.
 func (*GrantUpdate) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{16}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *GrantUpdate) GetAdded() []*Grant {
@@ -1246,7 +1325,7 @@ type Subject struct {
 
 func (x *Subject) Reset() {
 	*x = Subject{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1258,7 +1337,7 @@ func (x *Subject) String() string {
 func (*Subject) ProtoMessage() {}
 
 func (x *Subject) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1271,7 +1350,7 @@ func (x *Subject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Subject.ProtoReflect.Descriptor instead.
 func (*Subject) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{17}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Subject) GetUsername() string {
@@ -1314,7 +1393,7 @@ type MintRequest struct {
 
 func (x *MintRequest) Reset() {
 	*x = MintRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1326,7 +1405,7 @@ func (x *MintRequest) String() string {
 func (*MintRequest) ProtoMessage() {}
 
 func (x *MintRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1339,7 +1418,7 @@ func (x *MintRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MintRequest.ProtoReflect.Descriptor instead.
 func (*MintRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{18}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *MintRequest) GetSubject() *Subject {
@@ -1385,7 +1464,7 @@ type MintResponse struct {
 
 func (x *MintResponse) Reset() {
 	*x = MintResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1397,7 +1476,7 @@ func (x *MintResponse) String() string {
 func (*MintResponse) ProtoMessage() {}
 
 func (x *MintResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1410,7 +1489,7 @@ func (x *MintResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MintResponse.ProtoReflect.Descriptor instead.
 func (*MintResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{19}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *MintResponse) GetToken() string {
@@ -1448,7 +1527,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1460,7 +1539,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1473,7 +1552,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{20}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Error) GetCode() int32 {
@@ -1527,12 +1606,17 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\x05drain\x18\x04 \x01(\v2\x1a.credbroker.v1alpha1.DrainH\x00R\x05drainB\x06\n" +
 	"\x04body\"\a\n" +
 	"\x05Drain\"\t\n" +
-	"\aGoodbye\"\xb6\x01\n" +
+	"\aGoodbye\"\xf2\x01\n" +
 	"\x05Hello\x12#\n" +
 	"\ragent_version\x18\x01 \x01(\tR\fagentVersion\x12\x16\n" +
 	"\x06server\x18\x02 \x01(\tR\x06server\x12<\n" +
 	"\x1acertificate_authority_data\x18\x03 \x01(\fR\x18certificateAuthorityData\x122\n" +
-	"\x06grants\x18\x04 \x03(\v2\x1a.credbroker.v1alpha1.GrantR\x06grants\"\xb5\x03\n" +
+	"\x06grants\x18\x04 \x03(\v2\x1a.credbroker.v1alpha1.GrantR\x06grants\x12:\n" +
+	"\tdata_path\x18\x05 \x01(\v2\x1d.credbroker.v1alpha1.DataPathR\bdataPath\"i\n" +
+	"\bDataPath\x12\x1f\n" +
+	"\vserver_name\x18\x01 \x01(\tR\n" +
+	"serverName\x12<\n" +
+	"\x1acertificate_authority_data\x18\x02 \x01(\fR\x18certificateAuthorityData\"\xd8\x03\n" +
 	"\x05Grant\x12#\n" +
 	"\rcredential_id\x18\x01 \x01(\tR\fcredentialId\x12>\n" +
 	"\acluster\x18\x02 \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\acluster\x12\x1f\n" +
@@ -1542,7 +1626,8 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\x0fservice_account\x18\x05 \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\x0eserviceAccount\x12\x1c\n" +
 	"\taudiences\x18\x06 \x03(\tR\taudiences\x12C\n" +
 	"\x0fexpiration_time\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\x0eexpirationTime\x12<\n" +
-	"\x06secret\x18\b \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\x06secret\"\x90\x01\n" +
+	"\x06secret\x18\b \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\x06secret\x12!\n" +
+	"\ftoken_sha256\x18\t \x01(\fR\vtokenSha256\"\x90\x01\n" +
 	"\rGrantSelector\x12#\n" +
 	"\rcredential_id\x18\x01 \x01(\tR\fcredentialId\x12\x1a\n" +
 	"\busername\x18\x02 \x01(\tR\busername\x12>\n" +
@@ -1601,7 +1686,7 @@ func file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP() []byte {
 	return file_credbroker_v1alpha1_credbroker_proto_rawDescData
 }
 
-var file_credbroker_v1alpha1_credbroker_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_credbroker_v1alpha1_credbroker_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_credbroker_v1alpha1_credbroker_proto_goTypes = []any{
 	(*ObjectReference)(nil),       // 0: credbroker.v1alpha1.ObjectReference
 	(*ExchangeRequest)(nil),       // 1: credbroker.v1alpha1.ExchangeRequest
@@ -1611,65 +1696,67 @@ var file_credbroker_v1alpha1_credbroker_proto_goTypes = []any{
 	(*Drain)(nil),                 // 5: credbroker.v1alpha1.Drain
 	(*Goodbye)(nil),               // 6: credbroker.v1alpha1.Goodbye
 	(*Hello)(nil),                 // 7: credbroker.v1alpha1.Hello
-	(*Grant)(nil),                 // 8: credbroker.v1alpha1.Grant
-	(*GrantSelector)(nil),         // 9: credbroker.v1alpha1.GrantSelector
-	(*ListGrantsRequest)(nil),     // 10: credbroker.v1alpha1.ListGrantsRequest
-	(*ListGrantsResponse)(nil),    // 11: credbroker.v1alpha1.ListGrantsResponse
-	(*RevokeGrantsRequest)(nil),   // 12: credbroker.v1alpha1.RevokeGrantsRequest
-	(*RevokeGrantsResponse)(nil),  // 13: credbroker.v1alpha1.RevokeGrantsResponse
-	(*RevokeRequest)(nil),         // 14: credbroker.v1alpha1.RevokeRequest
-	(*RevokeResponse)(nil),        // 15: credbroker.v1alpha1.RevokeResponse
-	(*GrantUpdate)(nil),           // 16: credbroker.v1alpha1.GrantUpdate
-	(*Subject)(nil),               // 17: credbroker.v1alpha1.Subject
-	(*MintRequest)(nil),           // 18: credbroker.v1alpha1.MintRequest
-	(*MintResponse)(nil),          // 19: credbroker.v1alpha1.MintResponse
-	(*Error)(nil),                 // 20: credbroker.v1alpha1.Error
-	(*timestamppb.Timestamp)(nil), // 21: google.protobuf.Timestamp
+	(*DataPath)(nil),              // 8: credbroker.v1alpha1.DataPath
+	(*Grant)(nil),                 // 9: credbroker.v1alpha1.Grant
+	(*GrantSelector)(nil),         // 10: credbroker.v1alpha1.GrantSelector
+	(*ListGrantsRequest)(nil),     // 11: credbroker.v1alpha1.ListGrantsRequest
+	(*ListGrantsResponse)(nil),    // 12: credbroker.v1alpha1.ListGrantsResponse
+	(*RevokeGrantsRequest)(nil),   // 13: credbroker.v1alpha1.RevokeGrantsRequest
+	(*RevokeGrantsResponse)(nil),  // 14: credbroker.v1alpha1.RevokeGrantsResponse
+	(*RevokeRequest)(nil),         // 15: credbroker.v1alpha1.RevokeRequest
+	(*RevokeResponse)(nil),        // 16: credbroker.v1alpha1.RevokeResponse
+	(*GrantUpdate)(nil),           // 17: credbroker.v1alpha1.GrantUpdate
+	(*Subject)(nil),               // 18: credbroker.v1alpha1.Subject
+	(*MintRequest)(nil),           // 19: credbroker.v1alpha1.MintRequest
+	(*MintResponse)(nil),          // 20: credbroker.v1alpha1.MintResponse
+	(*Error)(nil),                 // 21: credbroker.v1alpha1.Error
+	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
 }
 var file_credbroker_v1alpha1_credbroker_proto_depIdxs = []int32{
 	0,  // 0: credbroker.v1alpha1.ExchangeRequest.cluster:type_name -> credbroker.v1alpha1.ObjectReference
 	0,  // 1: credbroker.v1alpha1.ExchangeRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	21, // 2: credbroker.v1alpha1.ExchangeResponse.expiration_time:type_name -> google.protobuf.Timestamp
+	22, // 2: credbroker.v1alpha1.ExchangeResponse.expiration_time:type_name -> google.protobuf.Timestamp
 	0,  // 3: credbroker.v1alpha1.ExchangeResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
 	7,  // 4: credbroker.v1alpha1.AgentFrame.hello:type_name -> credbroker.v1alpha1.Hello
-	19, // 5: credbroker.v1alpha1.AgentFrame.mint_response:type_name -> credbroker.v1alpha1.MintResponse
-	20, // 6: credbroker.v1alpha1.AgentFrame.error:type_name -> credbroker.v1alpha1.Error
-	15, // 7: credbroker.v1alpha1.AgentFrame.revoke_response:type_name -> credbroker.v1alpha1.RevokeResponse
-	16, // 8: credbroker.v1alpha1.AgentFrame.grant_update:type_name -> credbroker.v1alpha1.GrantUpdate
+	20, // 5: credbroker.v1alpha1.AgentFrame.mint_response:type_name -> credbroker.v1alpha1.MintResponse
+	21, // 6: credbroker.v1alpha1.AgentFrame.error:type_name -> credbroker.v1alpha1.Error
+	16, // 7: credbroker.v1alpha1.AgentFrame.revoke_response:type_name -> credbroker.v1alpha1.RevokeResponse
+	17, // 8: credbroker.v1alpha1.AgentFrame.grant_update:type_name -> credbroker.v1alpha1.GrantUpdate
 	6,  // 9: credbroker.v1alpha1.AgentFrame.goodbye:type_name -> credbroker.v1alpha1.Goodbye
-	18, // 10: credbroker.v1alpha1.BrokerFrame.mint_request:type_name -> credbroker.v1alpha1.MintRequest
-	14, // 11: credbroker.v1alpha1.BrokerFrame.revoke_request:type_name -> credbroker.v1alpha1.RevokeRequest
+	19, // 10: credbroker.v1alpha1.BrokerFrame.mint_request:type_name -> credbroker.v1alpha1.MintRequest
+	15, // 11: credbroker.v1alpha1.BrokerFrame.revoke_request:type_name -> credbroker.v1alpha1.RevokeRequest
 	5,  // 12: credbroker.v1alpha1.BrokerFrame.drain:type_name -> credbroker.v1alpha1.Drain
-	8,  // 13: credbroker.v1alpha1.Hello.grants:type_name -> credbroker.v1alpha1.Grant
-	0,  // 14: credbroker.v1alpha1.Grant.cluster:type_name -> credbroker.v1alpha1.ObjectReference
-	17, // 15: credbroker.v1alpha1.Grant.subject:type_name -> credbroker.v1alpha1.Subject
-	0,  // 16: credbroker.v1alpha1.Grant.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	21, // 17: credbroker.v1alpha1.Grant.expiration_time:type_name -> google.protobuf.Timestamp
-	0,  // 18: credbroker.v1alpha1.Grant.secret:type_name -> credbroker.v1alpha1.ObjectReference
-	0,  // 19: credbroker.v1alpha1.GrantSelector.cluster:type_name -> credbroker.v1alpha1.ObjectReference
-	9,  // 20: credbroker.v1alpha1.ListGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
-	8,  // 21: credbroker.v1alpha1.ListGrantsResponse.grants:type_name -> credbroker.v1alpha1.Grant
-	9,  // 22: credbroker.v1alpha1.RevokeGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
-	8,  // 23: credbroker.v1alpha1.RevokeGrantsResponse.revoked:type_name -> credbroker.v1alpha1.Grant
-	8,  // 24: credbroker.v1alpha1.RevokeGrantsResponse.pending:type_name -> credbroker.v1alpha1.Grant
-	8,  // 25: credbroker.v1alpha1.GrantUpdate.added:type_name -> credbroker.v1alpha1.Grant
-	17, // 26: credbroker.v1alpha1.MintRequest.subject:type_name -> credbroker.v1alpha1.Subject
-	0,  // 27: credbroker.v1alpha1.MintRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	21, // 28: credbroker.v1alpha1.MintResponse.expiration_time:type_name -> google.protobuf.Timestamp
-	0,  // 29: credbroker.v1alpha1.MintResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	1,  // 30: credbroker.v1alpha1.TokenExchange.Exchange:input_type -> credbroker.v1alpha1.ExchangeRequest
-	10, // 31: credbroker.v1alpha1.Grants.List:input_type -> credbroker.v1alpha1.ListGrantsRequest
-	12, // 32: credbroker.v1alpha1.Grants.Revoke:input_type -> credbroker.v1alpha1.RevokeGrantsRequest
-	3,  // 33: credbroker.v1alpha1.AgentTunnel.Connect:input_type -> credbroker.v1alpha1.AgentFrame
-	2,  // 34: credbroker.v1alpha1.TokenExchange.Exchange:output_type -> credbroker.v1alpha1.ExchangeResponse
-	11, // 35: credbroker.v1alpha1.Grants.List:output_type -> credbroker.v1alpha1.ListGrantsResponse
-	13, // 36: credbroker.v1alpha1.Grants.Revoke:output_type -> credbroker.v1alpha1.RevokeGrantsResponse
-	4,  // 37: credbroker.v1alpha1.AgentTunnel.Connect:output_type -> credbroker.v1alpha1.BrokerFrame
-	34, // [34:38] is the sub-list for method output_type
-	30, // [30:34] is the sub-list for method input_type
-	30, // [30:30] is the sub-list for extension type_name
-	30, // [30:30] is the sub-list for extension extendee
-	0,  // [0:30] is the sub-list for field type_name
+	9,  // 13: credbroker.v1alpha1.Hello.grants:type_name -> credbroker.v1alpha1.Grant
+	8,  // 14: credbroker.v1alpha1.Hello.data_path:type_name -> credbroker.v1alpha1.DataPath
+	0,  // 15: credbroker.v1alpha1.Grant.cluster:type_name -> credbroker.v1alpha1.ObjectReference
+	18, // 16: credbroker.v1alpha1.Grant.subject:type_name -> credbroker.v1alpha1.Subject
+	0,  // 17: credbroker.v1alpha1.Grant.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	22, // 18: credbroker.v1alpha1.Grant.expiration_time:type_name -> google.protobuf.Timestamp
+	0,  // 19: credbroker.v1alpha1.Grant.secret:type_name -> credbroker.v1alpha1.ObjectReference
+	0,  // 20: credbroker.v1alpha1.GrantSelector.cluster:type_name -> credbroker.v1alpha1.ObjectReference
+	10, // 21: credbroker.v1alpha1.ListGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
+	9,  // 22: credbroker.v1alpha1.ListGrantsResponse.grants:type_name -> credbroker.v1alpha1.Grant
+	10, // 23: credbroker.v1alpha1.RevokeGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
+	9,  // 24: credbroker.v1alpha1.RevokeGrantsResponse.revoked:type_name -> credbroker.v1alpha1.Grant
+	9,  // 25: credbroker.v1alpha1.RevokeGrantsResponse.pending:type_name -> credbroker.v1alpha1.Grant
+	9,  // 26: credbroker.v1alpha1.GrantUpdate.added:type_name -> credbroker.v1alpha1.Grant
+	18, // 27: credbroker.v1alpha1.MintRequest.subject:type_name -> credbroker.v1alpha1.Subject
+	0,  // 28: credbroker.v1alpha1.MintRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	22, // 29: credbroker.v1alpha1.MintResponse.expiration_time:type_name -> google.protobuf.Timestamp
+	0,  // 30: credbroker.v1alpha1.MintResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	1,  // 31: credbroker.v1alpha1.TokenExchange.Exchange:input_type -> credbroker.v1alpha1.ExchangeRequest
+	11, // 32: credbroker.v1alpha1.Grants.List:input_type -> credbroker.v1alpha1.ListGrantsRequest
+	13, // 33: credbroker.v1alpha1.Grants.Revoke:input_type -> credbroker.v1alpha1.RevokeGrantsRequest
+	3,  // 34: credbroker.v1alpha1.AgentTunnel.Connect:input_type -> credbroker.v1alpha1.AgentFrame
+	2,  // 35: credbroker.v1alpha1.TokenExchange.Exchange:output_type -> credbroker.v1alpha1.ExchangeResponse
+	12, // 36: credbroker.v1alpha1.Grants.List:output_type -> credbroker.v1alpha1.ListGrantsResponse
+	14, // 37: credbroker.v1alpha1.Grants.Revoke:output_type -> credbroker.v1alpha1.RevokeGrantsResponse
+	4,  // 38: credbroker.v1alpha1.AgentTunnel.Connect:output_type -> credbroker.v1alpha1.BrokerFrame
+	35, // [35:39] is the sub-list for method output_type
+	31, // [31:35] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_credbroker_v1alpha1_credbroker_proto_init() }
@@ -1696,7 +1783,7 @@ func file_credbroker_v1alpha1_credbroker_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_credbroker_v1alpha1_credbroker_proto_rawDesc), len(file_credbroker_v1alpha1_credbroker_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   21,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

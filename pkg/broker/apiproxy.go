@@ -1,0 +1,113 @@
+package broker
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/tls"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/credbroker/credbroker/pkg/apiproxy"
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+)
+
+// newDataPath builds the router of the agents' data path streams, which
+// every replica serves on its agent port, and, with ProxyAddress, the API
+// proxy and its listener.
+func (b *Broker) newDataPath() (err error) {
+	var id [8]byte
+	_, _ = rand.Read(id[:])
+	if b.router, err = apiproxy.NewRouter(apiproxy.RouterConfig{
+		Admitter: b.tunnel,
+		ServerID: "credbroker-" + hex.EncodeToString(id[:]),
+		Log:      b.cfg.Log.WithName("datapath"),
+	}); err != nil {
+		return err
+	}
+	if b.cfg.ProxyAddress == "" {
+		return nil
+	}
+	proxy, err := apiproxy.NewProxy(apiproxy.ProxyConfig{
+		Dialer:                 b.router,
+		Grants:                 b.grants,
+		Upstreams:              upstreams{b},
+		MaxRequestsPerCluster:  b.cfg.ProxyMaxRequestsPerCluster,
+		MaxRequestsPerConsumer: b.cfg.ProxyMaxRequestsPerConsumer,
+		ResponseHeaderTimeout:  b.cfg.ProxyResponseHeaderTimeout,
+		Audit:                  b.cfg.Audit,
+		Log:                    b.cfg.Log.WithName("apiproxy"),
+		Registerer:             b.registry,
+	})
+	if err != nil {
+		return err
+	}
+	b.proxyServer = &http.Server{
+		Handler: proxy,
+		TLSConfig: &tls.Config{
+			GetCertificate: b.keyPair.GetCertificate,
+			MinVersion:     tls.VersionTLS12,
+			NextProtos:     []string{"h2", "http/1.1"},
+		},
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       b.cfg.ProxyIdleTimeout,
+		MaxHeaderBytes:    64 << 10,
+	}
+	if b.proxyLis, err = net.Listen("tcp", b.cfg.ProxyAddress); err != nil {
+		return fmt.Errorf("proxy listener: %w", err)
+	}
+	return nil
+}
+
+// ProxyAddr is the bound address of the API proxy; empty when it is
+// disabled.
+func (b *Broker) ProxyAddr() string {
+	if b.proxyLis == nil {
+		return ""
+	}
+	return b.proxyLis.Addr().String()
+}
+
+// serveProxy serves the API proxy until ctx ends, then shuts it down
+// within the time left of the drain.
+func (b *Broker) serveProxy(ctx context.Context, drained <-chan struct{}) error {
+	go func() {
+		<-drained
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		_ = b.proxyServer.Shutdown(sctx)
+		_ = b.proxyServer.Close()
+	}()
+	if err := b.proxyServer.ServeTLS(b.proxyLis, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("broker: proxy server: %w", err)
+	}
+	return nil
+}
+
+// upstreams resolves a ClusterProfile to its API server as the agents of
+// its live incarnation offer it.
+type upstreams struct{ b *Broker }
+
+func (u upstreams) Upstream(key types.NamespacedName) (apiproxy.Upstream, error) {
+	cp, err := u.b.profiles.Get(key.Namespace, key.Name)
+	if err != nil {
+		return apiproxy.Upstream{}, err
+	}
+	ref := tunnel.ClusterRef{NamespacedName: key, UID: cp.UID}
+	offers, live := u.b.tunnel.DataPaths(ref)
+	switch {
+	case len(offers) == 0 || u.b.router.Carriers(ref) == 0:
+		return apiproxy.Upstream{}, fmt.Errorf("no agent of ClusterProfile %s carries its API server to this broker: "+
+			"an agent offers it when it runs without --advertise-server (or with --data-path): %w", key, errdefs.ErrUnavailable)
+	case len(offers) > 1 || offers[0].Streams != live:
+		return apiproxy.Upstream{}, fmt.Errorf("the agents of ClusterProfile %s disagree on how its API server is verified "+
+			"(%d different offers among %d streams), so no request is forwarded until they agree: %w", key, len(offers), live, errdefs.ErrUnavailable)
+	}
+	return apiproxy.Upstream{Cluster: ref, ServerName: offers[0].ServerName, CAData: offers[0].CAData}, nil
+}

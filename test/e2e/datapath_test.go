@@ -1,0 +1,164 @@
+package e2e
+
+import (
+	"context"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/apiproxy"
+	"github.com/credbroker/credbroker/pkg/grants"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+	"github.com/credbroker/credbroker/test/framework"
+)
+
+// dataPathProfile creates a ClusterProfile of spoke whose access provider
+// is the first replica's API proxy, and starts an agent for it that offers
+// its API server through the data path; it returns the ClusterProfile's
+// name and the proxy URL of it.
+func dataPathProfile(t *testing.T, spoke *framework.Cluster, prefix string) (name, server string) {
+	t.Helper()
+	ctx := context.Background()
+	name = uniqueName(t, prefix)
+	ca, err := os.ReadFile(deployment.CAFile)
+	require.NoError(t, err)
+	access := deployment.ProfileAccess(spoke, framework.FleetNamespace, name)
+	access.Server, access.CAData = apiproxy.URL("https://"+deployment.Broker.ProxyAddr(), clusterKey(name)), ca
+	_, err = env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, access)
+	require.NoError(t, err)
+	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{
+		ID: framework.AgentID(name), Tune: func(c *agent.Config) { c.DataPath = true },
+	})
+	require.NoError(t, err)
+	t.Cleanup(stop)
+	return name, access.Server
+}
+
+// proxyClient is a client of server, the API proxy's URL of a
+// ClusterProfile, that sends bearer.
+func proxyClient(t *testing.T, server, bearer string) kubernetes.Interface {
+	t.Helper()
+	ca, err := os.ReadFile(deployment.CAFile)
+	require.NoError(t, err)
+	c, err := kubernetes.NewForConfig(&rest.Config{Host: server, BearerToken: bearer, TLSClientConfig: rest.TLSClientConfig{CAData: ca}})
+	require.NoError(t, err)
+	return c
+}
+
+// A consumer reaches a spoke through the broker's API proxy with the token
+// the exchange gave it: a LIST, and a watch that receives an event, both
+// carried by the agent's konnectivity stream (the proxy dials no address
+// of the spoke; the agent connects the dial to its API server).
+func TestDataPathCarriesRequestsAndWatches(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[0]
+	name, server := dataPathProfile(t, spoke, "datapath")
+	c := newConsumer(t, "credbroker", name)
+	ns := optIn(t, spoke, "reader", c.username())
+	require.NoError(t, spoke.Grant(ctx, ns, framework.ServiceAccountSubject(ns, "reader"), []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"list", "watch", "create"}},
+	}))
+
+	resp, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterKeyRef(name), ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "reader"}})
+	require.NoError(t, err)
+	assert.Equal(t, server, resp.GetServer(), "the exchange answers the proxy's URL of the ClusterProfile")
+	client := proxyClient(t, server, resp.GetToken())
+
+	var last error
+	if !assert.Eventually(t, func() bool {
+		_, last = client.CoreV1().ConfigMaps(ns).List(ctx, metav1.ListOptions{})
+		return last == nil
+	}, 10*time.Second, 50*time.Millisecond) {
+		t.Fatalf("the proxy never carried a LIST: %v", last)
+	}
+
+	w, err := client.CoreV1().ConfigMaps(ns).Watch(ctx, metav1.ListOptions{})
+	require.NoError(t, err)
+	defer w.Stop()
+	_, err = spoke.Client.CoreV1().ConfigMaps(ns).Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "seen"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	select {
+	case ev := <-w.ResultChan():
+		assert.Equal(t, watch.Added, ev.Type)
+		cm, ok := ev.Object.(*corev1.ConfigMap)
+		require.True(t, ok, "%T", ev.Object)
+		assert.Equal(t, "seen", cm.Name)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the watch through the proxy received no event")
+	}
+}
+
+// The proxy forwards only live tokens that credbroker minted for the
+// ClusterProfile of the path: every other request gets 401 from the
+// broker, and a revoked token within a second of its revoke.
+func TestDataPathRefusesWhatItDidNotMint(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[0]
+	name, server := dataPathProfile(t, spoke, "datapath-refusals")
+	other, otherServer := dataPathProfile(t, spoke, "datapath-other")
+	c := newConsumer(t, "credbroker", name, other)
+	ns := optIn(t, spoke, "reader", c.username())
+	require.NoError(t, spoke.Grant(ctx, "", framework.ServiceAccountSubject(ns, "reader"), []rbacv1.PolicyRule{listNS}))
+	req := func(cluster string) *pb.ExchangeRequest {
+		return &pb.ExchangeRequest{Cluster: clusterKeyRef(cluster), ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "reader"}}
+	}
+	resp, err := exchange(t, c, req(name))
+	require.NoError(t, err)
+	list := func(server, bearer string) error {
+		_, err := proxyClient(t, server, bearer).CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
+		return err
+	}
+	require.Eventually(t, func() bool { return list(server, resp.GetToken()) == nil }, 10*time.Second, 50*time.Millisecond)
+
+	notMinted, err := spoke.Token(ctx, ns, "reader", nil, 0)
+	require.NoError(t, err)
+	for _, tt := range []struct{ name, server, bearer string }{
+		{"another ClusterProfile's path", otherServer, resp.GetToken()},
+		{"a hub token", server, c.token},
+		{"a spoke token credbroker did not mint", server, notMinted},
+		{"no token", server, ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			err := list(tt.server, tt.bearer)
+			require.Error(t, err)
+			assert.True(t, apierrors.IsUnauthorized(err), "%v", err)
+			assert.Contains(t, err.Error(), "credbroker:")
+		})
+	}
+
+	t.Run("a revoked token", func(t *testing.T) {
+		reg := deployment.Broker.Grants()
+		live := reg.Select(grants.Selector{CredentialID: resp.GetCredentialId()})
+		require.Len(t, live, 1)
+		revoked := time.Now()
+		go reg.Revoke(ctx, live, "the test revoked it")
+		var last error
+		require.Eventually(t, func() bool {
+			last = list(server, resp.GetToken())
+			return apierrors.IsUnauthorized(last)
+		}, 5*time.Second, 10*time.Millisecond)
+		took := time.Since(revoked)
+		t.Logf("refused %v after the revoke: %v", took.Round(time.Millisecond), last)
+		assert.Less(t, took, time.Second, "the proxy forwarded a revoked token for %v", took)
+	})
+}
+
+func clusterKey(name string) types.NamespacedName {
+	return types.NamespacedName{Namespace: framework.FleetNamespace, Name: name}
+}
+
+func clusterKeyRef(name string) *pb.ObjectReference {
+	return &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: name}
+}
