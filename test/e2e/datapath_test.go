@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"os"
 	"testing"
 	"time"
@@ -116,26 +118,49 @@ func TestDataPathRefusesWhatItDidNotMint(t *testing.T) {
 	}
 	resp, err := exchange(t, c, req(name))
 	require.NoError(t, err)
-	list := func(server, bearer string) error {
-		_, err := proxyClient(t, server, bearer).CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
+	// Every request carries a label selector of its own, which the spoke's
+	// audit log records in the request URI of whatever reaches it.
+	list := func(server, bearer, marker string) error {
+		_, err := proxyClient(t, server, bearer).CoreV1().Namespaces().List(ctx, metav1.ListOptions{LabelSelector: "credbroker-e2e-probe=" + marker})
 		return err
 	}
-	require.Eventually(t, func() bool { return list(server, resp.GetToken()) == nil }, 10*time.Second, 50*time.Millisecond)
+	seen := func(marker string) bool {
+		events, err := spoke.AuditEvents(func(ev framework.AuditEvent) bool {
+			return strings.Contains(ev.RequestURI, "credbroker-e2e-probe%3D"+marker)
+		})
+		require.NoError(t, err)
+		return len(events) > 0
+	}
+	require.Eventually(t, func() bool { return list(server, resp.GetToken(), "served") == nil }, 10*time.Second, 50*time.Millisecond)
+	require.Eventually(t, func() bool { return seen("served") }, 10*time.Second, 50*time.Millisecond, "the spoke's audit log misses the request that was forwarded")
 
 	notMinted, err := spoke.Token(ctx, ns, "reader", nil, 0)
 	require.NoError(t, err)
-	for _, tt := range []struct{ name, server, bearer string }{
+	// The minted token's claims and credential id with another signature.
+	head, _, _ := strings.Cut(resp.GetToken(), ".")
+	claims := strings.Split(resp.GetToken(), ".")[1]
+	forged := head + "." + claims + "." + strings.Repeat("A", 86)
+	refused := []struct{ name, server, bearer string }{
 		{"another ClusterProfile's path", otherServer, resp.GetToken()},
 		{"a hub token", server, c.token},
 		{"a spoke token credbroker did not mint", server, notMinted},
+		{"a minted token's credential id with another signature", server, forged},
 		{"no token", server, ""},
-	} {
+	}
+	for i, tt := range refused {
 		t.Run(tt.name, func(t *testing.T) {
-			err := list(tt.server, tt.bearer)
+			err := list(tt.server, tt.bearer, fmt.Sprintf("refused-%d", i))
 			require.Error(t, err)
 			assert.True(t, apierrors.IsUnauthorized(err), "%v", err)
-			assert.Contains(t, err.Error(), "credbroker:")
+			assert.Contains(t, err.Error(), "credbroker:", "the spoke answered, not the broker")
 		})
+	}
+	// A request is audited when it completes; the forwarded one was seen
+	// above, and these were sent before the check.
+	require.NoError(t, list(server, resp.GetToken(), "last"))
+	require.Eventually(t, func() bool { return seen("last") }, 10*time.Second, 50*time.Millisecond)
+	for i, tt := range refused {
+		assert.False(t, seen(fmt.Sprintf("refused-%d", i)), "%s was forwarded to the spoke", tt.name)
 	}
 
 	t.Run("a revoked token", func(t *testing.T) {
@@ -146,7 +171,7 @@ func TestDataPathRefusesWhatItDidNotMint(t *testing.T) {
 		go reg.Revoke(ctx, live, "the test revoked it")
 		var last error
 		require.Eventually(t, func() bool {
-			last = list(server, resp.GetToken())
+			last = list(server, resp.GetToken(), "after-revoke")
 			return apierrors.IsUnauthorized(last)
 		}, 5*time.Second, 10*time.Millisecond)
 		took := time.Since(revoked)

@@ -38,6 +38,9 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	if job := os.Getenv(netnsHelperEnv); job != "" {
+		os.Exit(runNetnsConsumer(job))
+	}
 	os.Exit(run(m))
 }
 
