@@ -3,8 +3,8 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"strings"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
