@@ -68,7 +68,8 @@ type ProxyConfig struct {
 	Upstreams Upstreams
 	// MaxRequestsPerCluster and MaxRequestsPerConsumer bound the requests
 	// in flight (watches and upgraded connections included) to one
-	// ClusterProfile and of one hub consumer. Defaults 1000 and 100.
+	// ClusterProfile, and of one hub consumer to one ClusterProfile.
+	// Defaults 1000 and 100.
 	MaxRequestsPerCluster, MaxRequestsPerConsumer int
 	// ResponseHeaderTimeout bounds the wait for the spoke's answer to
 	// start. Default 60s.
@@ -159,10 +160,15 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var (
 		cluster      types.NamespacedName
 		credentialID string
-		user         string
+		user         string // set once the token is authorized
 		err          error
+		ctx          context.Context
 	)
 	defer func() {
+		if ctx != nil && err == nil {
+			// A revoke, or the consumer leaving, ended the request.
+			err = context.Cause(ctx)
+		}
 		p.done(rw, r, cluster, credentialID, user, err, p.cfg.Clock.Since(start))
 	}()
 
@@ -202,7 +208,8 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 	// The request lives while its grant does: a revoke ends it, watches and
 	// upgraded connections included.
-	ctx, cancel := context.WithCancelCause(r.Context())
+	var cancel context.CancelCauseFunc
+	ctx, cancel = context.WithCancelCause(r.Context())
 	defer cancel(nil)
 	go p.watchGrant(ctx, cancel, credentialID)
 
@@ -216,6 +223,11 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			pr.Out.URL.Scheme, pr.Out.URL.Host = "https", up.ServerName
 			pr.Out.URL.Path, pr.Out.URL.RawPath = path, ""
 			pr.Out.Host = up.ServerName
+			// The spoke authenticates the token that was checked here and
+			// no other: a Connection header can name Authorization as
+			// hop-by-hop, and a WebSocket subprotocol can carry a bearer.
+			pr.Out.Header.Set("Authorization", "Bearer "+bearer)
+			dropBearerProtocols(pr.Out.Header)
 		},
 		Transport:     transport,
 		FlushInterval: -1,
@@ -234,20 +246,21 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // authorize returns the live grant of the bearer, which must be for
 // cluster, or why the bearer is refused.
 func (p *Proxy) authorize(bearer, credentialID string, cluster types.NamespacedName) (*pb.Grant, error) {
-	refuse := func(why string) error {
-		return fmt.Errorf("the bearer token (%s) %s; only a live token that credbroker minted for ClusterProfile %s is forwarded: %w",
-			credentialID, why, cluster, errdefs.ErrUnauthenticated)
-	}
+	// One answer whichever check fails: it tells nobody whether a
+	// credential id is live, or for which ClusterProfile.
+	refused := fmt.Errorf("the bearer token (%s) is not a live token that credbroker minted for ClusterProfile %s "+
+		"(it was revoked, has expired, is for another ClusterProfile, or credbroker did not mint it); only such a token is forwarded: %w",
+		credentialID, cluster, errdefs.ErrUnauthenticated)
 	grant, ok := p.cfg.Grants.Live(credentialID)
 	if !ok {
-		return nil, refuse("is not a live token that credbroker minted: it was revoked, has expired, or is not a credbroker token")
+		return nil, refused
 	}
 	sum := sha256.Sum256([]byte(bearer))
 	if subtle.ConstantTimeCompare(sum[:], grant.GetTokenSha256()) != 1 {
-		return nil, refuse("is not the token its credential id was minted as")
+		return nil, refused
 	}
 	if got := grant.GetCluster(); got.GetNamespace() != cluster.Namespace || got.GetName() != cluster.Name {
-		return nil, refuse("was minted for another ClusterProfile")
+		return nil, refused
 	}
 	return grant, nil
 }
@@ -272,7 +285,7 @@ func (p *Proxy) watchGrant(ctx context.Context, cancel context.CancelCauseFunc, 
 // admit takes one request slot of cluster and of user, or fails with
 // errdefs.ErrResourceExhausted; release gives them back.
 func (p *Proxy) admit(cluster types.NamespacedName, user string) (release func(), err error) {
-	ck, uk := "cluster:"+cluster.String(), "user:"+user
+	ck, uk := "cluster:"+cluster.String(), "user:"+cluster.String()+":"+user
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	switch {
@@ -280,8 +293,8 @@ func (p *Proxy) admit(cluster types.NamespacedName, user string) (release func()
 		return nil, fmt.Errorf("ClusterProfile %s has %d proxied requests in flight, the most the broker allows (--proxy-max-requests-per-cluster): %w",
 			cluster, p.cfg.MaxRequestsPerCluster, errdefs.ErrResourceExhausted)
 	case p.inFlight[uk] >= p.cfg.MaxRequestsPerConsumer:
-		return nil, fmt.Errorf("%s has %d proxied requests in flight, the most the broker allows (--proxy-max-requests-per-consumer): %w",
-			user, p.cfg.MaxRequestsPerConsumer, errdefs.ErrResourceExhausted)
+		return nil, fmt.Errorf("%s has %d proxied requests in flight to ClusterProfile %s, the most the broker allows (--proxy-max-requests-per-consumer): %w",
+			user, p.cfg.MaxRequestsPerConsumer, cluster, errdefs.ErrResourceExhausted)
 	}
 	p.inFlight[ck]++
 	p.inFlight[uk]++
@@ -338,18 +351,45 @@ func (p *Proxy) done(rw *recorder, r *http.Request, cluster types.NamespacedName
 	if code == 0 {
 		code = http.StatusOK
 	}
-	clusterLabel := cluster.String()
-	if cluster.Name == "" {
-		clusterLabel = ""
+	// Only a ClusterProfile that a live token was authorized for labels
+	// the metrics: anyone may send any path.
+	label := ""
+	if user != "" {
+		label = cluster.String()
 	}
-	p.metrics.requests.WithLabelValues(clusterLabel, strconv.Itoa(code)).Inc()
-	p.metrics.bytes.WithLabelValues(clusterLabel).Add(float64(rw.bytes))
-	kv := []any{"credentialID", credentialID, "cluster", clusterLabel, "user", user, "verb", r.Method,
+	p.metrics.requests.WithLabelValues(label, strconv.Itoa(code)).Inc()
+	p.metrics.bytes.WithLabelValues(label).Add(float64(rw.bytes))
+	kv := []any{"credentialID", credentialID, "cluster", cluster.String(), "user", user, "verb", r.Method,
 		"path", clip(r.URL.Path), "code", code, "bytes", rw.bytes, "durationSeconds", took.Seconds()}
 	if err != nil {
 		kv = append(kv, "reason", err.Error())
 	}
 	p.cfg.Audit.Info("apiproxy request", kv...)
+}
+
+// webSocketBearerPrefix starts a WebSocket subprotocol in which
+// kube-apiserver accepts a bearer token (base64url-encoded).
+const webSocketBearerPrefix = "base64url.bearer.authorization.k8s.io."
+
+// dropBearerProtocols removes from h's Sec-WebSocket-Protocol the
+// subprotocols that carry a bearer token.
+func dropBearerProtocols(h http.Header) {
+	values := h.Values("Sec-WebSocket-Protocol")
+	if len(values) == 0 {
+		return
+	}
+	var keep []string
+	for _, v := range values {
+		for p := range strings.SplitSeq(v, ",") {
+			if p = strings.TrimSpace(p); p != "" && !strings.HasPrefix(p, webSocketBearerPrefix) {
+				keep = append(keep, p)
+			}
+		}
+	}
+	h.Del("Sec-WebSocket-Protocol")
+	if len(keep) > 0 {
+		h.Set("Sec-WebSocket-Protocol", strings.Join(keep, ", "))
+	}
 }
 
 // bearerOf returns the request's bearer token.
@@ -438,7 +478,7 @@ func newProxyMetrics(reg prometheus.Registerer) (*proxyMetrics, error) {
 	m := &proxyMetrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "credbroker_apiproxy_requests_total",
-			Help: "Requests to the API proxy, by ClusterProfile (empty when the path names none) and HTTP code.",
+			Help: "Requests to the API proxy, by ClusterProfile (empty unless a live token of it was authorized) and HTTP code.",
 		}, []string{"cluster", "code"}),
 		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "credbroker_apiproxy_response_bytes_total",

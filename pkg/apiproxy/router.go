@@ -53,8 +53,13 @@ type RouterConfig struct {
 	// it ends soon after its ClusterProfile stops naming its agent or the
 	// trust bundle drops its CA. Default 1s.
 	RecheckInterval time.Duration
-	Log             logr.Logger
-	Clock           clock.WithTicker
+	// MaxStreamsPerCluster bounds the data path streams one ClusterProfile
+	// may hold to this replica, as the AgentTunnel's. Default 512.
+	MaxStreamsPerCluster int
+	// DialTimeout bounds one dial through an agent. Default 10s.
+	DialTimeout time.Duration
+	Log         logr.Logger
+	Clock       clock.WithTicker
 }
 
 // Router carries connections to spoke API servers over the agents'
@@ -98,6 +103,12 @@ func NewRouter(cfg RouterConfig) (*Router, error) {
 	}
 	if cfg.RecheckInterval <= 0 {
 		cfg.RecheckInterval = time.Second
+	}
+	if cfg.MaxStreamsPerCluster <= 0 {
+		cfg.MaxStreamsPerCluster = 512
+	}
+	if cfg.DialTimeout <= 0 {
+		cfg.DialTimeout = 10 * time.Second
 	}
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
@@ -145,10 +156,14 @@ func (r *Router) server(cluster tunnel.ClusterRef) (*anpserver.ProxyServer, bool
 // join adds one agent stream to cluster's proxy server, making it if needed
 // (a new incarnation replaces the old one, whose streams Readmit ends), and
 // returns the server and the func that takes the stream out again.
-func (r *Router) join(cluster tunnel.ClusterRef) (*anpserver.ProxyServer, func()) {
+func (r *Router) join(cluster tunnel.ClusterRef) (*anpserver.ProxyServer, func(), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	c, ok := r.clusters[cluster.NamespacedName]
+	if ok && c.uid == cluster.UID && c.backends >= r.cfg.MaxStreamsPerCluster {
+		return nil, nil, fmt.Errorf("ClusterProfile %s holds %d data path streams to this broker, the most it allows (--max-streams-per-cluster): %w",
+			cluster, c.backends, errdefs.ErrResourceExhausted)
+	}
 	if !ok || c.uid != cluster.UID {
 		c = &clusterServer{
 			uid: cluster.UID,
@@ -165,7 +180,7 @@ func (r *Router) join(cluster tunnel.ClusterRef) (*anpserver.ProxyServer, func()
 		if c.backends == 0 && r.clusters[cluster.NamespacedName] == c {
 			delete(r.clusters, cluster.NamespacedName)
 		}
-	}
+	}, nil
 }
 
 // Connect serves one agent's konnectivity stream: the agent is admitted as
@@ -180,7 +195,11 @@ func (r *Router) Connect(stream agentpb.AgentService_ConnectServer) error {
 		return errdefs.ToStatus(err).Err()
 	}
 	log := r.cfg.Log.WithValues("agent", adm.Agent.String(), "cluster", adm.Cluster.String())
-	srv, leave := r.join(adm.Cluster)
+	srv, leave, err := r.join(adm.Cluster)
+	if err != nil {
+		log.Info("data path stream refused", "reason", err.Error())
+		return errdefs.ToStatus(err).Err()
+	}
 	defer leave()
 
 	ctx, cancel := context.WithCancelCause(stream.Context())
@@ -235,6 +254,8 @@ func (r *Router) Dial(ctx context.Context, cluster tunnel.ClusterRef) (net.Conn,
 	if _, ok := r.server(cluster); !ok {
 		return nil, fmt.Errorf("no agent of ClusterProfile %s carries its API server: %w", cluster, errdefs.ErrUnavailable)
 	}
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.DialTimeout)
+	defer cancel()
 	// The tunnel lives as long as the connection it carries, not as the
 	// dial's ctx.
 	tunnelCtx := metadata.AppendToOutgoingContext(context.WithoutCancel(ctx),

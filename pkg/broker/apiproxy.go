@@ -25,9 +25,10 @@ func (b *Broker) newDataPath() (err error) {
 	var id [8]byte
 	_, _ = rand.Read(id[:])
 	if b.router, err = apiproxy.NewRouter(apiproxy.RouterConfig{
-		Admitter: b.tunnel,
-		ServerID: "credbroker-" + hex.EncodeToString(id[:]),
-		Log:      b.cfg.Log.WithName("datapath"),
+		Admitter:             b.tunnel,
+		ServerID:             "credbroker-" + hex.EncodeToString(id[:]),
+		MaxStreamsPerCluster: b.cfg.MaxStreamsPerCluster,
+		Log:                  b.cfg.Log.WithName("datapath"),
 	}); err != nil {
 		return err
 	}
@@ -90,8 +91,19 @@ func (b *Broker) serveProxy(ctx context.Context, drained <-chan struct{}) error 
 	return nil
 }
 
-// upstreams resolves a ClusterProfile to its API server as the agents of
-// its live incarnation offer it.
+// DataPathStreams reports how many data path streams carry the
+// ClusterProfile's API server to this replica.
+func (b *Broker) DataPathStreams(namespace, name string) int {
+	cp, err := b.profiles.Get(namespace, name)
+	if err != nil {
+		return 0
+	}
+	return b.router.Carriers(tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID})
+}
+
+// upstreams resolves a ClusterProfile to its API server as its status
+// records it (apiproxy.DataPathExtensionName), never as an agent offers it
+// at the moment.
 type upstreams struct{ b *Broker }
 
 func (u upstreams) Upstream(key types.NamespacedName) (apiproxy.Upstream, error) {
@@ -99,15 +111,15 @@ func (u upstreams) Upstream(key types.NamespacedName) (apiproxy.Upstream, error)
 	if err != nil {
 		return apiproxy.Upstream{}, err
 	}
+	dp, err := apiproxy.DataPathOf(cp, u.b.cfg.AccessProviderName)
+	if err != nil {
+		return apiproxy.Upstream{}, fmt.Errorf("ClusterProfile %s records no data path to its API server: %v; with --publish-access-provider "+
+			"and --proxy-url the broker publishes the one its agents agree on, or its cluster manager writes it: %w", key, err, errdefs.ErrUnavailable)
+	}
 	ref := tunnel.ClusterRef{NamespacedName: key, UID: cp.UID}
-	offers, live := u.b.tunnel.DataPaths(ref)
-	switch {
-	case len(offers) == 0 || u.b.router.Carriers(ref) == 0:
+	if u.b.router.Carriers(ref) == 0 {
 		return apiproxy.Upstream{}, fmt.Errorf("no agent of ClusterProfile %s carries its API server to this broker: "+
 			"an agent offers it when it runs without --advertise-server (or with --data-path): %w", key, errdefs.ErrUnavailable)
-	case len(offers) > 1 || offers[0].Streams != live:
-		return apiproxy.Upstream{}, fmt.Errorf("the agents of ClusterProfile %s disagree on how its API server is verified "+
-			"(%d different offers among %d streams), so no request is forwarded until they agree: %w", key, len(offers), live, errdefs.ErrUnavailable)
 	}
-	return apiproxy.Upstream{Cluster: ref, ServerName: offers[0].ServerName, CAData: offers[0].CAData}, nil
+	return apiproxy.Upstream{Cluster: ref, ServerName: dp.ServerName, CAData: dp.CertificateAuthorityData}, nil
 }

@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
+	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
@@ -43,13 +44,16 @@ func (s tunnelSource) Advertised(key types.NamespacedName) ([]publish.Advertisem
 	}
 	// Agents that advertise no server of their own, and all offer their
 	// API server through the data path, are reached through the API proxy.
+	// The data path they offer is published with it, and so pinned: the
+	// proxy verifies the spoke API server with what is published only.
 	if len(ads) == 0 && s.b.cfg.ProxyURL != "" {
-		if offers, n := s.b.tunnel.DataPaths(ref); len(offers) > 0 && n == live {
-			streams := 0
-			for _, o := range offers {
-				streams += o.Streams
-			}
-			out = append(out, publish.Advertisement{Server: apiproxy.URL(s.b.cfg.ProxyURL, key), CAData: s.b.cfg.ProxyCAData, Streams: streams})
+		for _, o := range s.b.tunnel.DataPaths(ref) {
+			out = append(out, publish.Advertisement{
+				Server: apiproxy.URL(s.b.cfg.ProxyURL, key), CAData: s.b.cfg.ProxyCAData, Streams: o.Streams,
+				Extensions: []clientcmdv1.NamedExtension{apiproxy.DataPathExtension(apiproxy.DataPathConfig{
+					ServerName: o.ServerName, CertificateAuthorityData: o.CAData,
+				})},
+			})
 		}
 	}
 	return out, live

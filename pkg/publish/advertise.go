@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"k8s.io/apimachinery/pkg/types"
+	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/internal/serverurl"
@@ -44,8 +45,9 @@ func ValidServer(server string) bool {
 type verdict struct {
 	// server and caData are the server and CA to publish; server is empty
 	// when nothing is to be published.
-	server string
-	caData []byte
+	server     string
+	caData     []byte
+	extensions []clientcmdv1.NamedExtension
 	// conflict is the kind of conflict, empty when there is none.
 	conflict string
 }
@@ -71,13 +73,13 @@ func decide(pinned *v1alpha1.AccessProvider, ads []Advertisement) verdict {
 	var v verdict
 	switch {
 	case pinned != nil && ValidServer(pinned.Cluster.Server):
-		v.server, v.caData = pinned.Cluster.Server, pinned.Cluster.CertificateAuthorityData
+		v.server, v.caData, v.extensions = pinned.Cluster.Server, pinned.Cluster.CertificateAuthorityData, extraExtensions(pinned)
 		if len(valid) > 1 || (len(valid) == 1 &&
-			(valid[0].Server != v.server || !bytes.Equal(valid[0].CAData, v.caData))) {
+			(valid[0].Server != v.server || !bytes.Equal(valid[0].CAData, v.caData) || !sameExtensions(valid[0].Extensions, v.extensions))) {
 			v.conflict = conflictPinned
 		}
 	case len(valid) == 1:
-		v.server, v.caData = valid[0].Server, valid[0].CAData
+		v.server, v.caData, v.extensions = valid[0].Server, valid[0].CAData, valid[0].Extensions
 	case len(valid) > 1:
 		v.conflict = conflictAgents
 	}

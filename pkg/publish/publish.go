@@ -34,9 +34,12 @@ const (
 // Advertisement is one server URL and CA that live agent streams of a
 // ClusterProfile advertised in their hellos, and how many streams did.
 type Advertisement struct {
-	Server  string
-	CAData  []byte
-	Streams int
+	Server string
+	CAData []byte
+	// Extensions, beside the exec extension, are published with them,
+	// such as the data path of a spoke reached through the API proxy.
+	Extensions []clientcmdv1.NamedExtension
+	Streams    int
 }
 
 // Source tells what the agents of a ClusterProfile advertised: every
@@ -190,7 +193,7 @@ func (p *Publisher) Reconcile(ctx context.Context, key types.NamespacedName) (ti
 		status, reason = metav1.ConditionTrue, ReasonAgentConnected
 		message = "An agent of this cluster is connected to credbroker."
 		if v.server != "" {
-			want = p.entry(key, v.server, v.caData)
+			want = p.entry(key, v.server, v.caData, v.extensions)
 		}
 		switch {
 		case v.conflict == conflictPinned:
@@ -262,13 +265,38 @@ type applyMeta struct {
 	Name      string `json:"name"`
 }
 
-func (p *Publisher) entry(key types.NamespacedName, server string, caData []byte) *v1alpha1.AccessProvider {
+func (p *Publisher) entry(key types.NamespacedName, server string, caData []byte, extra []clientcmdv1.NamedExtension) *v1alpha1.AccessProvider {
 	ext, _ := json.Marshal(map[string]any{"clusterProfile": map[string]string{"namespace": key.Namespace, "name": key.Name}})
 	return &v1alpha1.AccessProvider{Name: p.cfg.ProviderName, Cluster: clientcmdv1.Cluster{
 		Server:                   server,
 		CertificateAuthorityData: caData,
-		Extensions:               []clientcmdv1.NamedExtension{{Name: ExecExtensionName, Extension: runtime.RawExtension{Raw: ext}}},
+		Extensions:               append([]clientcmdv1.NamedExtension{{Name: ExecExtensionName, Extension: runtime.RawExtension{Raw: ext}}}, extra...),
 	}}
+}
+
+// extraExtensions returns the extensions of entry other than the exec
+// extension, which the publisher writes itself.
+func extraExtensions(entry *v1alpha1.AccessProvider) []clientcmdv1.NamedExtension {
+	var out []clientcmdv1.NamedExtension
+	for _, e := range entry.Cluster.Extensions {
+		if e.Name != ExecExtensionName {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// sameExtensions compares two lists of extensions, by name and JSON.
+func sameExtensions(a, b []clientcmdv1.NamedExtension) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i].Name != b[i].Name || !sameJSON(a[i].Extension.Raw, b[i].Extension.Raw) {
+			return false
+		}
+	}
+	return true
 }
 
 // observed returns the publisher's entry and condition in cp's status.

@@ -110,6 +110,8 @@ func TestMintedTokenIsRecordedAsGrant(t *testing.T) {
 		ServiceAccount: &pb.ObjectReference{Namespace: "spoke", Name: "reader"},
 		Audiences:      []string{"x", "y"},
 		ExpirationTime: timestamppb.New(t0.Add(1200 * time.Second)),
+		// The API proxy forwards the token only if it hashes to this.
+		TokenSha256: tokenSHA256(resp.GetToken()),
 	}}}
 	assert.True(t, proto.Equal(want, g.updates[0]), "got %v", g.updates[0])
 }

@@ -607,9 +607,8 @@ type DataPathOffer struct {
 }
 
 // DataPaths returns every distinct data path offer of the live sessions of
-// cluster, oldest first, with the number of live sessions (those that
-// offered none included). Like Advertised, it picks none.
-func (s *Server) DataPaths(cluster ClusterRef) (offers []DataPathOffer, live int) {
+// cluster, oldest first. Like Advertised, it picks none.
+func (s *Server) DataPaths(cluster ClusterRef) (offers []DataPathOffer) {
 	list := s.live(cluster)
 	for _, sess := range list {
 		dp := sess.hello.GetDataPath()
@@ -625,7 +624,7 @@ func (s *Server) DataPaths(cluster ClusterRef) (offers []DataPathOffer, live int
 		}
 		offers[i].Streams++
 	}
-	return offers, len(list)
+	return offers
 }
 
 // Advertisement is one spoke API server URL and CA that live sessions of a

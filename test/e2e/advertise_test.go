@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -75,14 +76,26 @@ func startDecoy(t *testing.T) *decoyServer {
 // sends. The stream ends with the returned func, or with the test.
 func connectAdvertiser(t *testing.T, addr, profile, server string, caPEM []byte) func() {
 	t.Helper()
+	return connectWithHello(t, addr, profile, &pb.Hello{AgentVersion: "advertiser", Server: server, CertificateAuthorityData: caPEM})
+}
+
+// stolenAgentCredentials are the client credentials of a process that holds
+// an SVID for the agent of fleet/<profile>, issued by the deployment's CA.
+func stolenAgentCredentials(t *testing.T, profile string) credentials.TransportCredentials {
+	t.Helper()
 	certPEM, keyPEM, err := deployment.CA.IssueSVID(framework.AgentID(profile), time.Hour)
 	require.NoError(t, err)
 	svid, err := x509svid.Parse(certPEM, keyPEM)
 	require.NoError(t, err)
 	bundle, err := x509bundle.Parse(deployment.CA.TrustDomain(), deployment.CA.BundlePEM())
 	require.NoError(t, err)
-	creds := identity.ClientCredentials(svid, bundle, spiffeid.RequireFromPath(deployment.CA.TrustDomain(), "/broker"))
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds))
+	return identity.ClientCredentials(svid, bundle, spiffeid.RequireFromPath(deployment.CA.TrustDomain(), "/broker"))
+}
+
+// connectWithHello is connectAdvertiser with a hello of the caller's.
+func connectWithHello(t *testing.T, addr, profile string, hello *pb.Hello) func() {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(stolenAgentCredentials(t, profile)))
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -94,9 +107,7 @@ func connectAdvertiser(t *testing.T, addr, profile, server string, caPEM []byte)
 	t.Cleanup(stop)
 	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
 	require.NoError(t, err)
-	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{
-		AgentVersion: "advertiser", Server: server, CertificateAuthorityData: caPEM,
-	}}}))
+	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: hello}}))
 	md, err := stream.Header()
 	require.NoError(t, err)
 	require.NotEmpty(t, md.Get("credbroker-cluster"), "the broker did not admit the second agent")

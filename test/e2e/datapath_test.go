@@ -3,11 +3,13 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"os"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
@@ -38,6 +40,12 @@ func dataPathProfile(t *testing.T, spoke *framework.Cluster, prefix string) (nam
 	require.NoError(t, err)
 	access := deployment.ProfileAccess(spoke, framework.FleetNamespace, name)
 	access.Server, access.CAData = apiproxy.URL("https://"+deployment.Broker.ProxyAddr(), clusterKey(name)), ca
+	// As the publisher pins it, or a cluster manager writes it.
+	u, err := url.Parse(spoke.Server)
+	require.NoError(t, err)
+	access.Extensions = append(access.Extensions, apiproxy.DataPathExtension(apiproxy.DataPathConfig{
+		ServerName: u.Hostname(), CertificateAuthorityData: spoke.CAData,
+	}))
 	_, err = env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, access)
 	require.NoError(t, err)
 	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{
@@ -186,4 +194,63 @@ func clusterKey(name string) types.NamespacedName {
 
 func clusterKeyRef(name string) *pb.ObjectReference {
 	return &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: name}
+}
+
+// A stolen agent identity cannot take the proxy's connections, and the
+// tokens in them, to a server of its own. Beside the honest agent, a
+// process that holds the agent's SVID and nothing of the spoke offers its
+// own listener and CA in its hello and carries most of the replica's dials
+// (four data path streams to the agent's one), connecting them to that
+// listener. The proxy verifies the spoke with what the ClusterProfile's
+// status records, never with an agent's offer: the listener completes no
+// handshake, receives no token, and the consumer still reaches the spoke.
+func TestStolenAgentIdentityCannotRedirectTheDataPath(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[0]
+	name, server := dataPathProfile(t, spoke, "datapath-stolen")
+	c := newConsumer(t, "credbroker", name)
+	ns := optIn(t, spoke, "reader", c.username())
+	require.NoError(t, spoke.Grant(ctx, "", framework.ServiceAccountSubject(ns, "reader"), []rbacv1.PolicyRule{listNS}))
+	resp, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterKeyRef(name), ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "reader"}})
+	require.NoError(t, err)
+
+	decoy := startDecoy(t)
+	decoyURL, err := url.Parse(decoy.URL)
+	require.NoError(t, err)
+	connectWithHello(t, deployment.Broker.AgentAddr(), name, &pb.Hello{AgentVersion: "thief", DataPath: &pb.DataPath{
+		ServerName: decoyURL.Hostname(), CertificateAuthorityData: decoy.caPEM,
+	}})
+	rctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	for range 4 {
+		thief, err := apiproxy.NewBackend(apiproxy.BackendConfig{
+			Credentials: stolenAgentCredentials(t, name), APIServer: decoyURL.Host, Log: logr.Discard(),
+		})
+		require.NoError(t, err)
+		go thief.Serve(rctx, deployment.Broker.AgentAddr())
+	}
+	key := clusterKey(name)
+	require.Eventually(t, func() bool {
+		return deployment.Broker.DataPathStreams(key.Namespace, key.Name) == 5
+	}, 10*time.Second, 20*time.Millisecond, "the thief's streams never joined")
+
+	// Each request on a new connection, so that each dials anew.
+	var served, failed int
+	for range 20 {
+		ca, err := os.ReadFile(deployment.CAFile)
+		require.NoError(t, err)
+		client, err := kubernetes.NewForConfig(&rest.Config{Host: server, BearerToken: resp.GetToken(),
+			TLSClientConfig: rest.TLSClientConfig{CAData: ca}, DisableCompression: true})
+		require.NoError(t, err)
+		if _, err := client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{}); err == nil {
+			served++
+		} else {
+			failed++
+		}
+	}
+	t.Logf("20 requests: %d served by the spoke, %d failed on the thief's streams; the thief's listener got %d requests, %d with a token",
+		served, failed, decoy.requests.Load(), decoy.bearers.Load())
+	assert.Zero(t, decoy.bearers.Load(), "the thief's listener received a token")
+	assert.Zero(t, decoy.requests.Load(), "the proxy sent a request to the thief's listener")
+	assert.Positive(t, served, "the consumer never reached the spoke")
 }

@@ -439,6 +439,8 @@ type Access struct {
 	// ExecConfig, when set, is raw JSON put in the cluster extension named
 	// ExecExtensionName.
 	ExecConfig []byte
+	// Extensions are put in the cluster after it.
+	Extensions []clientcmdv1.NamedExtension
 }
 
 // CreateClusterProfile creates the namespace if needed and a ClusterProfile
@@ -462,6 +464,7 @@ func (c *Cluster) CreateClusterProfile(ctx context.Context, namespace, name stri
 				Name: ExecExtensionName, Extension: runtime.RawExtension{Raw: access.ExecConfig},
 			})
 		}
+		provider.Cluster.Extensions = append(provider.Cluster.Extensions, access.Extensions...)
 	}
 	if err := c.EnsureNamespace(ctx, namespace); err != nil {
 		return nil, err
