@@ -1,11 +1,15 @@
 package apiproxy
 
 import (
+	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"k8s.io/apimachinery/pkg/types"
@@ -107,4 +111,31 @@ func TestBackendDialsOnlyTheAPIServer(t *testing.T) {
 		assert.Equal(t, tt.wantProtocol, req.GetProtocol(), "%s %s", tt.protocol, tt.address)
 		assert.Equal(t, tt.wantAddress, req.GetAddress(), "%s %s", tt.protocol, tt.address)
 	}
+}
+
+// Anyone may send any path: a refused request labels the metrics with no
+// ClusterProfile, so random names cannot grow them.
+func TestRefusedRequestsLabelNoClusterProfile(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	p, err := NewProxy(ProxyConfig{
+		Dialer: nil, Grants: &fakeGrants{}, Upstreams: fakeUpstreams{}, Registerer: reg,
+		Audit: logr.Discard(), Log: logr.Discard(),
+	})
+	require.Error(t, err, "a proxy without a Dialer")
+	p, err = NewProxy(ProxyConfig{
+		Dialer: &Router{}, Grants: &fakeGrants{}, Upstreams: fakeUpstreams{}, Registerer: reg,
+		Audit: logr.Discard(), Log: logr.Discard(),
+	})
+	require.NoError(t, err)
+	for i := range 50 {
+		w := httptest.NewRecorder()
+		r := httptest.NewRequest(http.MethodGet, fmt.Sprintf("/clusters/ns-%d/name-%d/api", i, i), nil)
+		if i%2 == 0 {
+			r.Header.Set("Authorization", "Bearer not-minted")
+		}
+		p.ServeHTTP(w, r)
+		require.Equal(t, http.StatusUnauthorized, w.Code)
+	}
+	assert.Equal(t, 1, testutil.CollectAndCount(p.metrics.requests), "series of credbroker_apiproxy_requests_total")
+	assert.Equal(t, 50.0, testutil.ToFloat64(p.metrics.requests.WithLabelValues("", "401")))
 }
