@@ -117,12 +117,12 @@ func TestBackendDialsOnlyTheAPIServer(t *testing.T) {
 // ClusterProfile, so random names cannot grow them.
 func TestRefusedRequestsLabelNoClusterProfile(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	p, err := NewProxy(ProxyConfig{
+	_, err := NewProxy(ProxyConfig{
 		Dialer: nil, Grants: &fakeGrants{}, Upstreams: fakeUpstreams{}, Registerer: reg,
 		Audit: logr.Discard(), Log: logr.Discard(),
 	})
 	require.Error(t, err, "a proxy without a Dialer")
-	p, err = NewProxy(ProxyConfig{
+	p, err := NewProxy(ProxyConfig{
 		Dialer: &Router{}, Grants: &fakeGrants{}, Upstreams: fakeUpstreams{}, Registerer: reg,
 		Audit: logr.Discard(), Log: logr.Discard(),
 	})
