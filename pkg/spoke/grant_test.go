@@ -2,6 +2,8 @@ package spoke
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -312,6 +314,8 @@ func TestMintBindsTokenToGrant(t *testing.T) {
 		GrantAudiencesAnnotation:         "vault",
 		GrantExpirationAnnotation:        issuedAt.Add(900 * time.Second).Format(time.RFC3339),
 		GrantCredentialIDAnnotation:      "JTI=jti-apps-deployer",
+		// The API proxy forwards the token only if it hashes to this.
+		GrantTokenSHA256Annotation: hex.EncodeToString(sha256Of(resp.GetToken())),
 	}, grant.Annotations)
 	assert.Equal(t, sub.Groups, splitGroups(grant.Annotations[GrantHubGroupsAnnotation]))
 
@@ -631,4 +635,9 @@ func TestMintLogsAGrantItCannotDelete(t *testing.T) {
 			assert.Equal(t, tt.logged, strings.Contains(lines.String(), "failed to delete the grant of a failed mint"))
 		})
 	}
+}
+
+func sha256Of(s string) []byte {
+	sum := sha256.Sum256([]byte(s))
+	return sum[:]
 }
