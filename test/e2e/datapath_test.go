@@ -2,9 +2,13 @@ package e2e
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
+	"io"
+	"net"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -20,9 +24,12 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	ctrlclient "sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/apiproxy"
+	"github.com/credbroker/credbroker/pkg/brokerclient"
+	"github.com/credbroker/credbroker/pkg/client"
 	"github.com/credbroker/credbroker/pkg/grants"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
@@ -253,4 +260,122 @@ func TestStolenAgentIdentityCannotRedirectTheDataPath(t *testing.T) {
 	assert.Zero(t, decoy.bearers.Load(), "the thief's listener received a token")
 	assert.Zero(t, decoy.requests.Load(), "the proxy sent a request to the thief's listener")
 	assert.Positive(t, served, "the consumer never reached the spoke")
+}
+
+// failover forwards each connection to the first of targets that accepts
+// it, as a Service in front of the replicas would once a replica is gone.
+func failover(t *testing.T, targets ...string) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lis.Close() })
+	go func() {
+		for {
+			in, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer in.Close()
+				for _, target := range targets {
+					out, err := net.DialTimeout("tcp", target, time.Second)
+					if err != nil {
+						continue
+					}
+					defer out.Close()
+					go func() { _, _ = io.Copy(out, in) }()
+					_, _ = io.Copy(in, out)
+					return
+				}
+			}()
+		}
+	}()
+	return lis.Addr().String()
+}
+
+// The replica that carries a watch goes; the watch ends, and the
+// consumer's next request succeeds through the other replica, which knows
+// the token from the agent's grant report and has its own data path
+// stream from the agent.
+func TestDataPathSurvivesTheReplicaThatCarriesAWatch(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[0]
+	name, _ := dataPathProfile(t, spoke, "datapath-ha")
+	c := newConsumer(t, "credbroker", name)
+	ns := optIn(t, spoke, "reader", c.username())
+	require.NoError(t, spoke.Grant(ctx, ns, framework.ServiceAccountSubject(ns, "reader"), []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"list", "watch"}},
+	}))
+	resp, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterKeyRef(name), ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "reader"}})
+	require.NoError(t, err)
+	key := clusterKey(name)
+	for i, b := range deployment.Brokers {
+		require.Eventually(t, func() bool { return b.DataPathStreams(key.Namespace, key.Name) == 1 }, 10*time.Second, 20*time.Millisecond,
+			"replica %d has no data path stream of the agent", i)
+		require.Eventually(t, func() bool { _, ok := b.Grants().Live(resp.GetCredentialId()); return ok }, 10*time.Second, 20*time.Millisecond,
+			"replica %d does not know the token", i)
+	}
+	front := failover(t, deployment.Brokers[0].ProxyAddr(), deployment.Brokers[1].ProxyAddr())
+	client := proxyClient(t, apiproxy.URL("https://"+front, key), resp.GetToken())
+
+	w, err := client.CoreV1().ConfigMaps(ns).Watch(ctx, metav1.ListOptions{})
+	require.NoError(t, err)
+	defer w.Stop()
+	servedBy := func(i int) float64 {
+		m, err := framework.ScrapeMetrics(ctx, deployment.Brokers[i].MetricsAddr())
+		require.NoError(t, err)
+		return m.Sum("credbroker_apiproxy_requests_total", `cluster="`+key.String()+`"`, `code="200"`)
+	}
+	before := servedBy(1)
+
+	restarted := make(chan error, 1)
+	go func() { _, err := deployment.RestartBroker(0); restarted <- err }()
+	select {
+	case _, open := <-w.ResultChan():
+		for open {
+			_, open = <-w.ResultChan()
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the watch outlived its replica")
+	}
+	_, err = client.CoreV1().ConfigMaps(ns).List(ctx, metav1.ListOptions{})
+	require.NoError(t, err, "the next request after the replica went")
+	require.NoError(t, <-restarted)
+	assert.Greater(t, servedBy(1), before, "the other replica did not serve the next request")
+}
+
+// pkg/client reaches a data path spoke with nothing new: the exchange
+// answers the proxy's URL, and a controller-runtime client lists through
+// it with the tokens pkg/client gets.
+func TestGoClientThroughTheDataPath(t *testing.T) {
+	spoke := env.Spokes[1]
+	name, server := dataPathProfile(t, spoke, "datapath-client")
+	c := newConsumer(t, "credbroker", name)
+	ns := optIn(t, spoke, "controller", c.username())
+	require.NoError(t, spoke.Grant(t.Context(), ns, framework.ServiceAccountSubject(ns, "controller"), []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"list"}},
+	}))
+	tokenFile := filepath.Join(t.TempDir(), "token")
+	require.NoError(t, os.WriteFile(tokenFile, []byte(c.token), 0o600))
+	roots, err := brokerclient.LoadCAFile(deployment.CAFile)
+	require.NoError(t, err)
+	tokens, err := client.NewFileTokenSource(tokenFile, 0, nil)
+	require.NoError(t, err)
+	gc, err := client.New(client.Config{
+		Address: deployment.Broker.ExchangeAddr(), TLS: &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}, TokenSource: tokens,
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = gc.Close() })
+	cfg, err := gc.RESTConfigFor(t.Context(), framework.FleetNamespace, name)
+	require.NoError(t, err)
+	assert.Equal(t, server, cfg.Host)
+	cl, err := ctrlclient.New(cfg, ctrlclient.Options{})
+	require.NoError(t, err)
+	var sas corev1.ServiceAccountList
+	require.NoError(t, cl.List(t.Context(), &sas, ctrlclient.InNamespace(ns)))
+	var names []string
+	for _, sa := range sas.Items {
+		names = append(names, sa.Name)
+	}
+	assert.Contains(t, names, "controller")
 }

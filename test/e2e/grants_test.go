@@ -56,6 +56,10 @@ func readObjects(t *testing.T, path string) []any {
 // applySpokeAdmission creates on spoke the admission policies and bindings
 // of deploy/spoke/admission.yaml, as shipped, waits until they refuse the
 // agent a Secret in probeNamespace, and deletes them when the test ends.
+// grantSecretType is spoke.GrantType, where a parameter named spoke hides
+// the package.
+const grantSecretType = spoke.GrantType
+
 func applySpokeAdmission(t *testing.T, spoke *framework.Cluster, probeNamespace string) {
 	t.Helper()
 	ctx := context.Background()
@@ -80,16 +84,35 @@ func applySpokeAdmission(t *testing.T, spoke *framework.Cluster, probeNamespace 
 		}
 		require.NoError(t, err)
 	}
-	// A policy takes effect once the API server has loaded it.
-	secrets, agent := spoke.Client.CoreV1().Secrets(probeNamespace), agentClient(t, spoke).CoreV1().Secrets(probeNamespace)
-	require.Eventually(t, func() bool {
-		s, err := agent.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: "probe-"}}, metav1.CreateOptions{})
-		if err == nil {
-			_ = secrets.Delete(ctx, s.Name, metav1.DeleteOptions{})
-			return false
-		}
-		return apierrors.IsForbidden(err)
-	}, 10*time.Second, 50*time.Millisecond, "the agent still creates Secrets that are not grants")
+	// A policy takes effect once the API server has loaded it, each on its
+	// own: probe every one, in dry runs where the probe could succeed.
+	secrets, agent := spoke.Client.CoreV1().Secrets(probeNamespace), agentClient(t, spoke)
+	_, err := spoke.CreateServiceAccount(ctx, probeNamespace, "admission-probe", nil)
+	require.NoError(t, err)
+	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
+	long := int64(86400)
+	probes := map[string]func() error{
+		"credbroker-agent-grants": func() error {
+			_, err := agent.CoreV1().Secrets(probeNamespace).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: "probe-"}}, dryRun)
+			return err
+		},
+		"credbroker-grant-writers": func() error {
+			_, err := secrets.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: "credbroker-grant-"}, Type: grantSecretType}, dryRun)
+			return err
+		},
+		"credbroker-agent-bound-tokens": func() error {
+			_, err := agent.CoreV1().ServiceAccounts(probeNamespace).CreateToken(ctx, "admission-probe",
+				&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &long}}, dryRun)
+			return err
+		},
+	}
+	for policy, probe := range probes {
+		var last error
+		require.Eventually(t, func() bool {
+			last = probe()
+			return apierrors.IsForbidden(last) && strings.Contains(last.Error(), "'"+policy+"'")
+		}, 10*time.Second, 50*time.Millisecond, "%s is not enforced: %v", policy, last)
+	}
 }
 
 // The agent's RBAC as shipped is what the e2e agents run with.
