@@ -77,9 +77,9 @@ type ProxyConfig struct {
 	// RecheckInterval is how often a request in flight checks that its
 	// grant is still live, and ends when it is not. Default 500ms.
 	RecheckInterval time.Duration
-	// Audit gets one line per proxied request; Log the proxy's own events.
-	Audit, Log logr.Logger
-	Clock      clock.PassiveClock
+	// Audit gets one line per proxied request.
+	Audit logr.Logger
+	Clock clock.PassiveClock
 	// Registerer takes the proxy's metrics; nil registers none.
 	Registerer prometheus.Registerer
 }

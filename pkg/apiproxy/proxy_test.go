@@ -119,12 +119,12 @@ func TestRefusedRequestsLabelNoClusterProfile(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	_, err := NewProxy(ProxyConfig{
 		Dialer: nil, Grants: &fakeGrants{}, Upstreams: fakeUpstreams{}, Registerer: reg,
-		Audit: logr.Discard(), Log: logr.Discard(),
+		Audit: logr.Discard(),
 	})
 	require.Error(t, err, "a proxy without a Dialer")
 	p, err := NewProxy(ProxyConfig{
 		Dialer: &Router{}, Grants: &fakeGrants{}, Upstreams: fakeUpstreams{}, Registerer: reg,
-		Audit: logr.Discard(), Log: logr.Discard(),
+		Audit: logr.Discard(),
 	})
 	require.NoError(t, err)
 	for i := range 50 {

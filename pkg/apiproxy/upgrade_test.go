@@ -127,7 +127,7 @@ func dataPath(t *testing.T, upstream *httptest.Server) (string, *fakeGrants) {
 		Dialer: router, Grants: grants,
 		Upstreams:       fakeUpstreams{Upstream{Cluster: testCluster, ServerName: "127.0.0.1", CAData: ca}},
 		RecheckInterval: 20 * time.Millisecond,
-		Audit:           logr.Discard(), Log: logr.Discard(),
+		Audit:           logr.Discard(),
 	})
 	require.NoError(t, err)
 	front := httptest.NewServer(proxy)

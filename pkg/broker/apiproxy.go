@@ -43,7 +43,6 @@ func (b *Broker) newDataPath() (err error) {
 		MaxRequestsPerConsumer: b.cfg.ProxyMaxRequestsPerConsumer,
 		ResponseHeaderTimeout:  b.cfg.ProxyResponseHeaderTimeout,
 		Audit:                  b.cfg.Audit,
-		Log:                    b.cfg.Log.WithName("apiproxy"),
 		Registerer:             b.registry,
 	})
 	if err != nil {
