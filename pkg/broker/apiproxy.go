@@ -74,20 +74,21 @@ func (b *Broker) ProxyAddr() string {
 	return b.proxyLis.Addr().String()
 }
 
-// serveProxy serves the API proxy until ctx ends, then shuts it down
-// within the time left of the drain.
-func (b *Broker) serveProxy(ctx context.Context, drained <-chan struct{}) error {
-	go func() {
-		<-drained
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		defer cancel()
-		_ = b.proxyServer.Shutdown(sctx)
-		_ = b.proxyServer.Close()
-	}()
+// serveProxy serves the API proxy until the drain stops it (stopProxy).
+func (b *Broker) serveProxy() error {
 	if err := b.proxyServer.ServeTLS(b.proxyLis, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return fmt.Errorf("broker: proxy server: %w", err)
 	}
 	return nil
+}
+
+// stopProxy closes the API proxy's listener, lets the requests in flight
+// finish for at most grace, and then closes what is left.
+func (b *Broker) stopProxy(grace time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	_ = b.proxyServer.Shutdown(ctx)
+	_ = b.proxyServer.Close()
 }
 
 // DataPathStreams reports how many data path streams carry the

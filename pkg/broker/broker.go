@@ -388,7 +388,6 @@ func (b *Broker) Run(ctx context.Context) error {
 	agents := b.grpcServer(identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain), agentKeepalive)
 	pb.RegisterAgentTunnelServer(agents, b.tunnel)
 	agentpb.RegisterAgentServiceServer(agents, b.router)
-	g.Go(func() error { return b.router.Run(ctx) })
 
 	serveGRPC := func(name string, s *grpc.Server, lis net.Listener) {
 		g.Go(func() error {
@@ -401,6 +400,15 @@ func (b *Broker) Run(ctx context.Context) error {
 	serveGRPC("exchange", exchange, b.exchangeLis)
 	serveGRPC("agent", agents, b.agentLis)
 	drained := make(chan struct{})
+	// The router's in-memory frontend outlives the drain: the API proxy
+	// serves until then.
+	routerCtx, stopRouter := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopRouter()
+	go func() {
+		<-drained
+		stopRouter()
+	}()
+	g.Go(func() error { return b.router.Run(routerCtx) })
 	g.Go(func() error {
 		defer close(drained)
 		<-ctx.Done()
@@ -411,7 +419,7 @@ func (b *Broker) Run(ctx context.Context) error {
 		g.Go(func() error { return b.serveMetrics(drained) })
 	}
 	if b.proxyServer != nil {
-		g.Go(func() error { return b.serveProxy(ctx, drained) })
+		g.Go(b.serveProxy)
 	}
 
 	b.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
@@ -469,6 +477,12 @@ func (b *Broker) drain(exchange, agents *grpc.Server) {
 	b.tunnel.Drain()
 	b.log.Info("broker draining", "grace", b.cfg.ShutdownGrace.String(), "delay", b.cfg.ShutdownDelay.String())
 	time.Sleep(b.cfg.ShutdownDelay)
+	if b.proxyServer != nil {
+		// Before the agent streams close: a consumer's next request goes
+		// to another replica, not to one that has no agent left. Watches
+		// and upgraded connections are cut after half the time left.
+		b.stopProxy(time.Until(deadline) / 2)
+	}
 	stopGracefully(exchange, time.Until(deadline))
 	b.tunnel.Close()
 	stopGracefully(agents, time.Until(deadline))
