@@ -237,14 +237,7 @@ func (s *Server) Readmit(adm Admission) error {
 	if _, err := s.verify(adm.Agent, adm.chain); err != nil {
 		return err
 	}
-	got, err := s.cfg.Resolver.ResolveAgent(adm.Agent)
-	switch {
-	case err != nil:
-		return fmt.Errorf("agent %s no longer serves %s: %w", adm.Agent, adm.Cluster, err)
-	case got != adm.Cluster:
-		return fmt.Errorf("agent %s no longer serves %s: the ClusterProfile changed: %w", adm.Agent, adm.Cluster, errdefs.ErrPermissionDenied)
-	}
-	return nil
+	return s.stillServes(adm.Agent, adm.Cluster)
 }
 
 // Connect serves one agent stream until the agent leaves, the stream breaks,
@@ -675,14 +668,22 @@ func (s *Server) Revalidate(key types.NamespacedName) {
 // revalidate closes sess unless its agent still maps to the ClusterProfile
 // incarnation it was admitted for.
 func (s *Server) revalidate(sess *session) {
-	got, err := s.cfg.Resolver.ResolveAgent(sess.agent)
+	if err := s.stillServes(sess.agent, sess.cluster); err != nil {
+		sess.cancel(err)
+	}
+}
+
+// stillServes reports why agent no longer maps to the ClusterProfile
+// incarnation cluster, or nil.
+func (s *Server) stillServes(agent spiffeid.ID, cluster ClusterRef) error {
+	got, err := s.cfg.Resolver.ResolveAgent(agent)
 	switch {
 	case err != nil:
-		sess.cancel(fmt.Errorf("agent %s no longer serves %s: %w", sess.agent, sess.cluster, err))
-	case got != sess.cluster:
-		sess.cancel(fmt.Errorf("agent %s no longer serves %s: the ClusterProfile changed: %w",
-			sess.agent, sess.cluster, errdefs.ErrPermissionDenied))
+		return fmt.Errorf("agent %s no longer serves %s: %w", agent, cluster, err)
+	case got != cluster:
+		return fmt.Errorf("agent %s no longer serves %s: the ClusterProfile changed: %w", agent, cluster, errdefs.ErrPermissionDenied)
 	}
+	return nil
 }
 
 // Reverify checks the SVID of every live stream against the current trust

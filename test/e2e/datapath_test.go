@@ -3,8 +3,8 @@ package e2e
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/url"
 	"os"
@@ -269,27 +269,14 @@ func failover(t *testing.T, targets ...string) string {
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = lis.Close() })
-	go func() {
-		for {
-			in, err := lis.Accept()
-			if err != nil {
-				return
+	go relay(lis, func() (net.Conn, error) {
+		for _, target := range targets {
+			if out, err := net.DialTimeout("tcp", target, time.Second); err == nil {
+				return out, nil
 			}
-			go func() {
-				defer in.Close()
-				for _, target := range targets {
-					out, err := net.DialTimeout("tcp", target, time.Second)
-					if err != nil {
-						continue
-					}
-					defer out.Close()
-					go func() { _, _ = io.Copy(out, in) }()
-					_, _ = io.Copy(in, out)
-					return
-				}
-			}()
 		}
-	}()
+		return nil, errors.New("no target accepts")
+	})
 	return lis.Addr().String()
 }
 

@@ -141,6 +141,12 @@ func loopbackUp() error {
 // bridge copies each connection lis accepts to a new connection to
 // network/addr, both ways, until lis closes.
 func bridge(lis net.Listener, network, addr string) {
+	relay(lis, func() (net.Conn, error) { return net.Dial(network, addr) })
+}
+
+// relay copies each connection lis accepts to a new connection that dial
+// opens, both ways, until lis closes.
+func relay(lis net.Listener, dial func() (net.Conn, error)) {
 	for {
 		in, err := lis.Accept()
 		if err != nil {
@@ -148,7 +154,7 @@ func bridge(lis net.Listener, network, addr string) {
 		}
 		go func() {
 			defer in.Close()
-			out, err := net.Dial(network, addr)
+			out, err := dial()
 			if err != nil {
 				return
 			}
