@@ -98,6 +98,7 @@ func TestBench(t *testing.T) {
 	t.Run("d_spoke_load", func(t *testing.T) { b.spokeLoad(t) })
 	t.Run("e_agent_qps", func(t *testing.T) { b.agentQPS(t) })
 	t.Run("g_plugin", func(t *testing.T) { b.plugin(t) })
+	t.Run("h_data_path", func(t *testing.T) { b.dataPath(t) })
 	t.Run("profile", func(t *testing.T) { b.profile(t) })
 	_ = ctx
 
