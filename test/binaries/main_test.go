@@ -58,11 +58,12 @@ const rateBurst = 5
 const revision = framework.TestRevision
 
 func TestMain(m *testing.M) {
-	flag.Parse()
 	os.Exit(run(m))
 }
 
 func run(m *testing.M) int {
+	flag.Parse()
+	defer framework.WatchStuckTests(os.Stderr)()
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	dir, err := os.MkdirTemp("", "credbroker-binaries-")

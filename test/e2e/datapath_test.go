@@ -317,15 +317,17 @@ func TestDataPathSurvivesTheReplicaThatCarriesAWatch(t *testing.T) {
 
 	restarted := make(chan error, 1)
 	go func() { _, err := deployment.RestartBroker(0); restarted <- err }()
-	select {
-	case _, open := <-w.ResultChan():
-		for open {
-			_, open = <-w.ResultChan()
+	ended := time.After(30 * time.Second)
+	for open := true; open; {
+		select {
+		case _, open = <-w.ResultChan():
+		case <-ended:
+			t.Fatal("the watch outlived its replica")
 		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the watch outlived its replica")
 	}
-	_, err = client.CoreV1().ConfigMaps(ns).List(ctx, metav1.ListOptions{})
+	listCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	_, err = client.CoreV1().ConfigMaps(ns).List(listCtx, metav1.ListOptions{})
 	require.NoError(t, err, "the next request after the replica went")
 	require.NoError(t, <-restarted)
 	assert.Greater(t, servedBy(1), before, "the other replica did not serve the next request")

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -45,6 +46,8 @@ func TestMain(m *testing.M) {
 }
 
 func run(m *testing.M) int {
+	flag.Parse()
+	defer framework.WatchStuckTests(os.Stderr)()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	dir, err := os.MkdirTemp("", "credbroker-e2e-")

@@ -2,6 +2,7 @@ package faults
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -55,6 +56,8 @@ func TestMain(m *testing.M) {
 }
 
 func run(m *testing.M) int {
+	flag.Parse()
+	defer framework.WatchStuckTests(os.Stderr)()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dir, err := os.MkdirTemp("", "credbroker-faults-")
