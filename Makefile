@@ -16,7 +16,7 @@ SPIRE     := hack/spire.sh
 # CREDBROKER_SPIRE.
 ASSETS     = KUBEBUILDER_ASSETS="$$($(TESTBIN))"
 SPIRE_BIN  = CREDBROKER_SPIRE="$$($(SPIRE))"
-TEST_FLAGS ?= -race -shuffle=on -timeout 20m
+TEST_FLAGS ?= -race -shuffle=on -timeout 40m
 BENCH_FLAGS ?= -benchtime 200x -count 1
 
 BINARIES := broker spoke-agent credbroker-plugin credbroker

@@ -108,7 +108,10 @@ func connectWithHello(t *testing.T, addr, profile string, hello *pb.Hello) func(
 	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
 	require.NoError(t, err)
 	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: hello}}))
+	// A broker that never answers the hello ends the stream, not the test.
+	unanswered := time.AfterFunc(30*time.Second, cancel)
 	md, err := stream.Header()
+	unanswered.Stop()
 	require.NoError(t, err)
 	require.NotEmpty(t, md.Get("credbroker-cluster"), "the broker did not admit the second agent")
 	wg.Go(func() {

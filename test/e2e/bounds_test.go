@@ -119,7 +119,11 @@ func (a *floodAgent) open(ctx context.Context, hello *pb.Hello) (*floodStream, e
 		cancel()
 		return nil, err
 	}
-	if md, err := stream.Header(); err != nil || len(md.Get("credbroker-cluster")) == 0 {
+	// A broker that never answers the hello ends the stream, not the test.
+	unanswered := time.AfterFunc(30*time.Second, cancel)
+	md, err := stream.Header()
+	unanswered.Stop()
+	if err != nil || len(md.Get("credbroker-cluster")) == 0 {
 		cancel()
 		return nil, fmt.Errorf("not admitted: %v", err)
 	}

@@ -69,7 +69,9 @@ func proxyClient(t *testing.T, server, bearer string) kubernetes.Interface {
 	t.Helper()
 	ca, err := os.ReadFile(deployment.CAFile)
 	require.NoError(t, err)
-	c, err := kubernetes.NewForConfig(&rest.Config{Host: server, BearerToken: bearer, TLSClientConfig: rest.TLSClientConfig{CAData: ca}})
+	// Timeout bounds every request, watches included, of a proxy that
+	// accepts a connection but never answers.
+	c, err := kubernetes.NewForConfig(&rest.Config{Host: server, BearerToken: bearer, TLSClientConfig: rest.TLSClientConfig{CAData: ca}, Timeout: time.Minute})
 	require.NoError(t, err)
 	return c
 }
@@ -329,7 +331,12 @@ func TestDataPathSurvivesTheReplicaThatCarriesAWatch(t *testing.T) {
 	defer cancel()
 	_, err = client.CoreV1().ConfigMaps(ns).List(listCtx, metav1.ListOptions{})
 	require.NoError(t, err, "the next request after the replica went")
-	require.NoError(t, <-restarted)
+	select {
+	case err := <-restarted:
+		require.NoError(t, err)
+	case <-time.After(time.Minute):
+		t.Fatal("the replica did not restart within a minute")
+	}
 	assert.Greater(t, servedBy(1), before, "the other replica did not serve the next request")
 }
 

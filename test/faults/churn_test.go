@@ -116,8 +116,9 @@ func TestChurn(t *testing.T) {
 		agent, err := deployment.StartAgentProcess(ctx, spoke2, agentOpts)
 		require.NoError(t, err)
 		serves := func() bool {
-			err := exchange(f.client, c.Consumer, name, "target-0")(ctx, 0)
-			return err == nil
+			callCtx, cancel := context.WithTimeout(ctx, 2*mintTimeout)
+			defer cancel()
+			return exchange(f.client, c.Consumer, name, "target-0")(callCtx, 0) == nil
 		}
 		waitFor(t, time.Minute, "the churned ClusterProfile to be served", serves)
 		churned.Store(&name)

@@ -76,7 +76,9 @@ func TestAcknowledgedRevokeSurvivesReplicaKill(t *testing.T) {
 
 	var resp *pb.ExchangeResponse
 	waitFor(t, time.Minute, "the agent to serve the new ClusterProfile", func() bool {
-		resp, err = exchangeB.Exchange(c.Context(ctx), &pb.ExchangeRequest{
+		callCtx, cancel := context.WithTimeout(c.Context(ctx), 2*mintTimeout)
+		defer cancel()
+		resp, err = exchangeB.Exchange(callCtx, &pb.ExchangeRequest{
 			Cluster: cluster, ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "target"},
 		})
 		return err == nil
@@ -87,7 +89,9 @@ func TestAcknowledgedRevokeSurvivesReplicaKill(t *testing.T) {
 	require.True(t, review.Authenticated, "the brokered token does not work: %s", review.Error)
 	selector := &pb.GrantSelector{CredentialId: id}
 	waitFor(t, time.Minute, "replica A to learn the grant from the agent", func() bool {
-		list, err := grantsA.List(c.Context(ctx), &pb.ListGrantsRequest{Selector: selector})
+		callCtx, cancel := context.WithTimeout(c.Context(ctx), 2*mintTimeout)
+		defer cancel()
+		list, err := grantsA.List(callCtx, &pb.ListGrantsRequest{Selector: selector})
 		return err == nil && len(list.GetGrants()) == 1
 	})
 	waitFor(t, 30*time.Second, "replica B to know the grant", func() bool {

@@ -71,7 +71,7 @@ func startProcFleet(t *testing.T) *procFleet {
 }
 
 func ready(addr string) bool {
-	resp, err := http.Get("http://" + addr + "/readyz")
+	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get("http://" + addr + "/readyz")
 	if err != nil {
 		return false
 	}

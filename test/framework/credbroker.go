@@ -480,6 +480,10 @@ type AgentOptions struct {
 	KeepGrants bool
 }
 
+// admissionTimeout bounds StartAgentWith's wait for the agent's first
+// stream, whatever the caller's context.
+const admissionTimeout = time.Minute
+
 // StartAgentWith is StartAgent with options.
 func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts AgentOptions) (stop func(), err error) {
 	id := opts.ID
@@ -575,6 +579,9 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	case <-ctx.Done():
 		stopAgent()
 		return nil, fmt.Errorf("framework: agent %s on %s was not admitted: %w", id, spoke.Name, ctx.Err())
+	case <-time.After(admissionTimeout):
+		stopAgent()
+		return nil, fmt.Errorf("framework: agent %s on %s was not admitted within %s", id, spoke.Name, admissionTimeout)
 	}
 }
 

@@ -3,6 +3,7 @@ package framework
 import (
 	"context"
 	"errors"
+	"time"
 
 	"google.golang.org/grpc"
 
@@ -24,7 +25,10 @@ func AdmitFakeAgent(ctx context.Context, client pb.AgentTunnelClient, agentVersi
 		cancel()
 		return nil, err
 	}
+	// A broker that never answers the hello ends the stream, not the caller.
+	unanswered := time.AfterFunc(30*time.Second, cancel)
 	md, err := stream.Header()
+	unanswered.Stop()
 	if err != nil || len(md.Get("credbroker-cluster")) == 0 {
 		cancel()
 		return nil, errors.Join(err, errors.New("not admitted"))

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"time"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -21,6 +22,10 @@ type Metrics struct {
 	families map[string]*dto.MetricFamily
 }
 
+// scrapeClient bounds a scrape of a process that accepts connections but
+// does not answer yet, such as a broker that waits for its informers.
+var scrapeClient = &http.Client{Timeout: 10 * time.Second}
+
 // ScrapeMetrics reads http://addr/metrics.
 func ScrapeMetrics(ctx context.Context, addr string) (*Metrics, error) {
 	if addr == "" {
@@ -30,7 +35,7 @@ func ScrapeMetrics(ctx context.Context, addr string) (*Metrics, error) {
 	if err != nil {
 		return nil, err
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := scrapeClient.Do(req)
 	if err != nil {
 		return nil, fmt.Errorf("framework: scrape %s: %w", addr, err)
 	}
