@@ -105,15 +105,8 @@ func connectWithHello(t *testing.T, addr, profile string, hello *pb.Hello) func(
 		_ = conn.Close()
 	})
 	t.Cleanup(stop)
-	stream, err := pb.NewAgentTunnelClient(conn).Connect(ctx)
-	require.NoError(t, err)
-	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: hello}}))
-	// A broker that never answers the hello ends the stream, not the test.
-	unanswered := time.AfterFunc(30*time.Second, cancel)
-	md, err := stream.Header()
-	unanswered.Stop()
-	require.NoError(t, err)
-	require.NotEmpty(t, md.Get("credbroker-cluster"), "the broker did not admit the second agent")
+	stream, err := framework.AdmitFakeAgentHello(ctx, pb.NewAgentTunnelClient(conn), hello)
+	require.NoError(t, err, "the broker did not admit the second agent")
 	wg.Go(func() {
 		for {
 			if _, err := stream.Recv(); err != nil {

@@ -110,22 +110,10 @@ func (s *floodStream) closed() bool {
 // open sends hello on a new stream and returns once the broker admitted it.
 func (a *floodAgent) open(ctx context.Context, hello *pb.Hello) (*floodStream, error) {
 	sctx, cancel := context.WithCancel(ctx)
-	stream, err := a.client.Connect(sctx)
+	stream, err := framework.AdmitFakeAgentHello(sctx, a.client, hello)
 	if err != nil {
 		cancel()
 		return nil, err
-	}
-	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: hello}}); err != nil {
-		cancel()
-		return nil, err
-	}
-	// A broker that never answers the hello ends the stream, not the test.
-	unanswered := time.AfterFunc(30*time.Second, cancel)
-	md, err := stream.Header()
-	unanswered.Stop()
-	if err != nil || len(md.Get("credbroker-cluster")) == 0 {
-		cancel()
-		return nil, fmt.Errorf("not admitted: %v", err)
 	}
 	s := &floodStream{stream: stream, cancel: cancel, done: make(chan struct{})}
 	go func() {

@@ -15,13 +15,18 @@ import (
 // header. The stream lives as long as ctx. Tests use it for agents that
 // misbehave or that are simulated by the thousand.
 func AdmitFakeAgent(ctx context.Context, client pb.AgentTunnelClient, agentVersion string) (grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], error) {
+	return AdmitFakeAgentHello(ctx, client, &pb.Hello{AgentVersion: agentVersion})
+}
+
+// AdmitFakeAgentHello is AdmitFakeAgent with a hello of the caller's.
+func AdmitFakeAgentHello(ctx context.Context, client pb.AgentTunnelClient, hello *pb.Hello) (grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame], error) {
 	sctx, cancel := context.WithCancel(ctx)
 	stream, err := client.Connect(sctx)
 	if err != nil {
 		cancel()
 		return nil, err
 	}
-	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{AgentVersion: agentVersion}}}); err != nil {
+	if err := stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: hello}}); err != nil {
 		cancel()
 		return nil, err
 	}
