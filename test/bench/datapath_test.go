@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"net/url"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -14,11 +12,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/test/framework"
 )
 
@@ -50,16 +46,8 @@ func (b *bench) dataPath(t *testing.T) {
 
 	// The ClusterProfile names the proxy as its server, and the spoke API
 	// server the proxy verifies, as the publisher pins it.
-	brokerCA, err := os.ReadFile(deployment.CAFile)
+	access, err := deployment.DataPathAccess(spoke, "https://"+proxyAddr, framework.FleetNamespace, dataPathProfile)
 	require.NoError(t, err)
-	access := deployment.ProfileAccess(spoke, framework.FleetNamespace, dataPathProfile)
-	access.Server = apiproxy.URL("https://"+proxyAddr, types.NamespacedName{Namespace: framework.FleetNamespace, Name: dataPathProfile})
-	access.CAData = brokerCA
-	spokeURL, err := url.Parse(spoke.Server)
-	require.NoError(t, err)
-	access.Extensions = append(access.Extensions, apiproxy.DataPathExtension(apiproxy.DataPathConfig{
-		ServerName: spokeURL.Hostname(), CertificateAuthorityData: spoke.CAData,
-	}))
 	_, err = env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, dataPathProfile, access)
 	require.NoError(t, err)
 

@@ -43,16 +43,8 @@ func dataPathProfile(t *testing.T, spoke *framework.Cluster, prefix string) (nam
 	t.Helper()
 	ctx := context.Background()
 	name = uniqueName(t, prefix)
-	ca, err := os.ReadFile(deployment.CAFile)
+	access, err := deployment.DataPathAccess(spoke, "https://"+deployment.Broker.ProxyAddr(), framework.FleetNamespace, name)
 	require.NoError(t, err)
-	access := deployment.ProfileAccess(spoke, framework.FleetNamespace, name)
-	access.Server, access.CAData = apiproxy.URL("https://"+deployment.Broker.ProxyAddr(), clusterKey(name)), ca
-	// As the publisher pins it, or a cluster manager writes it.
-	u, err := url.Parse(spoke.Server)
-	require.NoError(t, err)
-	access.Extensions = append(access.Extensions, apiproxy.DataPathExtension(apiproxy.DataPathConfig{
-		ServerName: u.Hostname(), CertificateAuthorityData: spoke.CAData,
-	}))
 	_, err = env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, access)
 	require.NoError(t, err)
 	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{

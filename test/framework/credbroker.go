@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
@@ -28,6 +29,7 @@ import (
 	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/internal/testpki"
 	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/broker"
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/plugin"
@@ -342,6 +344,29 @@ func (d *Deployment) ClusterProfileAccess(spoke *Cluster) *Access {
 func (d *Deployment) ProfileAccess(spoke *Cluster, namespace, name string) *Access {
 	ext, _ := json.Marshal(plugin.ExecConfig{ClusterProfile: &plugin.Reference{Namespace: namespace, Name: name}})
 	return spoke.Access(plugin.Name, ext)
+}
+
+// DataPathAccess is the access provider entry of the ClusterProfile
+// namespace/name whose spoke is reached through the API proxy at proxyURL
+// (https://host:port): the proxy's URL of the ClusterProfile and the
+// brokers' CA, and the spoke's server name and CA in the data path
+// extension, as the publisher pins them or a cluster manager writes them.
+func (d *Deployment) DataPathAccess(spoke *Cluster, proxyURL, namespace, name string) (*Access, error) {
+	ca, err := os.ReadFile(d.CAFile)
+	if err != nil {
+		return nil, err
+	}
+	u, err := url.Parse(spoke.Server)
+	if err != nil {
+		return nil, err
+	}
+	access := d.ProfileAccess(spoke, namespace, name)
+	access.Server = apiproxy.URL(proxyURL, types.NamespacedName{Namespace: namespace, Name: name})
+	access.CAData = ca
+	access.Extensions = append(access.Extensions, apiproxy.DataPathExtension(apiproxy.DataPathConfig{
+		ServerName: u.Hostname(), CertificateAuthorityData: spoke.CAData,
+	}))
+	return access, nil
 }
 
 // Agents returns the running agents of the spoke named spoke.
