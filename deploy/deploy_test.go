@@ -677,3 +677,44 @@ func TestAdmissionHoldsARenamedAgent(t *testing.T) {
 	require.NoError(t, err, "the renamed agent may not write a grant")
 	require.NoError(t, c.Client.CoreV1().Secrets(victim).Delete(ctx, written.Name, metav1.DeleteOptions{}))
 }
+
+// The Argo CD patch merges into Argo CD's application controller, and the
+// hub API server (1.35, where image volumes are on by default) accepts the
+// result: the plugin's own image mounted where the cluster Secret's command
+// names it, and the credbroker projected volume.
+func TestArgoCDControllerPatch(t *testing.T) {
+	dir := t.TempDir()
+	for _, f := range []string{"testdata/argocd-application-controller.yaml", "examples/argocd-application-controller-patch.yaml"} {
+		raw, err := os.ReadFile(f)
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, filepath.Base(f)), raw, 0o600))
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(
+		"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - argocd-application-controller.yaml\n"+
+			"patches:\n  - path: argocd-application-controller-patch.yaml\n"), 0o600))
+	objs := kustomize(t, dir)
+	var pod corev1.PodSpec
+	for _, o := range objs {
+		if o.GetKind() == "StatefulSet" {
+			spec, _, err := unstructured.NestedMap(o.Object, "spec", "template", "spec")
+			require.NoError(t, err)
+			require.NoError(t, runtime.DefaultUnstructuredConverter.FromUnstructured(spec, &pod))
+		}
+	}
+	require.Len(t, pod.Containers, 1)
+	mounts := map[string]string{}
+	for _, m := range pod.Containers[0].VolumeMounts {
+		mounts[m.Name] = m.MountPath
+	}
+	assert.Equal(t, map[string]string{"argocd-home": "/home/argocd", "credbroker-plugin": "/opt/credbroker", "credbroker": "/var/run/secrets/credbroker"}, mounts)
+	for _, v := range pod.Volumes {
+		if v.Name == "credbroker-plugin" {
+			version, err := os.ReadFile("../VERSION")
+			require.NoError(t, err)
+			require.NotNil(t, v.Image)
+			assert.Equal(t, "ghcr.io/credbroker/credbroker-plugin:"+strings.TrimSpace(string(version)), v.Image.Reference)
+		}
+	}
+	accepted := newApplier(t, clusters(t).Hub).applyAll(t, objs)
+	t.Logf("server-side dry-run accepted: %s", strings.Join(accepted, ", "))
+}

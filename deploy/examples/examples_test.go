@@ -14,37 +14,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"sigs.k8s.io/yaml"
+
+	"github.com/credbroker/credbroker/pkg/plugin"
+	"github.com/credbroker/credbroker/test/framework"
 )
-
-// argoClusterConfig mirrors the json tags of Argo CD's ClusterConfig
-// (pkg/apis/application/v1alpha1, the "config" key of a cluster Secret), as
-// Argo CD documents them in its declarative setup.
-type argoClusterConfig struct {
-	Username           string                  `json:"username,omitempty"`
-	Password           string                  `json:"password,omitempty"`
-	BearerToken        string                  `json:"bearerToken,omitempty"`
-	TLSClientConfig    argoTLSClientConfig     `json:"tlsClientConfig"`
-	AWSAuthConfig      *json.RawMessage        `json:"awsAuthConfig,omitempty"`
-	ExecProviderConfig *argoExecProviderConfig `json:"execProviderConfig,omitempty"`
-	DisableCompression bool                    `json:"disableCompression,omitempty"`
-	ProxyURL           string                  `json:"proxyUrl,omitempty"`
-}
-
-type argoTLSClientConfig struct {
-	Insecure   bool   `json:"insecure"`
-	ServerName string `json:"serverName,omitempty"`
-	CertData   []byte `json:"certData,omitempty"`
-	KeyData    []byte `json:"keyData,omitempty"`
-	CAData     []byte `json:"caData,omitempty"`
-}
-
-type argoExecProviderConfig struct {
-	Command     string            `json:"command,omitempty"`
-	Args        []string          `json:"args,omitempty"`
-	Env         map[string]string `json:"env,omitempty"`
-	APIVersion  string            `json:"apiVersion,omitempty"`
-	InstallHint string            `json:"installHint,omitempty"`
-}
 
 // The Argo CD cluster Secret is a cluster Secret, its config holds only
 // fields Argo CD knows, it runs credbroker-plugin with the plugin's flags,
@@ -52,8 +25,8 @@ type argoExecProviderConfig struct {
 func TestArgoCDClusterSecret(t *testing.T) {
 	raw, err := os.ReadFile("argocd-cluster-secret.yaml")
 	require.NoError(t, err)
-	var secret corev1.Secret
-	require.NoError(t, yaml.UnmarshalStrict(raw, &secret))
+	secret, cfg, err := framework.ParseArgoCDClusterSecret(raw)
+	require.NoError(t, err)
 	assert.Equal(t, "Secret", secret.Kind)
 	assert.Equal(t, "cluster", secret.Labels["argocd.argoproj.io/secret-type"])
 	assert.Empty(t, secret.Data, "stringData only")
@@ -61,11 +34,6 @@ func TestArgoCDClusterSecret(t *testing.T) {
 		assert.NotEmpty(t, secret.StringData[key], key)
 	}
 	assert.True(t, strings.HasPrefix(secret.StringData["server"], "https://"))
-
-	dec := json.NewDecoder(strings.NewReader(secret.StringData["config"]))
-	dec.DisallowUnknownFields() // a misspelt field Argo CD would ignore
-	var cfg argoClusterConfig
-	require.NoError(t, dec.Decode(&cfg))
 
 	assert.Empty(t, cfg.BearerToken, "no token")
 	assert.Empty(t, cfg.Username+cfg.Password, "no password")
@@ -77,13 +45,21 @@ func TestArgoCDClusterSecret(t *testing.T) {
 
 	exec := cfg.ExecProviderConfig
 	require.NotNil(t, exec)
-	assert.Equal(t, "credbroker-plugin", exec.Command)
+	assert.Equal(t, "/opt/credbroker/credbroker-plugin", exec.Command, "where argocd-application-controller-patch.yaml mounts it")
 	assert.Equal(t, "client.authentication.k8s.io/v1", exec.APIVersion)
 	assert.NotEmpty(t, exec.InstallHint)
 	args := strings.Join(exec.Args, " ")
-	for _, flag := range []string{"--broker-address=", "--ca-file=", "--token-file=", "--cluster="} {
+	for _, flag := range []string{"--broker-address=", "--ca-file=", "--token-file="} {
 		assert.Contains(t, args, flag)
 	}
+	// Argo CD v3.5: the plugin gets the server and CA to pin, and the
+	// ClusterProfile from the exec extension; test/e2e
+	// TestArgoCDClusterSecret runs the file.
+	assert.True(t, exec.ProvideClusterInfo, "provideClusterInfo")
+	require.NotNil(t, exec.Config)
+	var ext plugin.ExecConfig
+	require.NoError(t, json.Unmarshal(exec.Config.Raw, &ext))
+	assert.Equal(t, &plugin.Reference{Namespace: "fleet", Name: "spoke-1"}, ext.ClusterProfile)
 	for k, v := range exec.Env {
 		assert.NotContains(t, strings.ToLower(k+v), "token=", "no token in the environment")
 	}

@@ -39,6 +39,7 @@ var foreign = map[string]string{
 	"subresource":                          "kubectl patch --subresource=status",
 	"type":                                 "kubectl patch --type",
 	"cascade":                              "kubectl delete --cascade=foreground",
+	"from":                                 "a Dockerfile's COPY --from=<image> that puts the plugin into an Argo CD image",
 	"service-account-max-token-expiration": "kube-apiserver (the spoke's cap on token lifetimes)",
 	"service-account-extend-token-expiration": "kube-apiserver (a year for the kubelet's projected tokens)",
 }
