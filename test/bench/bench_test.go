@@ -44,11 +44,13 @@ const (
 // consumerLimits are the broker flags that an operator sizing the broker
 // for these consumers would raise: the per-consumer limit of mints and hub
 // reviews, and the TokenReview limits of new tokens (the load generator's
-// consumers all come from 127.0.0.1, where a fleet's come from many pods).
+// consumers all come from 127.0.0.1 and one hub namespace, where a
+// fleet's come from many pods and namespaces).
 var consumerLimits = []string{
 	"--rate-limit=1000000", "--rate-burst=1000000",
 	"--review-rate-limit=100000", "--review-burst=100000",
 	"--peer-review-rate-limit=100000", "--peer-review-burst=100000",
+	"--namespace-review-rate-limit=100000", "--namespace-review-burst=100000",
 }
 
 // brokerProc is the broker binary under test.
