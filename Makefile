@@ -60,11 +60,11 @@ lint: ## Run gofmt, go vet and staticcheck (pinned in hack/tools).
 	$(TOOLS) staticcheck ./...
 
 .PHONY: testbin
-testbin: ## Build kube-apiserver, kubectl and etcd for the tests into the version-keyed cache (about 7.5 min cold).
+testbin: ## Build kube-apiserver, kubectl and etcd for the tests into the version-keyed cache (about 6 min cold).
 	@$(TESTBIN) >/dev/null
 
 .PHONY: spire
-spire: ## Build spire-server and spire-agent for the tests into the version-keyed cache (about 8 min cold).
+spire: ## Build spire-server and spire-agent for the tests into the version-keyed cache (about 7.5 min cold).
 	@$(SPIRE) >/dev/null
 
 .PHONY: test

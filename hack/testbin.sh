@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds kube-apiserver, etcd and kubectl from the Go module proxy into a
 # cache folder keyed by their versions, and prints that folder. Nothing
-# prebuilt is downloaded. A cold build takes about 11 minutes on 2 cores; a
+# prebuilt is downloaded. A cold build takes about 6 minutes on 2 cores; a
 # warm one is a no-op. kubectl renders deploy/ (kubectl kustomize) and runs
 # the kubeconfigs that the tests and the demo generate.
 set -euo pipefail
@@ -22,7 +22,7 @@ mkdir -p "$dir"
 tmp=$(mktemp -d "$dir/.build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 
-echo "testbin: building kube-apiserver and kubectl $k8s and etcd $etcd into $dir (about 11 minutes the first time)" >&2
+echo "testbin: building kube-apiserver and kubectl $k8s and etcd $etcd into $dir (about 6 minutes the first time)" >&2
 start=$SECONDS
 # A folder made before kubectl joined keeps what it has.
 [[ -x "$dir/etcd" ]] || go build -trimpath -ldflags='-s -w' -o "$tmp/etcd" ./cmd/etcd
