@@ -231,10 +231,13 @@ func newRunIndex(text string) runIndex {
 	return idx
 }
 
-var base64urlRun = regexp.MustCompile(`[A-Za-z0-9_-]+`)
+var (
+	base64urlRun  = regexp.MustCompile(`[A-Za-z0-9_-]+`)
+	base64urlOnly = regexp.MustCompile(`^[A-Za-z0-9_-]+$`)
+)
 
 func (idx runIndex) contains(s string) bool {
-	if !base64urlRun.MatchString(s) || base64urlRun.FindString(s) != s {
+	if !base64urlOnly.MatchString(s) {
 		return strings.Contains(idx.text, s)
 	}
 	for _, run := range idx.runs {

@@ -72,10 +72,6 @@ func ParseArgoCDClusterSecret(manifest []byte) (*corev1.Secret, *ArgoCDClusterCo
 	return &secret, &cfg, nil
 }
 
-// execExtensionName is the cluster extension that client-go hands an exec
-// plugin as spec.cluster.config.
-const execExtensionName = "client.authentication.k8s.io/exec"
-
 // RESTConfig is the client configuration that Argo CD's Cluster.RESTConfig
 // builds for a cluster Secret with an exec provider and server: the
 // server, its CA, and the ExecProvider, whose Config travels as the
@@ -100,12 +96,12 @@ func (c *ArgoCDClusterConfig) RESTConfig(server string) (*rest.Config, error) {
 		cfg.ExecProvider.Env = append(cfg.ExecProvider.Env, clientcmdapi.ExecEnvVar{Name: k, Value: exec.Env[k]})
 	}
 	if exec.Config != nil {
-		cluster := clientcmdv1.Cluster{Server: server, Extensions: []clientcmdv1.NamedExtension{{Name: execExtensionName, Extension: *exec.Config}}}
+		cluster := clientcmdv1.Cluster{Server: server, Extensions: []clientcmdv1.NamedExtension{{Name: ExecExtensionName, Extension: *exec.Config}}}
 		internal := clientcmdapi.NewCluster()
 		if err := clientcmdlatest.Scheme.Convert(&cluster, internal, nil); err != nil {
 			return nil, fmt.Errorf("framework: argocd exec config: %w", err)
 		}
-		cfg.ExecProvider.Config = internal.Extensions[execExtensionName]
+		cfg.ExecProvider.Config = internal.Extensions[ExecExtensionName]
 	}
 	return cfg, nil
 }
