@@ -80,24 +80,24 @@ func TestArgoCDClusterSecret(t *testing.T) {
 		stderr, err := list(t, argoCDExample(t, c, spoke.Server, spoke.CAData), spoke.Server)
 		require.NoError(t, err, stderr)
 	})
-	t.Run("another server under the example's ClusterProfile is refused", func(t *testing.T) {
-		other := env.Spokes[1]
-		stderr, err := list(t, argoCDExample(t, c, other.Server, other.CAData), other.Server)
-		require.Error(t, err)
-		assert.Contains(t, stderr, "refusing to hand its token to "+other.Server)
-	})
-	t.Run("without provideClusterInfo, as before Argo CD v3.5, the plugin refuses", func(t *testing.T) {
-		cfg := argoCDExample(t, c, spoke.Server, spoke.CAData)
-		cfg.ExecProviderConfig.ProvideClusterInfo = false
-		stderr, err := list(t, cfg, spoke.Server)
-		require.Error(t, err)
-		assert.Contains(t, stderr, "ExecCredential does not contain cluster information")
-	})
-	t.Run("without config, the plugin knows no ClusterProfile", func(t *testing.T) {
-		cfg := argoCDExample(t, c, spoke.Server, spoke.CAData)
-		cfg.ExecProviderConfig.Config = nil
-		stderr, err := list(t, cfg, spoke.Server)
-		require.Error(t, err)
-		assert.Contains(t, stderr, "no ClusterProfile to get a token for")
-	})
+	other := env.Spokes[1]
+	for _, tc := range []struct {
+		name, server, refusal string
+		change                func(*framework.ArgoCDClusterConfig)
+	}{
+		{"another server under the example's ClusterProfile is refused", other.Server, "refusing to hand its token to " + other.Server,
+			func(cfg *framework.ArgoCDClusterConfig) { cfg.TLSClientConfig.CAData = other.CAData }},
+		{"without provideClusterInfo, as before Argo CD v3.5, the plugin refuses", spoke.Server, "ExecCredential does not contain cluster information",
+			func(cfg *framework.ArgoCDClusterConfig) { cfg.ExecProviderConfig.ProvideClusterInfo = false }},
+		{"without config, the plugin knows no ClusterProfile", spoke.Server, "no ClusterProfile to get a token for",
+			func(cfg *framework.ArgoCDClusterConfig) { cfg.ExecProviderConfig.Config = nil }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := argoCDExample(t, c, tc.server, spoke.CAData)
+			tc.change(cfg)
+			stderr, err := list(t, cfg, tc.server)
+			require.Error(t, err)
+			assert.Contains(t, stderr, tc.refusal)
+		})
+	}
 }
