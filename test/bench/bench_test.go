@@ -228,14 +228,20 @@ func tail(s string) string {
 func directClients(t *testing.T, n int, cluster *framework.Cluster) []kubernetes.Interface {
 	out := make([]kubernetes.Interface, n)
 	for i := range out {
-		cfg := rest.CopyConfig(cluster.Config)
-		cfg.QPS, cfg.Burst = -1, 0
-		cfg.Dial = (&net.Dialer{}).DialContext
-		var err error
-		out[i], err = kubernetes.NewForConfig(cfg)
-		require.NoError(t, err)
+		out[i] = unthrottledClient(t, cluster.Config)
 	}
 	return out
+}
+
+// unthrottledClient is a clientset of cfg on a transport of its own, with
+// the client-side rate limit off.
+func unthrottledClient(t *testing.T, cfg *rest.Config) kubernetes.Interface {
+	cfg = rest.CopyConfig(cfg)
+	cfg.QPS, cfg.Burst = -1, 0
+	cfg.Dial = (&net.Dialer{}).DialContext
+	c, err := kubernetes.NewForConfig(cfg)
+	require.NoError(t, err)
+	return c
 }
 
 // grantedTokenRequest does, directly, the three spoke requests of an

@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -12,7 +11,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
 	"github.com/credbroker/credbroker/test/framework"
@@ -102,12 +100,7 @@ func (b *bench) dataPath(t *testing.T) {
 
 // rawClient is a REST client of cfg on a transport of its own, unthrottled.
 func rawClient(t *testing.T, cfg *rest.Config) rest.Interface {
-	cfg = rest.CopyConfig(cfg)
-	cfg.QPS, cfg.Burst = -1, 0
-	cfg.Dial = (&net.Dialer{}).DialContext
-	c, err := kubernetes.NewForConfig(cfg)
-	require.NoError(t, err)
-	return c.CoreV1().RESTClient()
+	return unthrottledClient(t, cfg).CoreV1().RESTClient()
 }
 
 func getSmall(ctx context.Context, c rest.Interface) ([]byte, error) {
