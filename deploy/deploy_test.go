@@ -49,6 +49,7 @@ const (
 // A component missing here fails TestEveryKustomizationIsRendered.
 var components = map[string][]string{
 	"agent-node-selector":     {spoke},
+	"control-plane-healthy":   {hub},
 	"csi-driver-spiffe":       {hub, spoke},
 	"publish-access-provider": {hub},
 	"spiffe-helper":           {hub, spoke},

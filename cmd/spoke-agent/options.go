@@ -50,6 +50,8 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.DurationVar(&cfg.KeepaliveTimeout, "keepalive-timeout", cfg.KeepaliveTimeout, "reconnect when a ping is not answered in this long; with --keepalive-time, bounds how long a silent partition goes unnoticed")
 	fs.Var(cmdflags.Float32(&cfg.SpokeQPS), "spoke-qps", "QPS of the agent's spoke client (client-go's 5 would throttle mints, which cost three requests each)")
 	fs.IntVar(&cfg.SpokeBurst, "spoke-burst", cfg.SpokeBurst, "burst of the agent's spoke client")
+	fs.DurationVar(&cfg.SpokeHealthInterval, "spoke-health-interval", cfg.SpokeHealthInterval, "how often to ask the spoke API server's /readyz and report it to the brokers, which keep ControlPlaneHealthy from it with --publish-control-plane-healthy; 0 turns it off")
+	fs.IntVar(&cfg.SpokeHealthFailureThreshold, "spoke-health-failure-threshold", cfg.SpokeHealthFailureThreshold, "failures of /readyz in a row before the agent reports the spoke not ready")
 	fs.StringVar(&cfg.AdvertiseServer, "advertise-server", "", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
 	fs.StringVar(&advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
 	fs.BoolVar(&cfg.DataPath, "data-path", false, "carry the broker's API proxy connections to this spoke's API server (konnectivity), for a hub that cannot reach it; default: on when --advertise-server is not set and the spoke config names its CA")

@@ -119,8 +119,17 @@ type Config struct {
 	// means spoke.DefaultCollectInterval. No grant outlives its token by
 	// more than this while an agent runs.
 	CollectInterval time.Duration
-	// Clock times grant expiry; nil means the real clock.
+	// Clock times grant expiry and the spoke health probes; nil means the
+	// real clock.
 	Clock clock.WithTickerAndDelayedExecution
+
+	// SpokeHealthInterval is how often the agent asks the spoke API
+	// server's /readyz, to report to the brokers, which may keep the
+	// ClusterProfile's ControlPlaneHealthy condition from it; zero turns
+	// the probes and the reports off. SpokeHealthFailureThreshold is how
+	// many failures in a row make the agent report the spoke not ready.
+	SpokeHealthInterval         time.Duration
+	SpokeHealthFailureThreshold int
 
 	// InitialBackoff and MaxBackoff bound reconnect waits.
 	InitialBackoff, MaxBackoff time.Duration
@@ -164,6 +173,9 @@ func Default() Config {
 		MaxInFlight:       64,
 		KeepaliveTime:     10 * time.Second,
 		KeepaliveTimeout:  5 * time.Second,
+
+		SpokeHealthInterval:         10 * time.Second,
+		SpokeHealthFailureThreshold: 3,
 	}
 }
 
@@ -201,6 +213,8 @@ func (c *Config) Validate() error {
 	need(c.KeepaliveTime >= 10*time.Second, "the keepalive time (%s) must be at least 10s, gRPC's floor for clients", c.KeepaliveTime)
 	need(c.KeepaliveTimeout >= time.Second, "the keepalive timeout (%s) must be at least 1s", c.KeepaliveTimeout)
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
+	need(c.SpokeHealthInterval >= 0, "the spoke health interval must not be negative")
+	need(c.SpokeHealthInterval == 0 || c.SpokeHealthFailureThreshold > 0, "the spoke health failure threshold must be positive")
 	need(!c.TrustDomain.IsZero(), "the trust domain is required")
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
 	if err := identity.CheckSourceChoice(c.SPIFFEEndpointSocket, c.SVIDCertFile, c.SVIDKeyFile, c.TrustBundleFile); err != nil {
@@ -233,6 +247,11 @@ type Agent struct {
 	sas       corev1listers.ServiceAccountLister
 	targets   []*fanout
 	minter    *spoke.Minter
+	clock     clock.WithTicker
+	// spoke is the spoke client that probes /readyz; health holds what it
+	// saw, for the broker streams. Both nil when the probes are off.
+	spoke  rest.Interface
+	health *tunnel.SpokeHealth
 	// connected is closed once every target has admitted a stream;
 	// unconnected counts the targets that have not yet.
 	connected   chan struct{}
@@ -254,7 +273,10 @@ func New(cfg Config) (_ *Agent, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("agent: invalid config: %w", err)
 	}
-	a := &Agent{cfg: cfg}
+	a := &Agent{cfg: cfg, clock: clock.RealClock{}}
+	if cfg.Clock != nil {
+		a.clock = cfg.Clock
+	}
 	id := cfg.SPIFFEID
 	if id.IsZero() && cfg.Cluster != (types.NamespacedName{}) {
 		id = spiffeid.RequireFromPath(cfg.TrustDomain, "/clusterprofile/"+cfg.Cluster.Namespace+"/"+cfg.Cluster.Name)
@@ -291,6 +313,9 @@ func New(cfg Config) (_ *Agent, err error) {
 	reviewClient, err := kubernetes.NewForConfig(spokeConfig)
 	if err != nil {
 		return nil, fmt.Errorf("agent: spoke client: %w", err)
+	}
+	if cfg.SpokeHealthInterval > 0 {
+		a.spoke, a.health = client.Discovery().RESTClient(), tunnel.NewSpokeHealth()
 	}
 	a.informers = informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(cfg.Namespace))
 	sas := a.informers.Core().V1().ServiceAccounts()
@@ -356,6 +381,7 @@ func New(cfg Config) (_ *Agent, err error) {
 			Minter:           instrumented{minter, a.metrics},
 			Grants:           minter,
 			Hello:            hello,
+			SpokeHealth:      a.health,
 			Cluster:          clusterString(cfg.Cluster),
 			MintTimeout:      cfg.MintTimeout,
 			MaxInFlight:      cfg.MaxInFlight,
@@ -458,6 +484,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer cancel()
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return a.svid.Run(ctx) })
+	if a.health != nil {
+		g.Go(func() error { return a.probeSpoke(ctx, a.spoke, a.health) })
+	}
 	if a.metricsLis != nil {
 		// Served from the start, so that /healthz answers while the
 		// informers sync; closed last, after the streams' goodbyes.

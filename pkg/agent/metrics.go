@@ -30,6 +30,7 @@ type agentMetrics struct {
 	targetAddresses *prometheus.GaugeVec
 	mintDuration    *prometheus.HistogramVec
 	tokenRequests   *prometheus.CounterVec
+	spokeReady      prometheus.Gauge
 }
 
 // newAgentRegistry returns the agent's per-process registry and its metrics.
@@ -61,6 +62,11 @@ func newAgentRegistry(svid identity.Source, targets []string) (*prometheus.Regis
 			Name:      "agent_token_requests_total",
 			Help:      "TokenRequest calls to the spoke API server, by its HTTP status code (201, 403, …), or \"error\" when none came back.",
 		}, []string{"code"}),
+		spokeReady: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "credbroker",
+			Name:      "agent_spoke_ready",
+			Help:      "1 while the spoke API server's /readyz answers, 0 once it has failed --spoke-health-failure-threshold times in a row (and until it answers again); 0 also before the first probe and when probes are off.",
+		}),
 	}
 	for _, t := range targets {
 		m.targetStreams.WithLabelValues(t)
@@ -74,7 +80,7 @@ func newAgentRegistry(svid identity.Source, targets []string) (*prometheus.Regis
 		metrics.BuildInfo("credbroker_agent_build_info", "The agent's build: version, VCS revision and Go version; always 1."),
 		metrics.SVIDExpiry("credbroker_agent_svid_expiry_timestamp_seconds",
 			"NotAfter of the agent's current X.509-SVID, in seconds since the epoch; 0 when it has none.", svid),
-		m.streams, m.targetStreams, m.targetAddresses, m.mintDuration, m.tokenRequests,
+		m.streams, m.targetStreams, m.targetAddresses, m.mintDuration, m.tokenRequests, m.spokeReady,
 	)
 	if err != nil {
 		return nil, nil, err

@@ -161,6 +161,11 @@ type Config struct {
 	PublishLeaseNamespace, PublishLeaseName string
 	PublishIdentity                         string
 	PublishDisconnectGrace                  time.Duration
+	// PublishControlPlaneHealthy makes the publisher keep the
+	// ControlPlaneHealthy condition too, from the agents' reports of their
+	// spoke's /readyz, where no other field manager owns it. It needs
+	// PublishAccessProvider.
+	PublishControlPlaneHealthy bool
 
 	// ProxyAddress, when set, serves the API proxy over TLS (with the
 	// exchange port's certificate): the spoke API servers that agents carry
@@ -306,5 +311,6 @@ func (c *Config) Validate() error {
 		need(c.AccessProviderName != "", "publishing the access provider needs its name")
 		need(c.PublishDisconnectGrace >= 0, "the publish disconnect grace must not be negative")
 	}
+	need(!c.PublishControlPlaneHealthy || c.PublishAccessProvider, "keeping ControlPlaneHealthy needs --publish-access-provider: the replica that publishes keeps it")
 	return errors.Join(errs...)
 }

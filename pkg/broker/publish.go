@@ -59,6 +59,15 @@ func (s tunnelSource) Advertised(key types.NamespacedName) ([]publish.Advertisem
 	return out, live
 }
 
+func (s tunnelSource) SpokeReadiness(key types.NamespacedName) publish.Readiness {
+	cp, err := s.b.profiles.Get(key.Namespace, key.Name)
+	if err != nil {
+		return publish.Readiness{}
+	}
+	r := s.b.tunnel.SpokeReadiness(tunnel.ClusterRef{NamespacedName: key, UID: cp.UID})
+	return publish.Readiness{Ready: r.Ready, NotReady: r.NotReady, Message: r.Message}
+}
+
 // advertisedConflicts is the gauge of the ClusterProfiles whose agents'
 // advertised servers conflict, on the replica that publishes; every
 // replica exposes it, at 0 when it does not publish.
@@ -98,8 +107,10 @@ func newPublisher(cfg Config, b *Broker, client inventory.Interface) (*publish.P
 			}
 			return err
 		},
-		DisconnectGrace: cfg.PublishDisconnectGrace,
-		Log:             cfg.Log.WithName("publish"),
+		DisconnectGrace:     cfg.PublishDisconnectGrace,
+		ControlPlaneHealthy: cfg.PublishControlPlaneHealthy,
+		FieldManager:        fieldManager,
+		Log:                 cfg.Log.WithName("publish"),
 	})
 	if err != nil {
 		return nil, err

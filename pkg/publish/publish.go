@@ -26,6 +26,15 @@ const (
 	// ReasonAgentConnected and ReasonNoAgentConnected are its reasons.
 	ReasonAgentConnected   = "AgentConnected"
 	ReasonNoAgentConnected = "NoAgentConnected"
+	// HealthConditionType is the condition that multicluster-runtime's
+	// cluster-inventory-api provider, among others, gates on; the broker
+	// keeps it only with Config.ControlPlaneHealthy.
+	HealthConditionType = v1alpha1.ClusterConditionControlPlaneHealthy
+	// ReasonSpokeReady, ReasonSpokeNotReady and ReasonNotReported are its
+	// reasons, besides ReasonNoAgentConnected.
+	ReasonSpokeReady    = "SpokeAPIServerReady"
+	ReasonSpokeNotReady = "SpokeAPIServerNotReady"
+	ReasonNotReported   = "SpokeHealthNotReported"
 	// ExecExtensionName is the cluster extension that cluster-inventory-api's
 	// pkg/access hands to the exec plugin as ExecCredential spec.cluster.config.
 	ExecExtensionName = "client.authentication.k8s.io/exec"
@@ -48,6 +57,19 @@ type Advertisement struct {
 // nothing included. The broker passes its tunnel server.
 type Source interface {
 	Advertised(key types.NamespacedName) (ads []Advertisement, live int)
+	// SpokeReadiness counts the live streams of a ClusterProfile by what
+	// their agents last reported of the spoke API server's /readyz.
+	SpokeReadiness(key types.NamespacedName) Readiness
+}
+
+// Readiness counts a ClusterProfile's live agent streams by what their
+// agents last reported of the spoke API server's /readyz.
+type Readiness struct {
+	// Ready and NotReady count the streams whose agents reported the spoke
+	// ready, and not ready; the others reported nothing.
+	Ready, NotReady int
+	// Message says why a not ready spoke is not ready.
+	Message string
 }
 
 // Config configures a Publisher.
@@ -74,6 +96,14 @@ type Config struct {
 	// Clock times the grace. Default: the real clock.
 	Clock clock.Clock
 	Log   logr.Logger
+	// ControlPlaneHealthy makes the publisher keep the ControlPlaneHealthy
+	// condition too, from the agents' reports of the spoke's /readyz, on
+	// every ClusterProfile where no field manager other than FieldManager
+	// owns it.
+	ControlPlaneHealthy bool
+	// FieldManager is the field manager that Apply writes as; required
+	// with ControlPlaneHealthy.
+	FieldManager string
 }
 
 // Publisher keeps the broker's access provider entry and condition on the
@@ -95,6 +125,9 @@ type Publisher struct {
 func New(cfg Config) (*Publisher, error) {
 	if cfg.ProviderName == "" || cfg.Source == nil || cfg.Get == nil || cfg.Apply == nil {
 		return nil, errors.New("publish: ProviderName, Source, Get and Apply are required")
+	}
+	if cfg.ControlPlaneHealthy && cfg.FieldManager == "" {
+		return nil, errors.New("publish: keeping ControlPlaneHealthy needs the field manager that Apply writes as")
 	}
 	if cfg.DisconnectGrace < 0 {
 		return nil, errors.New("publish: the disconnect grace must not be negative")
@@ -218,13 +251,11 @@ func (p *Publisher) Reconcile(ctx context.Context, key types.NamespacedName) (ti
 			want = entry // the last server and CA stay; the condition says they do not work now
 		}
 	}
-	if sameEntry(entry, want) && cond != nil && cond.Status == status && cond.Reason == reason &&
-		cond.Message == message && cond.ObservedGeneration == cp.Generation {
+	connected := metav1.Condition{Type: ConditionType, Status: status, Reason: reason, Message: message}
+	health, dropHealth := p.healthCondition(cp, live, key)
+	if sameEntry(entry, want) && sameCondition(cond, connected, cp.Generation) &&
+		(health == nil || sameCondition(findCondition(cp, HealthConditionType), *health, cp.Generation)) && !dropHealth {
 		return 0, nil
-	}
-	transition := metav1.NewTime(p.cfg.Clock.Now())
-	if cond != nil && cond.Status == status {
-		transition = cond.LastTransitionTime
 	}
 	body := applyBody{
 		APIVersion: v1alpha1.GroupVersion.String(),
@@ -234,10 +265,10 @@ func (p *Publisher) Reconcile(ctx context.Context, key types.NamespacedName) (ti
 	if want != nil {
 		body.Status.AccessProviders = []v1alpha1.AccessProvider{*want}
 	}
-	body.Status.Conditions = []metav1.Condition{{
-		Type: ConditionType, Status: status, Reason: reason, Message: message,
-		ObservedGeneration: cp.Generation, LastTransitionTime: transition,
-	}}
+	body.Status.Conditions = []metav1.Condition{p.stamp(cond, connected, cp.Generation)}
+	if health != nil {
+		body.Status.Conditions = append(body.Status.Conditions, p.stamp(findCondition(cp, HealthConditionType), *health, cp.Generation))
+	}
 	raw, err := json.Marshal(body)
 	if err != nil {
 		return 0, fmt.Errorf("clusterprofile %s: %w", key, err)
@@ -307,13 +338,34 @@ func (p *Publisher) observed(cp *v1alpha1.ClusterProfile) (*v1alpha1.AccessProvi
 			entry = &cp.Status.AccessProviders[i]
 		}
 	}
-	var cond *metav1.Condition
+	return entry, findCondition(cp, ConditionType)
+}
+
+// findCondition returns cp's condition of type t, or nil.
+func findCondition(cp *v1alpha1.ClusterProfile, t string) *metav1.Condition {
 	for i := range cp.Status.Conditions {
-		if cp.Status.Conditions[i].Type == ConditionType {
-			cond = &cp.Status.Conditions[i]
+		if cp.Status.Conditions[i].Type == t {
+			return &cp.Status.Conditions[i]
 		}
 	}
-	return entry, cond
+	return nil
+}
+
+// sameCondition reports whether have says what want says, for generation.
+func sameCondition(have *metav1.Condition, want metav1.Condition, generation int64) bool {
+	return have != nil && have.Status == want.Status && have.Reason == want.Reason &&
+		have.Message == want.Message && have.ObservedGeneration == generation
+}
+
+// stamp completes want with the generation and its transition time: have's
+// when the status did not change, and now when it did.
+func (p *Publisher) stamp(have *metav1.Condition, want metav1.Condition, generation int64) metav1.Condition {
+	want.ObservedGeneration = generation
+	want.LastTransitionTime = metav1.NewTime(p.cfg.Clock.Now())
+	if have != nil && have.Status == want.Status {
+		want.LastTransitionTime = have.LastTransitionTime
+	}
+	return want
 }
 
 // sameEntry compares the fields the publisher writes.

@@ -3,6 +3,8 @@ package publish
 import (
 	"context"
 	"encoding/json"
+	"maps"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -22,7 +24,10 @@ type fakeSource struct {
 	ca     []byte
 	live   int
 	ads    []Advertisement
+	ready  Readiness
 }
+
+func (f *fakeSource) SpokeReadiness(types.NamespacedName) Readiness { return f.ready }
 
 func (f *fakeSource) Advertised(types.NamespacedName) ([]Advertisement, int) {
 	if f.ads != nil {
@@ -34,12 +39,17 @@ func (f *fakeSource) Advertised(types.NamespacedName) ([]Advertisement, int) {
 	return []Advertisement{{Server: f.server, CAData: f.ca, Streams: f.live}}, f.live
 }
 
-// fakeHub applies the body's entry and condition to its ClusterProfile by
-// key, as server-side apply with map lists does, and counts the writes.
+// fakeHub applies the body's entry and conditions to its ClusterProfile by
+// key, as server-side apply with map lists does, and counts the writes. It
+// records the conditions the body holds as owned by testManager, and drops
+// a condition that manager owned and the body leaves out (as server-side
+// apply does when no other manager owns it).
 type fakeHub struct {
 	cp     *v1alpha1.ClusterProfile
 	writes int
 }
+
+const testManager = "credbroker-broker"
 
 func (h *fakeHub) apply(_ context.Context, _ types.NamespacedName, body []byte) error {
 	h.writes++
@@ -50,10 +60,30 @@ func (h *fakeHub) apply(_ context.Context, _ types.NamespacedName, body []byte) 
 	for _, e := range b.Status.AccessProviders {
 		h.cp.Status.AccessProviders = upsert(h.cp.Status.AccessProviders, e, func(x v1alpha1.AccessProvider) bool { return x.Name == e.Name })
 	}
+	applied := map[string]bool{}
 	for _, c := range b.Status.Conditions {
+		applied[c.Type] = true
 		h.cp.Status.Conditions = upsert(h.cp.Status.Conditions, c, func(x metav1.Condition) bool { return x.Type == c.Type })
 	}
+	h.cp.Status.Conditions = slices.DeleteFunc(h.cp.Status.Conditions, func(c metav1.Condition) bool {
+		others, ours := conditionManagers(h.cp, c.Type, testManager)
+		return ours && !others && !applied[c.Type]
+	})
+	h.cp.ManagedFields = slices.DeleteFunc(h.cp.ManagedFields, func(mf metav1.ManagedFieldsEntry) bool { return mf.Manager == testManager })
+	h.cp.ManagedFields = append(h.cp.ManagedFields, conditionOwner(testManager, metav1.ManagedFieldsOperationApply, slices.Collect(maps.Keys(applied))...))
 	return nil
+}
+
+// conditionOwner is a managedFields entry of manager that owns the
+// conditions of types.
+func conditionOwner(manager string, op metav1.ManagedFieldsOperationType, types ...string) metav1.ManagedFieldsEntry {
+	conds := map[string]any{}
+	for _, t := range types {
+		key, _ := json.Marshal(map[string]string{"type": t})
+		conds["k:"+string(key)] = map[string]any{".": map[string]any{}, "f:status": map[string]any{}}
+	}
+	raw, _ := json.Marshal(map[string]any{"f:status": map[string]any{"f:conditions": conds}})
+	return metav1.ManagedFieldsEntry{Manager: manager, Operation: op, Subresource: "status", FieldsType: "FieldsV1", FieldsV1: &metav1.FieldsV1{Raw: raw}}
 }
 
 func upsert[T any](list []T, v T, same func(T) bool) []T {
@@ -68,16 +98,23 @@ func upsert[T any](list []T, v T, same func(T) bool) []T {
 
 var key = types.NamespacedName{Namespace: "fleet", Name: "prod"}
 
-func newFixture(t *testing.T) (*Publisher, *fakeSource, *fakeHub, *clocktesting.FakeClock) {
+// newFixture returns a publisher of a fake hub's ClusterProfile key, with
+// what tune changes in its Config.
+func newFixture(t *testing.T, tune ...func(*Config)) (*Publisher, *fakeSource, *fakeHub, *clocktesting.FakeClock) {
 	t.Helper()
 	src := &fakeSource{}
 	hub := &fakeHub{cp: &v1alpha1.ClusterProfile{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name, Generation: 1}}}
 	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
-	p, err := New(Config{
+	cfg := Config{
 		ProviderName: "credbroker", Source: src, Clock: clk, DisconnectGrace: 30 * time.Second,
-		Get:   func(types.NamespacedName) (*v1alpha1.ClusterProfile, error) { return hub.cp.DeepCopy(), nil },
-		Apply: hub.apply,
-	})
+		Get:          func(types.NamespacedName) (*v1alpha1.ClusterProfile, error) { return hub.cp.DeepCopy(), nil },
+		Apply:        hub.apply,
+		FieldManager: testManager,
+	}
+	for _, fn := range tune {
+		fn(&cfg)
+	}
+	p, err := New(cfg)
 	require.NoError(t, err)
 	return p, src, hub, clk
 }

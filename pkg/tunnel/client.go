@@ -58,6 +58,9 @@ type ClientConfig struct {
 	Grants Grants
 	// Hello is sent first on every stream. Default: an empty hello.
 	Hello *pb.Hello
+	// SpokeHealth, when set, is reported in every hello and again on
+	// every change. Default: the agent reports no spoke health.
+	SpokeHealth *SpokeHealth
 	// Cluster, when set ("namespace/name"), is the ClusterProfile the agent
 	// expects to serve. A stream the broker admits for another ClusterProfile
 	// is closed, logged, and retried with backoff, so a mistaken or hostile
@@ -313,6 +316,12 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	updates, unsubscribe := c.subscribe(cancel, log)
 	defer unsubscribe()
 	hello, rest := c.hello(log)
+	var health *pb.SpokeHealth
+	if c.cfg.SpokeHealth != nil {
+		health, _ = c.cfg.SpokeHealth.get()
+		hello = proto.CloneOf(hello)
+		hello.SpokeHealth = health
+	}
 
 	stream, err := client.Connect(ctx)
 	if err != nil {
@@ -377,6 +386,9 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	}
 	if updates != nil {
 		wg.Go(func() { sendGrantUpdates(ctx, rest, updates, send) })
+	}
+	if c.cfg.SpokeHealth != nil {
+		wg.Go(func() { reportSpokeHealth(ctx, c.cfg.SpokeHealth, health, send) })
 	}
 	wg.Go(func() {
 		select {

@@ -195,6 +195,23 @@ type session struct {
 	// the stream, and the agent closes it once it has answered those in
 	// flight.
 	leaving atomic.Bool
+	// spokeHealth is the agent's last report of its spoke's /readyz, its
+	// message clipped; nil when it reported none.
+	spokeHealth atomic.Pointer[pb.SpokeHealth]
+}
+
+// maxSpokeHealthMessage bounds the message of an agent's spoke health
+// report that the broker keeps, in bytes: it reaches the ClusterProfile's
+// condition, whose message the API server caps at 32 KiB.
+const maxSpokeHealthMessage = 512
+
+// setSpokeHealth records an agent's report of its spoke's /readyz.
+func (sess *session) setSpokeHealth(h *pb.SpokeHealth) {
+	if h == nil {
+		sess.spokeHealth.Store(nil)
+		return
+	}
+	sess.spokeHealth.Store(&pb.SpokeHealth{Ready: h.GetReady(), Message: clipAgentString(h.GetMessage(), maxSpokeHealthMessage)})
 }
 
 // Admission is what the broker admitted a stream's peer as.
@@ -278,6 +295,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
 		pending: map[string]chan *pb.AgentFrame{},
 	}
+	sess.setSpokeHealth(hello.GetSpokeHealth())
 	// The session takes requests before the agent learns it was admitted:
 	// an agent that drains its older stream once this one is admitted finds
 	// the broker already sending new requests here.
@@ -288,13 +306,9 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	}
 	defer func() {
 		s.remove(sess)
-		if s.cfg.OnSessionsChange != nil {
-			s.cfg.OnSessionsChange(cluster.NamespacedName)
-		}
+		s.sessionsChanged(cluster.NamespacedName)
 	}()
-	if s.cfg.OnSessionsChange != nil {
-		s.cfg.OnSessionsChange(cluster.NamespacedName)
-	}
+	s.sessionsChanged(cluster.NamespacedName)
 	// Headers tell the agent it was admitted.
 	if err := stream.SendHeader(metadata.Pairs(admittedHeader, cluster.String(), admittedUIDHeader, string(cluster.UID))); err != nil {
 		return err
@@ -332,7 +346,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	defer s.metrics.streams.Dec()
 
 	recvErr := make(chan error, 1)
-	go func() { recvErr <- sess.receive(stream, s.cfg.Grants, log) }()
+	go func() { recvErr <- sess.receive(stream, s.cfg.Grants, s.sessionsChanged, log) }()
 	for {
 		select {
 		case f := <-sess.out:
@@ -423,14 +437,28 @@ func recvHello(ctx context.Context, stream grpc.BidiStreamingServer[pb.AgentFram
 	}
 }
 
-// receive delivers answers to their waiting requests, and grant updates to
-// grants, until the stream ends or the agent sends a frame the broker does
-// not take (an error wrapping errAgentFrame).
-func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame], grants GrantRegistry, log logr.Logger) error {
+// sessionsChanged calls OnSessionsChange, if set.
+func (s *Server) sessionsChanged(key types.NamespacedName) {
+	if s.cfg.OnSessionsChange != nil {
+		s.cfg.OnSessionsChange(key)
+	}
+}
+
+// receive delivers answers to their waiting requests, grant updates to
+// grants and spoke health reports to the session (then calls
+// healthChanged), until the stream ends or the agent sends a frame the
+// broker does not take (an error wrapping errAgentFrame).
+func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame], grants GrantRegistry,
+	healthChanged func(types.NamespacedName), log logr.Logger) error {
 	for {
 		f, err := stream.Recv()
 		if err != nil {
 			return err
+		}
+		if h := f.GetSpokeHealth(); h != nil && f.GetCorrelationId() == "" {
+			sess.setSpokeHealth(h)
+			healthChanged(sess.cluster.NamespacedName)
+			continue
 		}
 		if u := f.GetGrantUpdate(); u != nil && f.GetCorrelationId() == "" {
 			if err := sess.ctx.Err(); err != nil {
@@ -650,6 +678,35 @@ func (s *Server) Advertised(cluster ClusterRef) (ads []Advertisement, live int) 
 		ads[i].Streams++
 	}
 	return ads, len(list)
+}
+
+// SpokeReadiness counts the live sessions of a cluster by what their
+// agents last reported of the spoke API server's /readyz.
+type SpokeReadiness struct {
+	// Ready and NotReady count the sessions whose agents reported the
+	// spoke ready, and not ready; the others reported nothing.
+	Ready, NotReady int
+	// Message is the message of the oldest not ready report.
+	Message string
+}
+
+// SpokeReadiness counts the live sessions of cluster by what their agents
+// last reported of the spoke's /readyz.
+func (s *Server) SpokeReadiness(cluster ClusterRef) SpokeReadiness {
+	var out SpokeReadiness
+	for _, sess := range s.live(cluster) {
+		switch h := sess.spokeHealth.Load(); {
+		case h == nil:
+		case h.GetReady():
+			out.Ready++
+		default:
+			if out.NotReady == 0 {
+				out.Message = h.GetMessage()
+			}
+			out.NotReady++
+		}
+	}
+	return out
 }
 
 // Revalidate re-resolves the agent of every session of the named cluster and

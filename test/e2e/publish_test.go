@@ -130,25 +130,7 @@ func TestBrokerPublishesAccessProvider(t *testing.T) {
 	require.NoError(t, spoke.Grant(ctx, "", framework.ServiceAccountSubject(ns, "reader"), []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"list"}},
 	}))
-	dir := t.TempDir()
-	tokenFile := filepath.Join(dir, "token")
-	require.NoError(t, os.WriteFile(tokenFile, []byte(c.token), 0o600))
-	raw, err := json.Marshal(access.Config{Providers: []access.Provider{{
-		Name: plugin.Name,
-		ExecConfig: &clientcmdapi.ExecConfig{
-			APIVersion: "client.authentication.k8s.io/v1", Command: pluginBin, ProvideClusterInfo: true,
-			Args: []string{"--broker-address", b.ExchangeAddr(), "--ca-file", deployment.CAFile, "--token-file", tokenFile},
-		},
-	}}})
-	require.NoError(t, err)
-	providerFile := filepath.Join(dir, "providers.json")
-	require.NoError(t, os.WriteFile(providerFile, raw, 0o600))
-	loaded, err := access.NewFromFile(providerFile)
-	require.NoError(t, err)
-	restConfig, err := loaded.BuildConfigFromCP(published)
-	require.NoError(t, err)
-	client, err := kubernetes.NewForConfig(restConfig)
-	require.NoError(t, err)
+	client := providerFileClient(t, b, c, published)
 	nsList, err := client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
 	require.NoError(t, err)
 	assert.NotEmpty(t, nsList.Items)
@@ -164,6 +146,33 @@ func TestBrokerPublishesAccessProvider(t *testing.T) {
 	assert.Equal(t, publish.ReasonNoAgentConnected, findCondition(gone, publish.ConditionType).Reason)
 	assertManagerEntriesSurvive(t, gone, other)
 	assert.NotNil(t, findProvider(gone, plugin.Name), "the last server and CA stay; the condition says they do not work now")
+}
+
+// providerFileClient builds a spoke client for c from the published
+// ClusterProfile cp, the way a consumer of pkg/access does: from a
+// provider file that names the plugin, with b's exchange address.
+func providerFileClient(t *testing.T, b *broker.Broker, c consumer, cp *v1alpha1.ClusterProfile) kubernetes.Interface {
+	t.Helper()
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	require.NoError(t, os.WriteFile(tokenFile, []byte(c.token), 0o600))
+	raw, err := json.Marshal(access.Config{Providers: []access.Provider{{
+		Name: plugin.Name,
+		ExecConfig: &clientcmdapi.ExecConfig{
+			APIVersion: "client.authentication.k8s.io/v1", Command: pluginBin, ProvideClusterInfo: true,
+			Args: []string{"--broker-address", b.ExchangeAddr(), "--ca-file", deployment.CAFile, "--token-file", tokenFile},
+		},
+	}}})
+	require.NoError(t, err)
+	providerFile := filepath.Join(dir, "providers.json")
+	require.NoError(t, os.WriteFile(providerFile, raw, 0o600))
+	loaded, err := access.NewFromFile(providerFile)
+	require.NoError(t, err)
+	restConfig, err := loaded.BuildConfigFromCP(cp)
+	require.NoError(t, err)
+	client, err := kubernetes.NewForConfig(restConfig)
+	require.NoError(t, err)
+	return client
 }
 
 func assertManagerEntriesSurvive(t *testing.T, cp *v1alpha1.ClusterProfile, other v1alpha1.AccessProvider) {

@@ -270,6 +270,7 @@ type AgentFrame struct {
 	//	*AgentFrame_RevokeResponse
 	//	*AgentFrame_GrantUpdate
 	//	*AgentFrame_Goodbye
+	//	*AgentFrame_SpokeHealth
 	Body          isAgentFrame_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -373,6 +374,15 @@ func (x *AgentFrame) GetGoodbye() *Goodbye {
 	return nil
 }
 
+func (x *AgentFrame) GetSpokeHealth() *SpokeHealth {
+	if x != nil {
+		if x, ok := x.Body.(*AgentFrame_SpokeHealth); ok {
+			return x.SpokeHealth
+		}
+	}
+	return nil
+}
+
 type isAgentFrame_Body interface {
 	isAgentFrame_Body()
 }
@@ -410,6 +420,12 @@ type AgentFrame_Goodbye struct {
 	Goodbye *Goodbye `protobuf:"bytes,7,opt,name=goodbye,proto3,oneof"`
 }
 
+type AgentFrame_SpokeHealth struct {
+	// spoke_health reports a change in what the agent sees of its spoke
+	// API server's /readyz since the hello, or since the last report.
+	SpokeHealth *SpokeHealth `protobuf:"bytes,8,opt,name=spoke_health,json=spokeHealth,proto3,oneof"`
+}
+
 func (*AgentFrame_Hello) isAgentFrame_Body() {}
 
 func (*AgentFrame_MintResponse) isAgentFrame_Body() {}
@@ -421,6 +437,8 @@ func (*AgentFrame_RevokeResponse) isAgentFrame_Body() {}
 func (*AgentFrame_GrantUpdate) isAgentFrame_Body() {}
 
 func (*AgentFrame_Goodbye) isAgentFrame_Body() {}
+
+func (*AgentFrame_SpokeHealth) isAgentFrame_Body() {}
 
 // BrokerFrame is one message from the broker to a spoke agent.
 type BrokerFrame struct {
@@ -628,7 +646,10 @@ type Hello struct {
 	// data_path, when set, offers this spoke's API server to the broker's
 	// API proxy through the agent's konnectivity connection: the broker's
 	// TLS connections to it, carried by the agent, verify it with this.
-	DataPath      *DataPath `protobuf:"bytes,5,opt,name=data_path,json=dataPath,proto3" json:"data_path,omitempty"`
+	DataPath *DataPath `protobuf:"bytes,5,opt,name=data_path,json=dataPath,proto3" json:"data_path,omitempty"`
+	// spoke_health is what the agent last saw of its spoke API server's
+	// /readyz; unset when the agent does not probe it, or has not yet.
+	SpokeHealth   *SpokeHealth `protobuf:"bytes,6,opt,name=spoke_health,json=spokeHealth,proto3" json:"spoke_health,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -698,6 +719,70 @@ func (x *Hello) GetDataPath() *DataPath {
 	return nil
 }
 
+func (x *Hello) GetSpokeHealth() *SpokeHealth {
+	if x != nil {
+		return x.SpokeHealth
+	}
+	return nil
+}
+
+// SpokeHealth is an agent's view of its spoke API server's readiness.
+type SpokeHealth struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// ready is true when /readyz last answered 200 OK, and false once it has
+	// failed as many times in a row as the agent's failure threshold.
+	Ready bool `protobuf:"varint,1,opt,name=ready,proto3" json:"ready,omitempty"`
+	// message says why it is not ready, for a human, such as the checks
+	// /readyz reported failing. The broker clips it.
+	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SpokeHealth) Reset() {
+	*x = SpokeHealth{}
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SpokeHealth) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SpokeHealth) ProtoMessage() {}
+
+func (x *SpokeHealth) ProtoReflect() protoreflect.Message {
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SpokeHealth.ProtoReflect.Descriptor instead.
+func (*SpokeHealth) Descriptor() ([]byte, []int) {
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *SpokeHealth) GetReady() bool {
+	if x != nil {
+		return x.Ready
+	}
+	return false
+}
+
+func (x *SpokeHealth) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 // DataPath is how the broker verifies a spoke API server it reaches
 // through the agents.
 type DataPath struct {
@@ -713,7 +798,7 @@ type DataPath struct {
 
 func (x *DataPath) Reset() {
 	*x = DataPath{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -725,7 +810,7 @@ func (x *DataPath) String() string {
 func (*DataPath) ProtoMessage() {}
 
 func (x *DataPath) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[8]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -738,7 +823,7 @@ func (x *DataPath) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataPath.ProtoReflect.Descriptor instead.
 func (*DataPath) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{8}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DataPath) GetServerName() string {
@@ -786,7 +871,7 @@ type Grant struct {
 
 func (x *Grant) Reset() {
 	*x = Grant{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -798,7 +883,7 @@ func (x *Grant) String() string {
 func (*Grant) ProtoMessage() {}
 
 func (x *Grant) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[9]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -811,7 +896,7 @@ func (x *Grant) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Grant.ProtoReflect.Descriptor instead.
 func (*Grant) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{9}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Grant) GetCredentialId() string {
@@ -894,7 +979,7 @@ type GrantSelector struct {
 
 func (x *GrantSelector) Reset() {
 	*x = GrantSelector{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -906,7 +991,7 @@ func (x *GrantSelector) String() string {
 func (*GrantSelector) ProtoMessage() {}
 
 func (x *GrantSelector) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[10]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -919,7 +1004,7 @@ func (x *GrantSelector) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GrantSelector.ProtoReflect.Descriptor instead.
 func (*GrantSelector) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{10}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GrantSelector) GetCredentialId() string {
@@ -953,7 +1038,7 @@ type ListGrantsRequest struct {
 
 func (x *ListGrantsRequest) Reset() {
 	*x = ListGrantsRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -965,7 +1050,7 @@ func (x *ListGrantsRequest) String() string {
 func (*ListGrantsRequest) ProtoMessage() {}
 
 func (x *ListGrantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[11]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -978,7 +1063,7 @@ func (x *ListGrantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGrantsRequest.ProtoReflect.Descriptor instead.
 func (*ListGrantsRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{11}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListGrantsRequest) GetSelector() *GrantSelector {
@@ -999,7 +1084,7 @@ type ListGrantsResponse struct {
 
 func (x *ListGrantsResponse) Reset() {
 	*x = ListGrantsResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1011,7 +1096,7 @@ func (x *ListGrantsResponse) String() string {
 func (*ListGrantsResponse) ProtoMessage() {}
 
 func (x *ListGrantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[12]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1024,7 +1109,7 @@ func (x *ListGrantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGrantsResponse.ProtoReflect.Descriptor instead.
 func (*ListGrantsResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{12}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListGrantsResponse) GetGrants() []*Grant {
@@ -1047,7 +1132,7 @@ type RevokeGrantsRequest struct {
 
 func (x *RevokeGrantsRequest) Reset() {
 	*x = RevokeGrantsRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1059,7 +1144,7 @@ func (x *RevokeGrantsRequest) String() string {
 func (*RevokeGrantsRequest) ProtoMessage() {}
 
 func (x *RevokeGrantsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[13]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1072,7 +1157,7 @@ func (x *RevokeGrantsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeGrantsRequest.ProtoReflect.Descriptor instead.
 func (*RevokeGrantsRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{13}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RevokeGrantsRequest) GetSelector() *GrantSelector {
@@ -1111,7 +1196,7 @@ type RevokeGrantsResponse struct {
 
 func (x *RevokeGrantsResponse) Reset() {
 	*x = RevokeGrantsResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1123,7 +1208,7 @@ func (x *RevokeGrantsResponse) String() string {
 func (*RevokeGrantsResponse) ProtoMessage() {}
 
 func (x *RevokeGrantsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[14]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1136,7 +1221,7 @@ func (x *RevokeGrantsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeGrantsResponse.ProtoReflect.Descriptor instead.
 func (*RevokeGrantsResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{14}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RevokeGrantsResponse) GetRevoked() []*Grant {
@@ -1166,7 +1251,7 @@ type RevokeRequest struct {
 
 func (x *RevokeRequest) Reset() {
 	*x = RevokeRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1178,7 +1263,7 @@ func (x *RevokeRequest) String() string {
 func (*RevokeRequest) ProtoMessage() {}
 
 func (x *RevokeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[15]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1191,7 +1276,7 @@ func (x *RevokeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeRequest.ProtoReflect.Descriptor instead.
 func (*RevokeRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{15}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RevokeRequest) GetCredentialIds() []string {
@@ -1219,7 +1304,7 @@ type RevokeResponse struct {
 
 func (x *RevokeResponse) Reset() {
 	*x = RevokeResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1231,7 +1316,7 @@ func (x *RevokeResponse) String() string {
 func (*RevokeResponse) ProtoMessage() {}
 
 func (x *RevokeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[16]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1244,7 +1329,7 @@ func (x *RevokeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeResponse.ProtoReflect.Descriptor instead.
 func (*RevokeResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{16}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *RevokeResponse) GetCredentialIds() []string {
@@ -1267,7 +1352,7 @@ type GrantUpdate struct {
 
 func (x *GrantUpdate) Reset() {
 	*x = GrantUpdate{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1279,7 +1364,7 @@ func (x *GrantUpdate) String() string {
 func (*GrantUpdate) ProtoMessage() {}
 
 func (x *GrantUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[17]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1292,7 +1377,7 @@ func (x *GrantUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GrantUpdate.ProtoReflect.Descriptor instead.
 func (*GrantUpdate) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{17}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *GrantUpdate) GetAdded() []*Grant {
@@ -1325,7 +1410,7 @@ type Subject struct {
 
 func (x *Subject) Reset() {
 	*x = Subject{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1337,7 +1422,7 @@ func (x *Subject) String() string {
 func (*Subject) ProtoMessage() {}
 
 func (x *Subject) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[18]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1350,7 +1435,7 @@ func (x *Subject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Subject.ProtoReflect.Descriptor instead.
 func (*Subject) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{18}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Subject) GetUsername() string {
@@ -1393,7 +1478,7 @@ type MintRequest struct {
 
 func (x *MintRequest) Reset() {
 	*x = MintRequest{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1405,7 +1490,7 @@ func (x *MintRequest) String() string {
 func (*MintRequest) ProtoMessage() {}
 
 func (x *MintRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[19]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1418,7 +1503,7 @@ func (x *MintRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MintRequest.ProtoReflect.Descriptor instead.
 func (*MintRequest) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{19}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *MintRequest) GetSubject() *Subject {
@@ -1464,7 +1549,7 @@ type MintResponse struct {
 
 func (x *MintResponse) Reset() {
 	*x = MintResponse{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1476,7 +1561,7 @@ func (x *MintResponse) String() string {
 func (*MintResponse) ProtoMessage() {}
 
 func (x *MintResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[20]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1489,7 +1574,7 @@ func (x *MintResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MintResponse.ProtoReflect.Descriptor instead.
 func (*MintResponse) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{20}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *MintResponse) GetToken() string {
@@ -1527,7 +1612,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[21]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1539,7 +1624,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[21]
+	mi := &file_credbroker_v1alpha1_credbroker_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1552,7 +1637,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{21}
+	return file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Error) GetCode() int32 {
@@ -1588,7 +1673,7 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\x06server\x18\x03 \x01(\tR\x06server\x12<\n" +
 	"\x1acertificate_authority_data\x18\x04 \x01(\fR\x18certificateAuthorityData\x12M\n" +
 	"\x0fservice_account\x18\x05 \x01(\v2$.credbroker.v1alpha1.ObjectReferenceR\x0eserviceAccount\x12#\n" +
-	"\rcredential_id\x18\x06 \x01(\tR\fcredentialId\"\xbe\x03\n" +
+	"\rcredential_id\x18\x06 \x01(\tR\fcredentialId\"\x85\x04\n" +
 	"\n" +
 	"AgentFrame\x12%\n" +
 	"\x0ecorrelation_id\x18\x01 \x01(\tR\rcorrelationId\x122\n" +
@@ -1597,7 +1682,8 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\x05error\x18\x04 \x01(\v2\x1a.credbroker.v1alpha1.ErrorH\x00R\x05error\x12N\n" +
 	"\x0frevoke_response\x18\x05 \x01(\v2#.credbroker.v1alpha1.RevokeResponseH\x00R\x0erevokeResponse\x12E\n" +
 	"\fgrant_update\x18\x06 \x01(\v2 .credbroker.v1alpha1.GrantUpdateH\x00R\vgrantUpdate\x128\n" +
-	"\agoodbye\x18\a \x01(\v2\x1c.credbroker.v1alpha1.GoodbyeH\x00R\agoodbyeB\x06\n" +
+	"\agoodbye\x18\a \x01(\v2\x1c.credbroker.v1alpha1.GoodbyeH\x00R\agoodbye\x12E\n" +
+	"\fspoke_health\x18\b \x01(\v2 .credbroker.v1alpha1.SpokeHealthH\x00R\vspokeHealthB\x06\n" +
 	"\x04body\"\x84\x02\n" +
 	"\vBrokerFrame\x12%\n" +
 	"\x0ecorrelation_id\x18\x01 \x01(\tR\rcorrelationId\x12E\n" +
@@ -1606,13 +1692,17 @@ const file_credbroker_v1alpha1_credbroker_proto_rawDesc = "" +
 	"\x05drain\x18\x04 \x01(\v2\x1a.credbroker.v1alpha1.DrainH\x00R\x05drainB\x06\n" +
 	"\x04body\"\a\n" +
 	"\x05Drain\"\t\n" +
-	"\aGoodbye\"\xf2\x01\n" +
+	"\aGoodbye\"\xb7\x02\n" +
 	"\x05Hello\x12#\n" +
 	"\ragent_version\x18\x01 \x01(\tR\fagentVersion\x12\x16\n" +
 	"\x06server\x18\x02 \x01(\tR\x06server\x12<\n" +
 	"\x1acertificate_authority_data\x18\x03 \x01(\fR\x18certificateAuthorityData\x122\n" +
 	"\x06grants\x18\x04 \x03(\v2\x1a.credbroker.v1alpha1.GrantR\x06grants\x12:\n" +
-	"\tdata_path\x18\x05 \x01(\v2\x1d.credbroker.v1alpha1.DataPathR\bdataPath\"i\n" +
+	"\tdata_path\x18\x05 \x01(\v2\x1d.credbroker.v1alpha1.DataPathR\bdataPath\x12C\n" +
+	"\fspoke_health\x18\x06 \x01(\v2 .credbroker.v1alpha1.SpokeHealthR\vspokeHealth\"=\n" +
+	"\vSpokeHealth\x12\x14\n" +
+	"\x05ready\x18\x01 \x01(\bR\x05ready\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\"i\n" +
 	"\bDataPath\x12\x1f\n" +
 	"\vserver_name\x18\x01 \x01(\tR\n" +
 	"serverName\x12<\n" +
@@ -1686,7 +1776,7 @@ func file_credbroker_v1alpha1_credbroker_proto_rawDescGZIP() []byte {
 	return file_credbroker_v1alpha1_credbroker_proto_rawDescData
 }
 
-var file_credbroker_v1alpha1_credbroker_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_credbroker_v1alpha1_credbroker_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_credbroker_v1alpha1_credbroker_proto_goTypes = []any{
 	(*ObjectReference)(nil),       // 0: credbroker.v1alpha1.ObjectReference
 	(*ExchangeRequest)(nil),       // 1: credbroker.v1alpha1.ExchangeRequest
@@ -1696,67 +1786,70 @@ var file_credbroker_v1alpha1_credbroker_proto_goTypes = []any{
 	(*Drain)(nil),                 // 5: credbroker.v1alpha1.Drain
 	(*Goodbye)(nil),               // 6: credbroker.v1alpha1.Goodbye
 	(*Hello)(nil),                 // 7: credbroker.v1alpha1.Hello
-	(*DataPath)(nil),              // 8: credbroker.v1alpha1.DataPath
-	(*Grant)(nil),                 // 9: credbroker.v1alpha1.Grant
-	(*GrantSelector)(nil),         // 10: credbroker.v1alpha1.GrantSelector
-	(*ListGrantsRequest)(nil),     // 11: credbroker.v1alpha1.ListGrantsRequest
-	(*ListGrantsResponse)(nil),    // 12: credbroker.v1alpha1.ListGrantsResponse
-	(*RevokeGrantsRequest)(nil),   // 13: credbroker.v1alpha1.RevokeGrantsRequest
-	(*RevokeGrantsResponse)(nil),  // 14: credbroker.v1alpha1.RevokeGrantsResponse
-	(*RevokeRequest)(nil),         // 15: credbroker.v1alpha1.RevokeRequest
-	(*RevokeResponse)(nil),        // 16: credbroker.v1alpha1.RevokeResponse
-	(*GrantUpdate)(nil),           // 17: credbroker.v1alpha1.GrantUpdate
-	(*Subject)(nil),               // 18: credbroker.v1alpha1.Subject
-	(*MintRequest)(nil),           // 19: credbroker.v1alpha1.MintRequest
-	(*MintResponse)(nil),          // 20: credbroker.v1alpha1.MintResponse
-	(*Error)(nil),                 // 21: credbroker.v1alpha1.Error
-	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
+	(*SpokeHealth)(nil),           // 8: credbroker.v1alpha1.SpokeHealth
+	(*DataPath)(nil),              // 9: credbroker.v1alpha1.DataPath
+	(*Grant)(nil),                 // 10: credbroker.v1alpha1.Grant
+	(*GrantSelector)(nil),         // 11: credbroker.v1alpha1.GrantSelector
+	(*ListGrantsRequest)(nil),     // 12: credbroker.v1alpha1.ListGrantsRequest
+	(*ListGrantsResponse)(nil),    // 13: credbroker.v1alpha1.ListGrantsResponse
+	(*RevokeGrantsRequest)(nil),   // 14: credbroker.v1alpha1.RevokeGrantsRequest
+	(*RevokeGrantsResponse)(nil),  // 15: credbroker.v1alpha1.RevokeGrantsResponse
+	(*RevokeRequest)(nil),         // 16: credbroker.v1alpha1.RevokeRequest
+	(*RevokeResponse)(nil),        // 17: credbroker.v1alpha1.RevokeResponse
+	(*GrantUpdate)(nil),           // 18: credbroker.v1alpha1.GrantUpdate
+	(*Subject)(nil),               // 19: credbroker.v1alpha1.Subject
+	(*MintRequest)(nil),           // 20: credbroker.v1alpha1.MintRequest
+	(*MintResponse)(nil),          // 21: credbroker.v1alpha1.MintResponse
+	(*Error)(nil),                 // 22: credbroker.v1alpha1.Error
+	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
 }
 var file_credbroker_v1alpha1_credbroker_proto_depIdxs = []int32{
 	0,  // 0: credbroker.v1alpha1.ExchangeRequest.cluster:type_name -> credbroker.v1alpha1.ObjectReference
 	0,  // 1: credbroker.v1alpha1.ExchangeRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	22, // 2: credbroker.v1alpha1.ExchangeResponse.expiration_time:type_name -> google.protobuf.Timestamp
+	23, // 2: credbroker.v1alpha1.ExchangeResponse.expiration_time:type_name -> google.protobuf.Timestamp
 	0,  // 3: credbroker.v1alpha1.ExchangeResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
 	7,  // 4: credbroker.v1alpha1.AgentFrame.hello:type_name -> credbroker.v1alpha1.Hello
-	20, // 5: credbroker.v1alpha1.AgentFrame.mint_response:type_name -> credbroker.v1alpha1.MintResponse
-	21, // 6: credbroker.v1alpha1.AgentFrame.error:type_name -> credbroker.v1alpha1.Error
-	16, // 7: credbroker.v1alpha1.AgentFrame.revoke_response:type_name -> credbroker.v1alpha1.RevokeResponse
-	17, // 8: credbroker.v1alpha1.AgentFrame.grant_update:type_name -> credbroker.v1alpha1.GrantUpdate
+	21, // 5: credbroker.v1alpha1.AgentFrame.mint_response:type_name -> credbroker.v1alpha1.MintResponse
+	22, // 6: credbroker.v1alpha1.AgentFrame.error:type_name -> credbroker.v1alpha1.Error
+	17, // 7: credbroker.v1alpha1.AgentFrame.revoke_response:type_name -> credbroker.v1alpha1.RevokeResponse
+	18, // 8: credbroker.v1alpha1.AgentFrame.grant_update:type_name -> credbroker.v1alpha1.GrantUpdate
 	6,  // 9: credbroker.v1alpha1.AgentFrame.goodbye:type_name -> credbroker.v1alpha1.Goodbye
-	19, // 10: credbroker.v1alpha1.BrokerFrame.mint_request:type_name -> credbroker.v1alpha1.MintRequest
-	15, // 11: credbroker.v1alpha1.BrokerFrame.revoke_request:type_name -> credbroker.v1alpha1.RevokeRequest
-	5,  // 12: credbroker.v1alpha1.BrokerFrame.drain:type_name -> credbroker.v1alpha1.Drain
-	9,  // 13: credbroker.v1alpha1.Hello.grants:type_name -> credbroker.v1alpha1.Grant
-	8,  // 14: credbroker.v1alpha1.Hello.data_path:type_name -> credbroker.v1alpha1.DataPath
-	0,  // 15: credbroker.v1alpha1.Grant.cluster:type_name -> credbroker.v1alpha1.ObjectReference
-	18, // 16: credbroker.v1alpha1.Grant.subject:type_name -> credbroker.v1alpha1.Subject
-	0,  // 17: credbroker.v1alpha1.Grant.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	22, // 18: credbroker.v1alpha1.Grant.expiration_time:type_name -> google.protobuf.Timestamp
-	0,  // 19: credbroker.v1alpha1.Grant.secret:type_name -> credbroker.v1alpha1.ObjectReference
-	0,  // 20: credbroker.v1alpha1.GrantSelector.cluster:type_name -> credbroker.v1alpha1.ObjectReference
-	10, // 21: credbroker.v1alpha1.ListGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
-	9,  // 22: credbroker.v1alpha1.ListGrantsResponse.grants:type_name -> credbroker.v1alpha1.Grant
-	10, // 23: credbroker.v1alpha1.RevokeGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
-	9,  // 24: credbroker.v1alpha1.RevokeGrantsResponse.revoked:type_name -> credbroker.v1alpha1.Grant
-	9,  // 25: credbroker.v1alpha1.RevokeGrantsResponse.pending:type_name -> credbroker.v1alpha1.Grant
-	9,  // 26: credbroker.v1alpha1.GrantUpdate.added:type_name -> credbroker.v1alpha1.Grant
-	18, // 27: credbroker.v1alpha1.MintRequest.subject:type_name -> credbroker.v1alpha1.Subject
-	0,  // 28: credbroker.v1alpha1.MintRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	22, // 29: credbroker.v1alpha1.MintResponse.expiration_time:type_name -> google.protobuf.Timestamp
-	0,  // 30: credbroker.v1alpha1.MintResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
-	1,  // 31: credbroker.v1alpha1.TokenExchange.Exchange:input_type -> credbroker.v1alpha1.ExchangeRequest
-	11, // 32: credbroker.v1alpha1.Grants.List:input_type -> credbroker.v1alpha1.ListGrantsRequest
-	13, // 33: credbroker.v1alpha1.Grants.Revoke:input_type -> credbroker.v1alpha1.RevokeGrantsRequest
-	3,  // 34: credbroker.v1alpha1.AgentTunnel.Connect:input_type -> credbroker.v1alpha1.AgentFrame
-	2,  // 35: credbroker.v1alpha1.TokenExchange.Exchange:output_type -> credbroker.v1alpha1.ExchangeResponse
-	12, // 36: credbroker.v1alpha1.Grants.List:output_type -> credbroker.v1alpha1.ListGrantsResponse
-	14, // 37: credbroker.v1alpha1.Grants.Revoke:output_type -> credbroker.v1alpha1.RevokeGrantsResponse
-	4,  // 38: credbroker.v1alpha1.AgentTunnel.Connect:output_type -> credbroker.v1alpha1.BrokerFrame
-	35, // [35:39] is the sub-list for method output_type
-	31, // [31:35] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	8,  // 10: credbroker.v1alpha1.AgentFrame.spoke_health:type_name -> credbroker.v1alpha1.SpokeHealth
+	20, // 11: credbroker.v1alpha1.BrokerFrame.mint_request:type_name -> credbroker.v1alpha1.MintRequest
+	16, // 12: credbroker.v1alpha1.BrokerFrame.revoke_request:type_name -> credbroker.v1alpha1.RevokeRequest
+	5,  // 13: credbroker.v1alpha1.BrokerFrame.drain:type_name -> credbroker.v1alpha1.Drain
+	10, // 14: credbroker.v1alpha1.Hello.grants:type_name -> credbroker.v1alpha1.Grant
+	9,  // 15: credbroker.v1alpha1.Hello.data_path:type_name -> credbroker.v1alpha1.DataPath
+	8,  // 16: credbroker.v1alpha1.Hello.spoke_health:type_name -> credbroker.v1alpha1.SpokeHealth
+	0,  // 17: credbroker.v1alpha1.Grant.cluster:type_name -> credbroker.v1alpha1.ObjectReference
+	19, // 18: credbroker.v1alpha1.Grant.subject:type_name -> credbroker.v1alpha1.Subject
+	0,  // 19: credbroker.v1alpha1.Grant.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	23, // 20: credbroker.v1alpha1.Grant.expiration_time:type_name -> google.protobuf.Timestamp
+	0,  // 21: credbroker.v1alpha1.Grant.secret:type_name -> credbroker.v1alpha1.ObjectReference
+	0,  // 22: credbroker.v1alpha1.GrantSelector.cluster:type_name -> credbroker.v1alpha1.ObjectReference
+	11, // 23: credbroker.v1alpha1.ListGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
+	10, // 24: credbroker.v1alpha1.ListGrantsResponse.grants:type_name -> credbroker.v1alpha1.Grant
+	11, // 25: credbroker.v1alpha1.RevokeGrantsRequest.selector:type_name -> credbroker.v1alpha1.GrantSelector
+	10, // 26: credbroker.v1alpha1.RevokeGrantsResponse.revoked:type_name -> credbroker.v1alpha1.Grant
+	10, // 27: credbroker.v1alpha1.RevokeGrantsResponse.pending:type_name -> credbroker.v1alpha1.Grant
+	10, // 28: credbroker.v1alpha1.GrantUpdate.added:type_name -> credbroker.v1alpha1.Grant
+	19, // 29: credbroker.v1alpha1.MintRequest.subject:type_name -> credbroker.v1alpha1.Subject
+	0,  // 30: credbroker.v1alpha1.MintRequest.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	23, // 31: credbroker.v1alpha1.MintResponse.expiration_time:type_name -> google.protobuf.Timestamp
+	0,  // 32: credbroker.v1alpha1.MintResponse.service_account:type_name -> credbroker.v1alpha1.ObjectReference
+	1,  // 33: credbroker.v1alpha1.TokenExchange.Exchange:input_type -> credbroker.v1alpha1.ExchangeRequest
+	12, // 34: credbroker.v1alpha1.Grants.List:input_type -> credbroker.v1alpha1.ListGrantsRequest
+	14, // 35: credbroker.v1alpha1.Grants.Revoke:input_type -> credbroker.v1alpha1.RevokeGrantsRequest
+	3,  // 36: credbroker.v1alpha1.AgentTunnel.Connect:input_type -> credbroker.v1alpha1.AgentFrame
+	2,  // 37: credbroker.v1alpha1.TokenExchange.Exchange:output_type -> credbroker.v1alpha1.ExchangeResponse
+	13, // 38: credbroker.v1alpha1.Grants.List:output_type -> credbroker.v1alpha1.ListGrantsResponse
+	15, // 39: credbroker.v1alpha1.Grants.Revoke:output_type -> credbroker.v1alpha1.RevokeGrantsResponse
+	4,  // 40: credbroker.v1alpha1.AgentTunnel.Connect:output_type -> credbroker.v1alpha1.BrokerFrame
+	37, // [37:41] is the sub-list for method output_type
+	33, // [33:37] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_credbroker_v1alpha1_credbroker_proto_init() }
@@ -1771,6 +1864,7 @@ func file_credbroker_v1alpha1_credbroker_proto_init() {
 		(*AgentFrame_RevokeResponse)(nil),
 		(*AgentFrame_GrantUpdate)(nil),
 		(*AgentFrame_Goodbye)(nil),
+		(*AgentFrame_SpokeHealth)(nil),
 	}
 	file_credbroker_v1alpha1_credbroker_proto_msgTypes[4].OneofWrappers = []any{
 		(*BrokerFrame_MintRequest)(nil),
@@ -1783,7 +1877,7 @@ func file_credbroker_v1alpha1_credbroker_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_credbroker_v1alpha1_credbroker_proto_rawDesc), len(file_credbroker_v1alpha1_credbroker_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   22,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

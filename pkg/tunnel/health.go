@@ -1,0 +1,62 @@
+package tunnel
+
+import (
+	"context"
+	"sync"
+
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// SpokeHealth holds what an agent last saw of its spoke API server's
+// /readyz, for every stream of the agent to report: in the hello, and in a
+// frame of its own whenever it changes. The agent's prober calls Set; the
+// Clients that share it (ClientConfig.SpokeHealth) report it. Build it
+// with NewSpokeHealth.
+type SpokeHealth struct {
+	mu      sync.Mutex
+	current *pb.SpokeHealth // nil until the first Set
+	changed chan struct{}   // closed and replaced by every change
+}
+
+// NewSpokeHealth returns a SpokeHealth that reports nothing until Set.
+func NewSpokeHealth() *SpokeHealth {
+	return &SpokeHealth{changed: make(chan struct{})}
+}
+
+// Set records the spoke's readiness. A value equal to the current one
+// changes nothing, so that a steady spoke sends no frames.
+func (h *SpokeHealth) Set(ready bool, message string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.current != nil && h.current.GetReady() == ready && h.current.GetMessage() == message {
+		return
+	}
+	h.current = &pb.SpokeHealth{Ready: ready, Message: message}
+	close(h.changed)
+	h.changed = make(chan struct{})
+}
+
+// get returns the current report (nil before the first Set; never
+// modified once returned) and a channel closed at the next change.
+func (h *SpokeHealth) get() (*pb.SpokeHealth, <-chan struct{}) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.current, h.changed
+}
+
+// reportSpokeHealth sends every change after sent, the report of the
+// stream's hello, until ctx ends.
+func reportSpokeHealth(ctx context.Context, h *SpokeHealth, sent *pb.SpokeHealth, send func(*pb.AgentFrame)) {
+	for {
+		current, changed := h.get()
+		if current != sent {
+			send(&pb.AgentFrame{Body: &pb.AgentFrame_SpokeHealth{SpokeHealth: current}})
+			sent = current
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
