@@ -19,6 +19,11 @@
 // file. The same value again is taken. Several audiences go in one
 // comma-separated --audience.
 //
+// A refusal by the broker's per-consumer rate limit that says how long to
+// wait (retry-after) is waited out, plus up to a fifth more, and asked
+// again, for 30s of waiting in all; --timeout bounds each request, so one
+// run lasts at most --timeout plus 30s (see package plugin).
+//
 // Exit status: 0 with an ExecCredential on stdout; 1 when no token could be
 // had, or it was refused for another server, CA or transport; 2 for bad
 // flags. Errors go to

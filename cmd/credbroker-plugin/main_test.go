@@ -64,6 +64,16 @@ type fakeBroker struct {
 	requests []*credbrokerv1alpha1.ExchangeRequest
 	server   string
 	ca       []byte
+	// refusals are the next answers: ResourceExhausted, with a retry-after
+	// trailer of that many seconds, none when empty.
+	refusals []string
+}
+
+// refuse queues refusals for the next exchanges.
+func (f *fakeBroker) refuse(retryAfter ...string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.refusals = append(f.refusals, retryAfter...)
 }
 
 func (f *fakeBroker) setCluster(server string, ca []byte) {
@@ -80,7 +90,18 @@ func (f *fakeBroker) Exchange(ctx context.Context, req *credbrokerv1alpha1.Excha
 	f.mu.Lock()
 	f.requests = append(f.requests, proto.CloneOf(req))
 	server, ca := cmp.Or(f.server, spokeServer), f.ca
+	var refuse *string
+	if len(f.refusals) > 0 {
+		refuse = &f.refusals[0]
+		f.refusals = f.refusals[1:]
+	}
 	f.mu.Unlock()
+	if refuse != nil {
+		if *refuse != "" {
+			_ = grpc.SetTrailer(ctx, metadata.Pairs("retry-after", *refuse))
+		}
+		return nil, status.Error(codes.ResourceExhausted, "system:serviceaccount:apps:ci asked for more than 20 mints per second (burst 2000)")
+	}
 	if req.GetCluster().GetName() == "denied" {
 		return nil, status.Error(codes.PermissionDenied, denied)
 	}
@@ -282,6 +303,49 @@ func TestBinary(t *testing.T) {
 			require.NotNil(t, ec.Status.ExpirationTimestamp)
 			assert.True(t, expiry.Equal(ec.Status.ExpirationTimestamp.Time), "expirationTimestamp %v, want %v", ec.Status.ExpirationTimestamp, expiry)
 			assert.Equal(t, "2031-01-02T03:04:05Z", raw["status"].(map[string]any)["expirationTimestamp"])
+		})
+	}
+
+	// The broker's rate limit refuses the first exchange: with a
+	// retry-after of 1s, the binary waits it out, asks again and prints the
+	// credential; without one, it fails at once.
+	for _, tt := range []struct {
+		name, retryAfter string
+		wantCode         int
+	}{
+		{name: "rate limited with a retry-after", retryAfter: "1"},
+		{name: "rate limited without a retry-after", wantCode: 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			before := len(fake.received())
+			fake.refuse(tt.retryAfter)
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, bin, base...)
+			cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + t.TempDir(), "KUBERNETES_EXEC_INFO=" + execInfo(prod)}
+			var stdout, stderr bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &stdout, &stderr
+			began := time.Now()
+			err := cmd.Run()
+			took := time.Since(began)
+			assert.NotContains(t, stderr.String(), hubToken)
+			if tt.wantCode != 0 {
+				var exitErr *exec.ExitError
+				require.ErrorAs(t, err, &exitErr)
+				assert.Equal(t, tt.wantCode, exitErr.ExitCode())
+				assert.Contains(t, stderr.String(), "[credbroker] exchange for cluster fleet/prod-eu-1: resource exhausted: ")
+				assert.Empty(t, stdout.String())
+				assert.Len(t, fake.received()[before:], 1, "a refusal without a retry-after is not asked again")
+				return
+			}
+			require.NoError(t, err, "stderr: %s", stderr.String())
+			assert.Empty(t, stderr.String())
+			assert.GreaterOrEqual(t, took, time.Second, "the plugin waited the retry-after")
+			assert.Len(t, fake.received()[before:], 2, "refused once, then asked again")
+			var ec clientauthenticationv1.ExecCredential
+			require.NoError(t, json.Unmarshal(stdout.Bytes(), &ec), "stdout: %s", stdout.String())
+			require.NotNil(t, ec.Status)
+			assert.Equal(t, spokeToken, ec.Status.Token)
 		})
 	}
 

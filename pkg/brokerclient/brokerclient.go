@@ -49,7 +49,7 @@ func ValidateAddress(addr string) error {
 // its own backoff, before the wait the broker asks for (the "retry-after"
 // trailer, errdefs.RetryAfterKey), and spend the consumer's budget again.
 // The refusal reaches the caller, whose message names the wait; pkg/client
-// waits that long and asks again (client.Config.MaxRetryWait).
+// and the plugin wait that long and ask again (WaitAndRetry).
 const serviceConfig = `{
   "loadBalancingConfig": [{"round_robin": {}}],
   "methodConfig": [{

@@ -18,6 +18,18 @@
 //
 // (one line; wrapped here).
 //
+// WaitAndRetry waits out the broker's rate limit as package client and the
+// plugin do: a call refused with ResourceExhausted and a "retry-after"
+// trailer (RetryAfter) is made again after that wait plus up to a fifth
+// more, while the waits in all fit a bound:
+//
+//	resp, err := brokerclient.WaitAndRetry(ctx, 30*time.Second, nil, func() (*pb.ExchangeResponse, time.Duration, error) {
+//		var trailer metadata.MD
+//		resp, err := x.Exchange(ctx, req, grpc.PerRPCCredentials(bearer), grpc.Trailer(&trailer))
+//		wait, _ := brokerclient.RetryAfter(err, trailer)
+//		return resp, wait, err
+//	})
+//
 // Errors name files, never their content: a token read here never appears
 // in an error, and Bearer's String is redacted.
 package brokerclient

@@ -6,13 +6,11 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"sync"
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"k8s.io/client-go/rest"
@@ -87,7 +85,8 @@ type Client struct {
 	mu      sync.Mutex
 	sources map[Reference]*spokeSource
 
-	// sleep waits as the broker's retry-after tells; tests replace it.
+	// sleep waits as the broker's retry-after tells; nil means a timer.
+	// Tests replace it.
 	sleep func(context.Context, time.Duration) error
 }
 
@@ -127,19 +126,7 @@ func New(cfg Config) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{cfg: cfg, conn: conn, x: pb.NewTokenExchangeClient(conn), sources: map[Reference]*spokeSource{}, sleep: sleep}, nil
-}
-
-// sleep waits for d or until ctx ends.
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
+	return &Client{cfg: cfg, conn: conn, x: pb.NewTokenExchangeClient(conn), sources: map[Reference]*spokeSource{}}, nil
 }
 
 // Close closes the connection to the broker. rest.Configs built before
@@ -246,27 +233,11 @@ func (s *spokeSource) invalidate(v string) {
 
 // exchange asks the broker for a token for ref. When the broker's rate
 // limit refuses it with a retry-after, it waits as told and asks again, for
-// MaxRetryWait in all.
+// MaxRetryWait in all (brokerclient.WaitAndRetry).
 func (c *Client) exchange(ctx context.Context, ref Reference) (*spokeToken, error) {
-	var waited time.Duration
-	for {
-		t, wait, err := c.exchangeOnce(ctx, ref)
-		if err == nil || wait <= 0 {
-			return t, err
-		}
-		// Up to a fifth more, so that callers refused together spread out.
-		wait += rand.N(wait/5 + 1)
-		if waited+wait > c.cfg.MaxRetryWait {
-			return nil, err
-		}
-		if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) < wait {
-			return nil, err
-		}
-		if serr := c.sleep(ctx, wait); serr != nil {
-			return nil, err
-		}
-		waited += wait
-	}
+	return brokerclient.WaitAndRetry(ctx, c.cfg.MaxRetryWait, c.sleep, func() (*spokeToken, time.Duration, error) {
+		return c.exchangeOnce(ctx, ref)
+	})
 }
 
 // exchangeOnce asks the broker for a token for ref, once. A refusal by the
@@ -291,15 +262,10 @@ func (c *Client) exchangeOnce(ctx context.Context, ref Reference) (*spokeToken, 
 	var trailer metadata.MD
 	resp, err := c.x.Exchange(ctx, req, grpc.PerRPCCredentials(brokerclient.Bearer(hubToken)), grpc.Trailer(&trailer))
 	if err != nil {
+		wait, _ := brokerclient.RetryAfter(err, trailer)
 		st := status.Convert(err)
 		msg := token.Redact(strings.ReplaceAll(st.Message(), hubToken, "[redacted]"))
-		err := fmt.Errorf("exchange for cluster %s: %s: %w", ref, st.Code(), errdefs.FromCode(st.Code(), msg))
-		if st.Code() == codes.ResourceExhausted && c.cfg.MaxRetryWait > 0 {
-			if wait, ok := errdefs.ParseRetryAfter(trailer); ok {
-				return nil, wait, err
-			}
-		}
-		return nil, 0, err
+		return nil, wait, fmt.Errorf("exchange for cluster %s: %s: %w", ref, st.Code(), errdefs.FromCode(st.Code(), msg))
 	}
 	t, err := answerToken(ref, resp, fetched)
 	return t, 0, err

@@ -24,7 +24,8 @@ import (
 )
 
 // fakeBroker is a TokenExchangeServer that accepts only the bearer token in
-// hubToken, records each request, and answers with respond.
+// hubToken, records each request, and answers with respond, after the
+// refusals queued with refuse.
 type fakeBroker struct {
 	credbrokerv1alpha1.UnimplementedTokenExchangeServer
 
@@ -32,6 +33,15 @@ type fakeBroker struct {
 	hubToken string
 	requests []*credbrokerv1alpha1.ExchangeRequest
 	respond  func(*credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error)
+	refusals []refusal
+}
+
+// refusal is one refused exchange: its code and message, and its
+// "retry-after" trailer, none when empty.
+type refusal struct {
+	code       codes.Code
+	msg        string
+	retryAfter string
 }
 
 func (f *fakeBroker) Exchange(ctx context.Context, req *credbrokerv1alpha1.ExchangeRequest) (*credbrokerv1alpha1.ExchangeResponse, error) {
@@ -45,7 +55,22 @@ func (f *fakeBroker) Exchange(ctx context.Context, req *credbrokerv1alpha1.Excha
 		return nil, status.Error(codes.InvalidArgument, "fake broker: cluster is required")
 	}
 	f.requests = append(f.requests, proto.CloneOf(req))
+	if len(f.refusals) > 0 {
+		r := f.refusals[0]
+		f.refusals = f.refusals[1:]
+		if r.retryAfter != "" {
+			_ = grpc.SetTrailer(ctx, metadata.Pairs("retry-after", r.retryAfter))
+		}
+		return nil, status.Error(r.code, r.msg)
+	}
 	return f.respond(req)
+}
+
+// refuse queues refusals for the next exchanges.
+func (f *fakeBroker) refuse(r ...refusal) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.refusals = append(f.refusals, r...)
 }
 
 func (f *fakeBroker) setHubToken(s string) {

@@ -94,6 +94,30 @@
 // provideClusterInfo: true in any case. A Go caller that uses the token
 // itself passes the server it will use in spec.cluster.server.
 //
+// # Waiting out the broker's rate limit
+//
+// The broker limits what each consumer may cost the hub and the spokes
+// (--rate-limit, --rate-burst), and refuses a call over the limit with
+// ResourceExhausted and a "retry-after" trailer: whole seconds, usually
+// one. client-go treats a failed exec plugin as a failed request, so the
+// plugin waits as told, plus up to a fifth more so that plugins refused
+// together do not all come back at once, and asks again, as package
+// client does (both through brokerclient.WaitAndRetry). A refusal
+// without a retry-after, and any other error, is returned at once.
+//
+// The waits are bounded by [Config.MaxRetryWait], [DefaultMaxRetryWait]
+// (30s) unless set, and each exchange by [Config.Timeout] (30s, --timeout),
+// so one GetToken lasts at most Timeout plus MaxRetryWait: a minute with
+// the defaults. client-go runs the plugin synchronously, holding up the
+// request that needed the token, and kubectl's user waits for it; a
+// minute is as long as a person waits for a command before giving up, and
+// much more than a consumer within its limit is ever told to wait (a
+// second at the default 20 per second). A wait that would not fit is not
+// begun: the refusal is returned at once, naming the wait, so a caller
+// that runs the plugin again later fares no worse. Retries send the
+// hub token read for the GetToken; the kubelet renews it well before it
+// expires.
+//
 // The hub token file is read again on every GetToken, since the kubelet
 // rotates it, and is sent only as gRPC per-RPC credentials that require a
 // secure transport. No error returned here ever contains a token.

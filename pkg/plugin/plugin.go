@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	clientauthenticationv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
@@ -23,8 +24,14 @@ import (
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// DefaultTimeout bounds one GetToken when Config.Timeout is zero.
+// DefaultTimeout bounds one exchange when Config.Timeout is zero.
 const DefaultTimeout = brokerclient.DefaultTimeout
+
+// DefaultMaxRetryWait bounds, when Config.MaxRetryWait is zero, how long
+// one GetToken waits in all as the broker's retry-after tells it: with
+// DefaultTimeout, a GetToken lasts at most a minute (see the package
+// documentation).
+const DefaultMaxRetryWait = 30 * time.Second
 
 // Config configures a Provider.
 type Config struct {
@@ -48,9 +55,17 @@ type Config struct {
 	// ExpirationSeconds is the requested lifetime; zero means the broker's
 	// maximum. The broker clamps other values.
 	ExpirationSeconds int64
-	// Timeout bounds one GetToken, connection included; zero means
+	// Timeout bounds one exchange, connection included; zero means
 	// DefaultTimeout.
 	Timeout time.Duration
+	// MaxRetryWait bounds how long one GetToken waits, in all, when the
+	// broker refuses it with ResourceExhausted and a retry-after trailer
+	// (its per-consumer rate limit): GetToken waits as told, plus up to a
+	// fifth more so that refused callers do not all come back at once, and
+	// asks again, while the waits fit in MaxRetryWait. Zero means
+	// DefaultMaxRetryWait; negative never waits. A GetToken lasts at most
+	// Timeout plus MaxRetryWait.
+	MaxRetryWait time.Duration
 }
 
 // Provider is a credentialplugin.Provider that gets spoke tokens from the
@@ -58,6 +73,10 @@ type Config struct {
 type Provider struct {
 	cfg   Config
 	creds credentials.TransportCredentials
+
+	// sleep waits as the broker's retry-after tells; nil means a timer.
+	// Tests replace it.
+	sleep func(context.Context, time.Duration) error
 }
 
 var _ credentialplugin.Provider = (*Provider)(nil)
@@ -94,6 +113,9 @@ func New(cfg Config) (*Provider, error) {
 		return nil, err
 	}
 	cfg.Audiences, cfg.Timeout = req.Audiences, req.Timeout
+	if cfg.MaxRetryWait == 0 {
+		cfg.MaxRetryWait = DefaultMaxRetryWait
+	}
 	cfg.TLS = cfg.TLS.Clone()
 	return &Provider{cfg: cfg, creds: creds}, nil
 }
@@ -105,7 +127,11 @@ func (p *Provider) Name() string { return Name }
 // spoke named by Config.Cluster or, when that is nil, by in.Spec.Cluster.Config
 // (see ParseExecConfig). A failed exchange returns an error that reads
 // "exchange for cluster <ns>/<name>: <code in words>: <message>; <what to fix>"; errdefs.Code
-// reports its gRPC code and errors.Is matches the errdefs sentinel.
+// reports its gRPC code and errors.Is matches the errdefs sentinel. A
+// refusal by the broker's rate limit that tells how long to wait (the
+// "retry-after" trailer) is waited out and asked again, for
+// Config.MaxRetryWait in all; the last refusal is the error when the
+// next wait would not fit.
 //
 // The token is returned only when in.Spec.Cluster.Server, where client-go
 // will send it, is the server the broker reports for that ClusterProfile,
@@ -143,7 +169,9 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 		return none, err
 	}
 
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
+	// Each exchange has Timeout; the waits a rate limit asks for add at
+	// most MaxRetryWait.
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout+max(p.cfg.MaxRetryWait, 0))
 	defer cancel()
 	conn, err := brokerclient.Dial(p.cfg.BrokerAddress, p.creds, "credbroker-plugin")
 	if err != nil {
@@ -159,10 +187,20 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 	if sa := p.cfg.ServiceAccount; sa != nil {
 		req.ServiceAccount = &credbrokerv1alpha1.ObjectReference{Namespace: sa.Namespace, Name: sa.Name}
 	}
-	resp, err := credbrokerv1alpha1.NewTokenExchangeClient(conn).Exchange(ctx, req,
-		grpc.PerRPCCredentials(brokerclient.Bearer(hubToken)))
+	x := credbrokerv1alpha1.NewTokenExchangeClient(conn)
+	resp, err := brokerclient.WaitAndRetry(ctx, p.cfg.MaxRetryWait, p.sleep, func() (*credbrokerv1alpha1.ExchangeResponse, time.Duration, error) {
+		ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
+		defer cancel()
+		var trailer metadata.MD
+		resp, err := x.Exchange(ctx, req, grpc.PerRPCCredentials(brokerclient.Bearer(hubToken)), grpc.Trailer(&trailer))
+		if err != nil {
+			wait, _ := brokerclient.RetryAfter(err, trailer)
+			return nil, wait, p.exchangeError(cluster, err, hubToken)
+		}
+		return resp, 0, nil
+	})
 	if err != nil {
-		return none, p.exchangeError(cluster, err, hubToken)
+		return none, err
 	}
 
 	if resp.GetToken() == "" {

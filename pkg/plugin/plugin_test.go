@@ -673,6 +673,7 @@ func TestNew(t *testing.T) {
 			c.Audiences = []string{"a", "b"}
 			c.ExpirationSeconds = 600
 			c.Timeout = time.Minute
+			c.MaxRetryWait = time.Minute
 		}},
 		{name: "no address", mutate: func(c *plugin.Config) { c.BrokerAddress = "" }, wantErr: "broker address is required"},
 		{name: "address without port", mutate: func(c *plugin.Config) { c.BrokerAddress = "broker.example" }, wantErr: "not host:port"},
