@@ -36,7 +36,27 @@ type Config struct {
 	MaxTTL time.Duration
 	// Clock decides freshness. Default: the real clock.
 	Clock Clock
+	// RefreshWithin, when positive, makes Do refresh an entry ahead of
+	// time: a Do that finds an entry with no more than RefreshWithin of
+	// freshness left returns it, and starts its fetch again in the
+	// background, once per stored entry, under a context for which
+	// Refreshing reports true and whose deadline is the entry's end. The
+	// result replaces the entry; an error leaves it to serve until its end.
+	// So a key that is asked for all the time is never missed.
+	RefreshWithin time.Duration
+	// Refreshable, when set, picks the values worth refreshing ahead of
+	// time, such as approvals but not denials. Default: every value.
+	Refreshable func(v any) bool
 }
+
+// refreshingKey marks the context of a refresh ahead of time.
+type refreshingKey struct{}
+
+// Refreshing reports whether ctx is that of a fetch that refreshes a
+// fresh entry ahead of time (Config.RefreshWithin), rather than one that a
+// caller waits for. Such a fetch may wait for budget that a caller could
+// not, until ctx's deadline.
+func Refreshing(ctx context.Context) bool { return ctx.Value(refreshingKey{}) != nil }
 
 // ErrFetchPanicked is wrapped by the error Do returns when fetch panicked.
 var ErrFetchPanicked = errors.New("store: fetch panicked")
@@ -44,6 +64,8 @@ var ErrFetchPanicked = errors.New("store: fetch panicked")
 type entry[V any] struct {
 	v          V
 	freshUntil time.Time
+	// refreshing is set once a refresh ahead of time has started.
+	refreshing bool
 }
 
 // Cache is a bounded cache whose entries are each fresh until their own
@@ -52,6 +74,9 @@ type Cache[V any] struct {
 	clock Clock
 	lru   *expirable.LRU[string, entry[V]]
 	group singleflight.Group
+	// refreshWithin and refreshable are Config's.
+	refreshWithin time.Duration
+	refreshable   func(any) bool
 
 	// mu makes Get's check-then-remove and Add atomic with respect to each
 	// other, so Get never removes a fresh entry that Add just stored.
@@ -74,9 +99,14 @@ func New[V any](cfg Config) (*Cache[V], error) {
 	if clk == nil {
 		clk = realClock{}
 	}
+	if cfg.RefreshWithin < 0 {
+		return nil, fmt.Errorf("store: Config.RefreshWithin must not be negative, got %v", cfg.RefreshWithin)
+	}
 	return &Cache[V]{
-		clock: clk,
-		lru:   expirable.NewLRU[string, entry[V]](cfg.Size, nil, cfg.MaxTTL),
+		clock:         clk,
+		lru:           expirable.NewLRU[string, entry[V]](cfg.Size, nil, cfg.MaxTTL),
+		refreshWithin: cfg.RefreshWithin,
+		refreshable:   cfg.Refreshable,
 	}, nil
 }
 
@@ -138,6 +168,7 @@ type flight[V any] struct {
 // ErrFetchPanicked.
 func (c *Cache[V]) Do(ctx context.Context, key string, fetch func(ctx context.Context) (V, time.Time, error)) (v V, hit bool, err error) {
 	if v, ok := c.Get(key); ok {
+		c.refreshAhead(ctx, key, fetch)
 		return v, true, nil
 	}
 	if err := ctx.Err(); err != nil {
@@ -169,6 +200,42 @@ func (c *Cache[V]) Do(ctx context.Context, key string, fetch func(ctx context.Co
 		f := res.Val.(flight[V])
 		return f.v, f.hit, nil
 	}
+}
+
+// refreshAhead starts the background refresh of key's entry when it is
+// due (Config.RefreshWithin), once per stored entry.
+func (c *Cache[V]) refreshAhead(ctx context.Context, key string, fetch func(ctx context.Context) (V, time.Time, error)) {
+	if c.refreshWithin <= 0 {
+		return
+	}
+	c.mu.Lock()
+	e, ok := c.lru.Peek(key)
+	due := ok && !e.refreshing && e.freshUntil.Sub(c.clock.Now()) <= c.refreshWithin &&
+		(c.refreshable == nil || c.refreshable(e.v))
+	if due {
+		e.refreshing = true
+		c.lru.Add(key, e)
+	}
+	c.mu.Unlock()
+	if !due {
+		return
+	}
+	// The refresh's deadline is the entry's end by the cache's clock,
+	// counted on the real clock that contexts use.
+	rctx, cancel := context.WithTimeout(context.WithValue(context.WithoutCancel(ctx), refreshingKey{}, true),
+		e.freshUntil.Sub(c.clock.Now()))
+	// Its own flight: a caller that misses meanwhile fetches on its own
+	// terms rather than wait on a refresh that may wait for budget.
+	go func() {
+		defer cancel()
+		_, _, _ = c.group.Do("\x00refresh\x00"+key, func() (any, error) {
+			v, freshUntil, err := safeFetch(rctx, fetch)
+			if err == nil {
+				c.Add(key, v, freshUntil)
+			}
+			return nil, err
+		})
+	}()
 }
 
 // safeFetch calls fetch and turns a panic into an error. The panic value is

@@ -7,6 +7,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"slices"
@@ -14,7 +15,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/time/rate"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	authenticationv1 "k8s.io/api/authentication/v1"
@@ -97,19 +97,8 @@ func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atom
 		return authnResult{}, time.Time{}, err
 	}
 	now := s.cfg.Clock.Now()
-	if err := allowReview(ctx, s.peerReviews, peerAddress(ctx), s.cfg.PeerReviewRateLimit, s.cfg.PeerReviewBurst, now,
-		"your address sent more than %v new tokens per second for review; retry shortly", s.cfg.PeerReviewRateLimit); err != nil {
+	if err := s.allowReview(ctx, bearer, exp, now); err != nil {
 		return authnResult{}, time.Time{}, err
-	}
-	if ns := reviewNamespace(bearer); ns != "" {
-		if err := allowReview(ctx, s.namespaceReviews, ns, s.cfg.NamespaceReviewRateLimit, s.cfg.NamespaceReviewBurst, now,
-			"the tokens of hub namespace %q asked for more than %v new token reviews per second; retry shortly", ns, s.cfg.NamespaceReviewRateLimit); err != nil {
-			return authnResult{}, time.Time{}, err
-		}
-	}
-	if !s.reviews.AllowN(now, 1) {
-		return authnResult{}, time.Time{}, fmt.Errorf("the broker is reviewing more than %v new tokens per second; retry shortly: %w",
-			s.cfg.ReviewRateLimit, errdefs.ErrResourceExhausted)
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()
@@ -142,6 +131,42 @@ func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atom
 		Groups:   st.User.Groups,
 		Extra:    st.User.Extra,
 	}}, until, nil
+}
+
+// errNotWorthRefreshing ends the refresh of a decision whose token
+// expires before the refresh would outlive the decision.
+var errNotWorthRefreshing = errors.New("the token expires before its refreshed review would be of use")
+
+// allowReview spends the review limits on bearer's review: its peer
+// address's (only for a token not known yet: a refresh ahead of time is of
+// a token the hub accepted, and the address limit is against floods of new
+// ones), its hub namespace's, and the broker's.
+func (s *Service) allowReview(ctx context.Context, bearer string, exp, now time.Time) error {
+	if store.Refreshing(ctx) {
+		if exp.Sub(now) <= s.cfg.AuthnTTL/refreshShare {
+			return errNotWorthRefreshing
+		}
+	} else {
+		addr := peerAddress(ctx)
+		lim, err := limiterFor(ctx, s.peerReviews, addr, s.cfg.PeerReviewRateLimit, s.cfg.PeerReviewBurst, now)
+		if err != nil {
+			return err
+		}
+		if err := spend(ctx, lim, now, fmt.Sprintf("your address sent more than %v new tokens per second for review", s.cfg.PeerReviewRateLimit)); err != nil {
+			return err
+		}
+	}
+	if ns := reviewNamespace(bearer); ns != "" {
+		lim, err := limiterFor(ctx, s.namespaceReviews, ns, s.cfg.NamespaceReviewRateLimit, s.cfg.NamespaceReviewBurst, now)
+		if err != nil {
+			return err
+		}
+		if err := spend(ctx, lim, now, fmt.Sprintf("the tokens of hub namespace %q asked for more than %v new token reviews per second",
+			ns, s.cfg.NamespaceReviewRateLimit)); err != nil {
+			return err
+		}
+	}
+	return spend(ctx, s.reviews, now, fmt.Sprintf("the broker is reviewing more than %v new tokens per second", s.cfg.ReviewRateLimit))
 }
 
 // Defaults of Config.NamespaceReviewRateLimit and NamespaceReviewBurst: a
@@ -218,21 +243,4 @@ func peerAddress(ctx context.Context) string {
 		return host
 	}
 	return addr
-}
-
-// allowReview takes one review from the limiter that limiters holds for
-// key, made with limit and burst on first use; when none is left, it
-// returns ResourceExhausted with the message format and args give.
-func allowReview(ctx context.Context, limiters *store.Cache[*rate.Limiter], key string, limit rate.Limit, burst int, now time.Time,
-	format string, args ...any) error {
-	lim, _, err := limiters.Do(ctx, key, func(context.Context) (*rate.Limiter, time.Time, error) {
-		return rate.NewLimiter(limit, burst), now.Add(time.Hour), nil
-	})
-	if err != nil {
-		return err
-	}
-	if !lim.AllowN(now, 1) {
-		return fmt.Errorf("%s: %w", fmt.Sprintf(format, args...), errdefs.ErrResourceExhausted)
-	}
-	return nil
 }

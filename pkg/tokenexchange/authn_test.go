@@ -235,7 +235,7 @@ func TestTokenReviewsArePerPeerLimited(t *testing.T) {
 		_, err = f.svc.Exchange(ctx, fleetA())
 		st := status.Convert(err)
 		require.Equal(t, codes.ResourceExhausted, st.Code(), st.Message())
-		assert.Equal(t, "your address sent more than 1 new tokens per second for review; retry shortly: resource exhausted", st.Message())
+		assert.Equal(t, "your address sent more than 1 new tokens per second for review; retry after 1s: resource exhausted", st.Message())
 	}
 	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load())
 
@@ -395,7 +395,7 @@ func TestOneNamespaceCannotSpendTheReviewBudget(t *testing.T) {
 	_, err := f.svc.Exchange(fromPeer(withBearer, "10.0.1.99:1000")(crowdToken(9999)), fleetA())
 	st := status.Convert(err)
 	require.Equal(t, codes.ResourceExhausted, st.Code(), st.Message())
-	assert.Equal(t, fmt.Sprintf(`the tokens of hub namespace "crowd" asked for more than %d new token reviews per second; retry shortly: resource exhausted`,
+	assert.Equal(t, fmt.Sprintf(`the tokens of hub namespace "crowd" asked for more than %d new token reviews per second; retry after 1s: resource exhausted`,
 		DefaultNamespaceReviewRateLimit), st.Message())
 
 	// A bystander of namespace hub, from an address of its own, with a new

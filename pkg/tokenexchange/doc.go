@@ -41,7 +41,15 @@
 // says who the consumer is, counts once done. A refusal is
 // ResourceExhausted, with the wait in its message and in the "retry-after"
 // trailer (errdefs.RetryAfterKey), whole seconds from the limiter's
-// reservation; it spends none of the budget.
+// reservation; it spends none of the budget. So are the refusals of the
+// review limits per peer address, per hub namespace and broker-wide.
+//
+// A consumer that keeps calling has its TokenReview and its allowed
+// SubjectAccessReviews refreshed in the background in the last quarter of
+// their life (store.Config.RefreshWithin): its calls are served from the
+// caches and never wait on the hub nor meet a review limit. A refresh is
+// not charged to the peer address's limit, and waits for the others until
+// the decision it refreshes ends.
 //
 // Every call writes one audit line. Tokens never reach a log, an error or a
 // metric; the audit line names the minted token by its credential id, and

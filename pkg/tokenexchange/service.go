@@ -212,11 +212,17 @@ func New(cfg Config) (*Service, error) {
 	if s.metrics, err = newMetrics(cfg.Registerer); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
+	// A consumer that keeps calling has its decisions refreshed in the
+	// background before they end, so that its calls never wait on the hub
+	// nor meet a review limit; denials are not refreshed.
 	decisions := store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AuthnTTL, cfg.AllowTTL), Clock: cfg.Clock}
-	if s.authn, err = store.New[authnResult](decisions); err != nil {
+	authn, authz := decisions, decisions
+	authn.RefreshWithin, authn.Refreshable = cfg.AuthnTTL/refreshShare, func(v any) bool { return v.(authnResult).reason == "" }
+	authz.RefreshWithin, authz.Refreshable = cfg.AllowTTL/refreshShare, func(v any) bool { return v.(bool) }
+	if s.authn, err = store.New[authnResult](authn); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
-	if s.authz, err = store.New[bool](decisions); err != nil {
+	if s.authz, err = store.New[bool](authz); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
 	if s.tokens, err = store.New[minted](store.Config{Size: cfg.CacheSize, MaxTTL: cfg.MaxExpiration, Clock: cfg.Clock}); err != nil {
@@ -389,24 +395,9 @@ func (s *Service) allow(ctx context.Context, user userInfo, what string) error {
 		return fmt.Errorf("rate limit key: %w", err)
 	}
 	now := s.cfg.Clock.Now()
-	lim, _, err := s.limiters.Do(ctx, string(key), func(context.Context) (*rate.Limiter, time.Time, error) {
-		return rate.NewLimiter(s.cfg.RateLimit, s.cfg.RateBurst), now.Add(time.Hour), nil
-	})
+	lim, err := limiterFor(ctx, s.limiters, string(key), s.cfg.RateLimit, s.cfg.RateBurst, now)
 	if err != nil {
 		return err
 	}
-	r := lim.ReserveN(now, 1)
-	if !r.OK() {
-		// Only a burst below 1 refuses every reservation; New's defaults
-		// keep it at 40 unless configured so.
-		return fmt.Errorf("%s may not have %s (rate limit %v/s, burst %d): %w",
-			user.Username, what, s.cfg.RateLimit, s.cfg.RateBurst, errdefs.ErrResourceExhausted)
-	}
-	wait := r.DelayFrom(now)
-	if wait <= 0 {
-		return nil
-	}
-	r.CancelAt(now)
-	return errdefs.WithRetryAfter(fmt.Errorf("%s asked for more than %v %s per second (burst %d); retry after %ds: %w",
-		user.Username, s.cfg.RateLimit, what, s.cfg.RateBurst, errdefs.RetryAfterSeconds(wait), errdefs.ErrResourceExhausted), wait)
+	return spend(ctx, lim, now, fmt.Sprintf("%s asked for more than %v %s per second (burst %d)", user.Username, s.cfg.RateLimit, what, s.cfg.RateBurst))
 }

@@ -65,8 +65,9 @@ func (d *Deployment) OptIn(ctx context.Context, spoke *Cluster, namespace, name 
 }
 
 // ExchangeClient dials a TokenExchange port over TLS, verifying it with the
-// deployment's CA. Close the returned connection when done.
-func (d *Deployment) ExchangeClient(addr string) (pb.TokenExchangeClient, *grpc.ClientConn, error) {
+// deployment's CA, with opts besides. Close the returned connection when
+// done.
+func (d *Deployment) ExchangeClient(addr string, opts ...grpc.DialOption) (pb.TokenExchangeClient, *grpc.ClientConn, error) {
 	pem, err := os.ReadFile(d.CAFile)
 	if err != nil {
 		return nil, nil, err
@@ -75,8 +76,9 @@ func (d *Deployment) ExchangeClient(addr string) (pb.TokenExchangeClient, *grpc.
 	if !pool.AppendCertsFromPEM(pem) {
 		return nil, nil, fmt.Errorf("framework: no certificate in %s", d.CAFile)
 	}
-	conn, err := grpc.NewClient(addr,
-		grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12})))
+	conn, err := grpc.NewClient(addr, append([]grpc.DialOption{
+		grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12})),
+	}, opts...)...)
 	if err != nil {
 		return nil, nil, err
 	}
