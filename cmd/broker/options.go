@@ -63,6 +63,7 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.StringVar(&cfg.PublishLeaseNamespace, "publish-lease-namespace", cfg.PublishLeaseNamespace, "namespace of the Lease that picks the one replica that publishes (the broker's own namespace)")
 	fs.StringVar(&cfg.PublishLeaseName, "publish-lease-name", cfg.PublishLeaseName, "name of that Lease")
 	fs.StringVar(&cfg.PublishIdentity, "publish-identity", cfg.PublishIdentity, "this replica's name in the Lease, such as the pod name (default: random)")
+	fs.DurationVar(&cfg.AgentReconnectWindow, "agent-reconnect-window", cfg.AgentReconnectWindow, "how long a starting replica waits, at most, for the agents to find it before /readyz reports ready; sooner once every ClusterProfile the publishing replica reports connected has a stream here; 0 does not wait")
 	fs.BoolVar(&cfg.PublishControlPlaneHealthy, "publish-control-plane-healthy", cfg.PublishControlPlaneHealthy, "with --publish-access-provider, also keep the ControlPlaneHealthy condition (which multicluster-runtime gates on) from the agents' reports of their spoke's /readyz, on every ClusterProfile where no other field manager owns it; turn it on only when no cluster manager writes that condition")
 	fs.DurationVar(&cfg.PublishDisconnectGrace, "publish-disconnect-grace", cfg.PublishDisconnectGrace, "how long a ClusterProfile has no agent before its CredentialBrokerConnected condition turns False")
 	fs.BoolVar(&cfg.EnableReflection, "enable-reflection", cfg.EnableReflection, "serve gRPC server reflection on the exchange port, for debugging")

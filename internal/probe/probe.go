@@ -20,7 +20,10 @@ import (
 
 // MinSVIDLifetime is how long the SVID must stay valid for the process to be
 // ready: a process whose SVID is about to expire (its source stopped
-// rotating it) leaves the Service before its peers refuse it.
+// rotating it) leaves the Service before its peers refuse it. An SVID whose
+// whole lifetime is under four times as long needs only a quarter of its
+// lifetime left: its source rotates it at half life, and a process with a
+// two-minute SVID must not flap.
 const MinSVIDLifetime = time.Minute
 
 // Check returns nil when its condition holds, or why it does not.
@@ -59,7 +62,8 @@ func NotDraining(draining *atomic.Bool) Check {
 }
 
 // SVIDValid holds while the SVID of src (every certificate of its chain)
-// stays valid for more than min by clk.
+// stays valid for more than min by clk, or than a quarter of the leaf's
+// lifetime when that is less.
 func SVIDValid(src x509svid.Source, clk clock.PassiveClock, min time.Duration) Check {
 	return func() error {
 		svid, err := src.GetX509SVID()
@@ -74,6 +78,10 @@ func SVIDValid(src x509svid.Source, clk clock.PassiveClock, min time.Duration) C
 			if c.NotAfter.Before(notAfter) {
 				notAfter = c.NotAfter
 			}
+		}
+		leaf := svid.Certificates[0]
+		if life := leaf.NotAfter.Sub(leaf.NotBefore); life > 0 && life/4 < min {
+			min = life / 4
 		}
 		if notAfter.Sub(clk.Now()) <= min {
 			return fmt.Errorf("the SVID %s expires at %s, in %s or less", svid.ID, notAfter.UTC().Format(time.RFC3339), min)

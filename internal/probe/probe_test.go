@@ -31,6 +31,13 @@ func svidUntil(notAfter ...time.Time) *x509svid.SVID {
 	return s
 }
 
+// svidFor is an SVID valid from notBefore for life.
+func svidFor(notBefore time.Time, life time.Duration) *x509svid.SVID {
+	s := svidUntil(notBefore.Add(life))
+	s.Certificates[0].NotBefore = notBefore
+	return s
+}
+
 func TestSVIDValid(t *testing.T) {
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	tests := []struct {
@@ -45,6 +52,9 @@ func TestSVIDValid(t *testing.T) {
 		{name: "expired", src: fakeSource{svid: svidUntil(now.Add(-time.Second))}, wantErr: "expires at 2025-12-31T23:59:59Z"},
 		{name: "an intermediate expires first", src: fakeSource{svid: svidUntil(now.Add(time.Hour), now.Add(30*time.Second))},
 			wantErr: "expires at 2026-01-01T00:00:30Z"},
+		{name: "a 90s SVID at half life", src: fakeSource{svid: svidFor(now.Add(-45*time.Second), 90*time.Second)}},
+		{name: "a 90s SVID with a fifth of it left", src: fakeSource{svid: svidFor(now.Add(-72*time.Second), 90*time.Second)},
+			wantErr: "in 22.5s or less"},
 		{name: "no SVID", src: fakeSource{err: errors.New("not loaded")}, wantErr: "no SVID: not loaded"},
 		{name: "no certificate", src: fakeSource{svid: svidUntil()}, wantErr: "no SVID: the source holds no certificate"},
 	}

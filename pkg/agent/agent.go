@@ -374,6 +374,7 @@ func New(cfg Config) (_ *Agent, err error) {
 			return nil, fmt.Errorf("agent: %w", err)
 		}
 	}
+	fanouts := map[string]*fanout{} // by target, filled below
 	clientConfig := func(target, addr string) tunnel.ClientConfig {
 		return tunnel.ClientConfig{
 			Address:          addr,
@@ -389,6 +390,7 @@ func New(cfg Config) (_ *Agent, err error) {
 			KeepaliveTimeout: cfg.KeepaliveTimeout,
 			DrainTimeout:     cfg.ShutdownGrace,
 			Serving:          func(up bool) { a.countServing(target, up) },
+			OnBrokerDrain:    fanouts[target].resolveSoon,
 			InitialBackoff:   cfg.InitialBackoff,
 			MaxBackoff:       cfg.MaxBackoff,
 			Log:              cfg.Log.WithName("tunnel"),
@@ -435,6 +437,7 @@ func New(cfg Config) (_ *Agent, err error) {
 			return serve(ctx, target, addr, connected)
 		}, cfg.Log.WithName("brokers"))
 		f.onStreams = a.metrics.targetAddresses.WithLabelValues(target).Set
+		fanouts[target] = f
 		a.addTarget(f)
 	}
 	if cfg.MetricsAddress != "" {

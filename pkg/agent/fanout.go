@@ -25,6 +25,9 @@ type fanout struct {
 	// addresses it resolves to) after each resolution.
 	onStreams func(float64)
 
+	// soon is resolveSoon's signal to Run.
+	soon chan struct{}
+
 	once      sync.Once
 	connected chan struct{} // closed when the first stream is admitted
 	// onConnected, when set, is called once, when connected is closed.
@@ -43,7 +46,23 @@ func (f *fanout) markConnected() {
 
 func newFanout(target string, interval time.Duration, lookup func(context.Context, string) ([]string, error),
 	serve func(context.Context, string, func()) error, log logr.Logger) *fanout {
-	return &fanout{target: target, lookup: lookup, interval: interval, serve: serve, log: log.WithValues("target", target), connected: make(chan struct{})}
+	return &fanout{target: target, lookup: lookup, interval: interval, serve: serve, log: log.WithValues("target", target),
+		connected: make(chan struct{}), soon: make(chan struct{}, 1)}
+}
+
+// fastResolve is how often the target is resolved for an interval after
+// resolveSoon.
+const fastResolve = time.Second
+
+// resolveSoon has Run resolve the target now, and every fastResolve for one
+// interval, such as after a replica said it drains: its replacement comes
+// at another address, and should not wait for the next interval to be
+// found. It does not block.
+func (f *fanout) resolveSoon() {
+	select {
+	case f.soon <- struct{}{}:
+	default:
+	}
 }
 
 // Run resolves the target every interval and starts or stops streams to
@@ -77,6 +96,7 @@ func (f *fanout) Run(ctx context.Context) error {
 		<-ctx.Done()
 		return nil
 	}
+	var fastUntil time.Time
 	for {
 		ips, err := f.lookup(ctx, host)
 		if err != nil || len(ips) == 0 {
@@ -101,10 +121,16 @@ func (f *fanout) Run(ctx context.Context) error {
 			}
 		}
 		f.report(len(running))
+		wait := f.interval
+		if time.Now().Before(fastUntil) {
+			wait = min(fastResolve, f.interval)
+		}
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(f.interval):
+		case <-time.After(wait):
+		case <-f.soon:
+			fastUntil = time.Now().Add(f.interval)
 		}
 	}
 }

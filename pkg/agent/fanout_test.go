@@ -103,6 +103,26 @@ func TestFanoutFollowsReplicas(t *testing.T) {
 	assert.Empty(t, s.addrs())
 }
 
+// After a replica says it drains, its replacement is found at once rather
+// than at the next interval, and for an interval after.
+func TestFanoutResolvesSoonAfterADrain(t *testing.T) {
+	dns := &fakeDNS{}
+	dns.set(nil, "10.0.0.1")
+	s := &streams{live: map[string]int{}}
+	f := newFanout("broker-agents.credbroker-system.svc:8444", time.Hour, dns.lookup, s.serve, logr.Discard())
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = f.Run(ctx) }()
+	<-f.connected
+
+	dns.set(nil, "10.0.0.2") // the replica was replaced
+	f.resolveSoon()
+	require.Eventually(t, func() bool { return slices.Equal(s.addrs(), []string{"10.0.0.2:8444"}) }, 10*time.Second, time.Millisecond,
+		"the replacement is found without waiting the hour")
+	dns.set(nil, "10.0.0.3") // and the one after it, within the fast interval
+	require.Eventually(t, func() bool { return slices.Equal(s.addrs(), []string{"10.0.0.3:8444"}) }, 10*time.Second, 10*time.Millisecond)
+}
+
 func TestFanoutIPTargetIsNotResolved(t *testing.T) {
 	s := &streams{live: map[string]int{}}
 	lookup := func(context.Context, string) ([]string, error) {

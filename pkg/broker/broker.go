@@ -92,6 +92,11 @@ type Broker struct {
 	// draining is set when Run's context ends; the broker is not ready
 	// from then on.
 	draining atomic.Bool
+	// started is when the agent port started serving; arrived is set
+	// once the agents have had their chance to find this replica
+	// (agentsArrived).
+	started atomic.Pointer[time.Time]
+	arrived atomic.Bool
 }
 
 // New validates cfg, loads the certificates, builds every part and binds the
@@ -99,6 +104,9 @@ type Broker struct {
 func New(cfg Config) (b *Broker, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("broker: invalid config: %w", err)
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
 	}
 	b = &Broker{cfg: cfg, log: cfg.Log}
 	defer func() {
@@ -398,6 +406,7 @@ func (b *Broker) Run(ctx context.Context) error {
 		})
 	}
 	serveGRPC("exchange", exchange, b.exchangeLis)
+	b.startedNow()
 	serveGRPC("agent", agents, b.agentLis)
 	drained := make(chan struct{})
 	// The router's in-memory frontend outlives the drain: the API proxy
@@ -446,13 +455,15 @@ func (b *Broker) grpcServer(creds credentials.TransportCredentials, params keepa
 
 // Ready reports nil when the broker is ready to serve, or why not: the
 // ClusterProfile informer has synced, the hub issuer's keys are loaded, its
-// SVID is valid for more than probe.MinSVIDLifetime, and it is not
-// draining. /readyz answers it.
+// SVID is valid for more than probe.MinSVIDLifetime (a quarter of its
+// lifetime, if that is less), the agents have had their chance to find it
+// (agentsArrived), and it is not draining. /readyz answers it.
 func (b *Broker) Ready() error {
 	return probe.All(
 		probe.Synced("the ClusterProfile informer has not synced", b.profiles.HasSynced),
 		probe.Synced("the hub issuer's keys are not loaded", b.keys.Loaded),
-		probe.SVIDValid(b.svid, clock.RealClock{}, probe.MinSVIDLifetime),
+		probe.SVIDValid(b.svid, b.cfg.Clock, probe.MinSVIDLifetime),
+		b.agentsArrived,
 		probe.NotDraining(&b.draining),
 	)()
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/rest"
+	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/internal/serverurl"
 	"github.com/credbroker/credbroker/pkg/grants"
@@ -60,6 +61,14 @@ type Config struct {
 	// serving new calls after it turns not ready, for the Service's
 	// endpoints to drop it first.
 	ShutdownGrace, ShutdownDelay time.Duration
+	// AgentReconnectWindow is how long a starting replica waits, at most,
+	// for the agents to find it before it reports ready: agents resolve
+	// the broker's headless Service every 30s. It is ready sooner once
+	// every ClusterProfile that the publishing replica reports connected
+	// has a stream here. Zero: ready without waiting.
+	AgentReconnectWindow time.Duration
+	// Clock times readiness. Default: the real clock.
+	Clock clock.PassiveClock
 	// MaxStreamsPerCluster bounds the agent streams one ClusterProfile may
 	// hold to this replica (one per agent: a DaemonSet's agents need one per
 	// node). MaxConcurrentStreams bounds the concurrent calls (HTTP/2
@@ -205,6 +214,7 @@ func Default() Config {
 		InformerResync:              10 * time.Minute,
 		CacheSyncTimeout:            time.Minute,
 		ShutdownGrace:               15 * time.Second,
+		AgentReconnectWindow:        45 * time.Second,
 		MaxStreamsPerCluster:        512,
 		MaxConcurrentStreams:        1000,
 		MaxGrantBytesPerCluster:     grants.DefaultMaxGrantBytesPerCluster,
@@ -270,6 +280,7 @@ func (c *Config) Validate() error {
 		"the namespace of the pending revokes must be a namespace name (the broker's own), got %q", c.PendingRevokesNamespace)
 	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
+	need(c.AgentReconnectWindow >= 0, "the agent reconnect window must not be negative")
 	need(c.ShutdownGrace > 0 && c.ShutdownDelay >= 0 && c.ShutdownDelay < c.ShutdownGrace,
 		"the shutdown grace must be positive, and the shutdown delay less than it (%s, %s)", c.ShutdownGrace, c.ShutdownDelay)
 	need(c.MaxStreamsPerCluster > 0, "the agent streams per cluster must be positive")

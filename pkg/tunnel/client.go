@@ -94,6 +94,10 @@ type ClientConfig struct {
 	// stream, and with false once that stream stops serving: the broker
 	// said it drains, the stream is leaving, or it ended.
 	Serving func(bool)
+	// OnBrokerDrain, when set, is called when the broker says it drains:
+	// its replica is going away, and a replacement may come at another
+	// address. It must not block.
+	OnBrokerDrain func()
 	// DialOptions are appended to the client's own; tests use them to dial
 	// in memory.
 	DialOptions []grpc.DialOption
@@ -196,13 +200,13 @@ func (c *Client) Run(ctx context.Context) error {
 		g := &generation{admitted: make(chan struct{}), drain: make(chan struct{}), done: make(chan struct{})}
 		all.Go(func() {
 			defer close(g.done)
-			g.wasAdmitted, g.err = c.serve(ctx, pb.NewAgentTunnelClient(conn), log, func() { close(g.admitted) }, g.drain)
+			g.wasAdmitted, g.err = c.serve(ctx, pb.NewAgentTunnelClient(conn), log, g)
 			_ = conn.Close()
 		})
 		return g, nil
 	}
 
-	backoff := c.cfg.InitialBackoff
+	b := backoff{initial: c.cfg.InitialBackoff, max: c.cfg.MaxBackoff}
 	cur, err := start()
 	if err != nil {
 		return err
@@ -237,33 +241,38 @@ func (c *Client) Run(ctx context.Context) error {
 		case <-c.rotate:
 			rotating = true
 		case <-curAdmitted:
-			cur.seen, backoff = true, c.cfg.InitialBackoff
+			cur.seen = true
+			b.reset()
 		case <-nextAdmitted:
 			if cur != nil {
 				log.Info("draining the stream of the old SVID")
 				close(cur.drain)
 			}
 			cur, next = next, nil
-			cur.seen, backoff = true, c.cfg.InitialBackoff
+			cur.seen = true
+			b.reset()
 		case <-nextDone:
-			wait := jitter(backoff)
+			wait := b.next(time.Now())
 			log.Info("stream with the rotated SVID failed; keeping the old one and trying again", "reason", errString(next.err), "after", wait.String())
 			next, retryRotation = nil, time.After(wait)
-			backoff = min(2*backoff, c.cfg.MaxBackoff)
 		case <-retryRotation:
 			retryRotation, rotating = nil, true
 		case <-curDone:
 			if cur.wasAdmitted {
-				backoff = c.cfg.InitialBackoff
+				b.reset()
+			}
+			if cur.brokerDrained.Load() {
+				// The replica is going away; its replacement may listen
+				// again at the same address at any moment.
+				b.stayShort(time.Now())
 			}
 			if next != nil {
 				cur, next = next, nil
 				continue
 			}
-			wait := jitter(backoff)
+			wait := b.next(time.Now())
 			log.Info("broker stream ended; reconnecting", "reason", errString(cur.err), "after", wait.String())
 			cur, reconnect = nil, time.After(wait)
-			backoff = min(2*backoff, c.cfg.MaxBackoff)
 		case <-reconnect:
 			reconnect, rotating = nil, false // a new connection presents the SVID of now
 			if cur, err = start(); err != nil {
@@ -277,12 +286,44 @@ func (c *Client) Run(ctx context.Context) error {
 // agents that lost their broker together do not all come back together.
 func jitter(d time.Duration) time.Duration { return d/2 + rand.N(d/2+1) }
 
+// backoff is the wait between reconnects: it starts at initial and doubles
+// up to max, each wait jittered (jitter); for max after a broker said it
+// drains, it stays at initial, so that the agent finds the replica's
+// replacement as soon as it listens.
+type backoff struct {
+	initial, max time.Duration
+	cur          time.Duration // the next wait before jitter; initial when zero
+	shortUntil   time.Time
+}
+
+func (b *backoff) reset() { b.cur = b.initial }
+
+// stayShort keeps the waits at initial for max from now.
+func (b *backoff) stayShort(now time.Time) {
+	b.cur, b.shortUntil = b.initial, now.Add(b.max)
+}
+
+// next returns the wait before the next reconnect, and doubles the one
+// after it unless the waits stay short.
+func (b *backoff) next(now time.Time) time.Duration {
+	if b.cur <= 0 {
+		b.cur = b.initial
+	}
+	wait := jitter(b.cur)
+	if !now.Before(b.shortUntil) {
+		b.cur = min(2*b.cur, b.max)
+	}
+	return wait
+}
+
 // generation is one connection and its stream.
 type generation struct {
 	admitted chan struct{} // closed when the broker admits the stream
 	drain    chan struct{} // closed to make the stream leave
 	done     chan struct{} // closed when the stream has ended
 	seen     bool          // Run has seen admitted closed
+	// brokerDrained is set when the broker said it drains.
+	brokerDrained atomic.Bool
 
 	// Set before done is closed.
 	wasAdmitted bool
@@ -298,11 +339,12 @@ func (g *generation) isAdmitted() bool {
 	}
 }
 
-// serve runs one stream until it fails, or until ctx ends or drain is
-// closed and the stream has said goodbye (see leave). admitted reports
-// whether the broker accepted the stream before it ended. It calls
-// onAdmitted once the broker admits the stream.
-func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log logr.Logger, onAdmitted func(), drain <-chan struct{}) (admitted bool, err error) {
+// serve runs the stream of g until it fails, or until ctx ends or g.drain
+// is closed and the stream has said goodbye (see leave). admitted reports
+// whether the broker accepted the stream before it ended. It closes
+// g.admitted once the broker admits the stream, and sets g.brokerDrained
+// when the broker says it drains.
+func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log logr.Logger, g *generation) (admitted bool, err error) {
 	leave := ctx
 	// The stream outlives ctx by its goodbye; until the broker admits it,
 	// there is nothing to finish.
@@ -359,7 +401,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	if !stopBeforeAdmission() {
 		return true, context.Canceled // leave ended before the admission
 	}
-	onAdmitted()
+	close(g.admitted)
 	notServing := c.serving()
 	defer notServing()
 
@@ -393,7 +435,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	wg.Go(func() {
 		select {
 		case <-leave.Done():
-		case <-drain: // replaced by the stream of a rotated SVID
+		case <-g.drain: // replaced by the stream of a rotated SVID
 		case <-ctx.Done():
 			return
 		}
@@ -410,6 +452,9 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 			// The broker still sends the requests of its exchanges in
 			// flight, and closes the stream when they are done.
 			log.Info("broker is draining; serving its last requests until it closes the stream")
+			if !g.brokerDrained.Swap(true) && c.cfg.OnBrokerDrain != nil {
+				c.cfg.OnBrokerDrain()
+			}
 			notServing()
 			continue
 		}

@@ -261,3 +261,29 @@ func TestClientDrainIsBounded(t *testing.T) {
 	}
 	<-canceled
 }
+
+// After a broker says it drains, reconnects stay at the initial backoff for
+// the maximum backoff, so that the agent finds the replica's replacement
+// as soon as it listens; otherwise they double up to the maximum.
+func TestBackoffStaysShortAfterADrain(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	b := backoff{initial: time.Second, max: 8 * time.Second}
+	var waits []time.Duration
+	for range 5 {
+		waits = append(waits, b.cur)
+		b.next(now)
+	}
+	assert.Equal(t, []time.Duration{0, 2 * time.Second, 4 * time.Second, 8 * time.Second, 8 * time.Second}, waits, "doubling up to the maximum")
+
+	b.stayShort(now)
+	for i := range 5 {
+		wait := b.next(now.Add(time.Duration(i) * time.Second))
+		assert.LessOrEqual(t, wait, time.Second, "short after a drain")
+		assert.GreaterOrEqual(t, wait, time.Second/2)
+	}
+	b.next(now.Add(8 * time.Second))
+	assert.Equal(t, 2*time.Second, b.cur, "doubling again once the window is over")
+
+	b.reset()
+	assert.Equal(t, time.Second, b.cur)
+}

@@ -351,6 +351,9 @@ func (d *demo) startBroker(ctx context.Context) error {
 		"--publish-lease-namespace=" + systemNamespace,
 		"--publish-identity=broker-0",
 		"--shutdown-grace=2s", "--shutdown-delay=0s",
+		// The demo starts its agents once the broker is ready; a replica
+		// that starts beside others waits for their agents instead.
+		"--agent-reconnect-window=0s",
 	}
 	d.say("$ broker %s", strings.Join(d.short(args), " "))
 	if err := d.start(ctx, "broker", d.broker, args); err != nil {

@@ -154,6 +154,10 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	cfg.Hub = env.Hub.Config
 	cfg.Log, cfg.Audit = opts.Log.WithName("broker"), opts.Audit
 	cfg.ShutdownGrace = time.Second
+	// The tests start the brokers before their agents, and count on them
+	// being ready at once; readiness's wait for the agents is
+	// TestReadinessWaitsForTheAgents's.
+	cfg.AgentReconnectWindow = 0
 	if opts.MintTimeout > 0 {
 		cfg.MintTimeout = opts.MintTimeout
 		// A partitioned agent's stream must close before its mints time

@@ -183,6 +183,9 @@ func (d *Deployment) StartBrokerProcess(opts BrokerProcessOptions) (*Process, er
 		"--mint-timeout=" + cfg.MintTimeout.String(),
 		"--agent-keepalive-time=" + cfg.AgentKeepaliveTime.String(),
 		"--agent-keepalive-timeout=" + cfg.AgentKeepaliveTimeout.String(),
+		// The tests start a broker before its agents and wait until it is
+		// ready; opts.Args may set a window again.
+		"--agent-reconnect-window=0s",
 	}, opts.Args...)
 	return StartProcess(opts.Bin, args...)
 }

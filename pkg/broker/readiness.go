@@ -1,0 +1,73 @@
+package broker
+
+import (
+	"fmt"
+
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
+
+	"github.com/credbroker/credbroker/pkg/publish"
+	"github.com/credbroker/credbroker/pkg/tunnel"
+)
+
+// agentsArrived holds once the agents of the fleet have had their chance
+// to find this replica, so that the Service does not send it consumers
+// whose clusters it cannot serve yet: AgentReconnectWindow has passed
+// since Run started, or, before that, every ClusterProfile that the
+// replica publishing the access provider reports connected
+// (CredentialBrokerConnected True) has an agent stream here. Once it
+// holds, it holds: an agent that leaves later makes the replica no less
+// ready than its peers.
+func (b *Broker) agentsArrived() error {
+	if b.arrived.Load() {
+		return nil
+	}
+	started := b.started.Load()
+	if started == nil {
+		return fmt.Errorf("the agent port is not serving yet")
+	}
+	window := b.cfg.AgentReconnectWindow
+	if b.cfg.Clock.Since(*started) >= window {
+		b.arrived.Store(true)
+		return nil
+	}
+	var waiting []types.NamespacedName
+	for _, obj := range b.informers.Apis().V1alpha1().ClusterProfiles().Informer().GetStore().List() {
+		cp, ok := obj.(*v1alpha1.ClusterProfile)
+		if !ok || cp.DeletionTimestamp != nil || !meta.IsStatusConditionTrue(cp.Status.Conditions, publish.ConditionType) {
+			continue
+		}
+		key := types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name}
+		if b.tunnel.Connected(tunnel.ClusterRef{NamespacedName: key, UID: cp.UID}) == 0 {
+			waiting = append(waiting, key)
+		}
+	}
+	if len(waiting) > 0 {
+		return fmt.Errorf("waiting for the agents of %d connected ClusterProfiles, such as %s, to find this replica (at most --agent-reconnect-window, %s, from the start)",
+			len(waiting), waiting[0], window)
+	}
+	if b.connectedSeen() {
+		b.arrived.Store(true)
+		return nil
+	}
+	return fmt.Errorf("waiting --agent-reconnect-window (%s) from the start for the agents to find this replica: no ClusterProfile is reported connected", window)
+}
+
+// connectedSeen reports whether any ClusterProfile carries the
+// CredentialBrokerConnected condition, True or False: a replica publishes
+// it, so the condition, not the window, tells which agents to wait for.
+func (b *Broker) connectedSeen() bool {
+	for _, obj := range b.informers.Apis().V1alpha1().ClusterProfiles().Informer().GetStore().List() {
+		if cp, ok := obj.(*v1alpha1.ClusterProfile); ok && meta.FindStatusCondition(cp.Status.Conditions, publish.ConditionType) != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// startedNow records when the agent port started serving.
+func (b *Broker) startedNow() {
+	now := b.cfg.Clock.Now()
+	b.started.Store(&now)
+}
