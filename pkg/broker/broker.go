@@ -631,7 +631,7 @@ type clusterLookup struct {
 }
 
 func (c clusterLookup) Cluster(namespace, name string) (tokenexchange.Cluster, error) {
-	cp, err := c.profiles.Get(namespace, name)
+	cp, err := c.profiles.Shared(namespace, name) // read here, never kept
 	if err != nil {
 		return tokenexchange.Cluster{}, err
 	}

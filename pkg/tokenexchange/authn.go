@@ -2,13 +2,14 @@ package tokenexchange
 
 import (
 	"context"
-	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash"
+	"io"
 	"net"
 	"slices"
 	"strings"
@@ -69,9 +70,7 @@ func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, er
 // sent the TokenReview (the token was not in the cache, and no concurrent
 // call was reviewing it already).
 func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (userInfo, bool, error) {
-	mac := hmac.New(sha256.New, s.cfg.HMACKey)
-	mac.Write([]byte(bearer))
-	key := hex.EncodeToString(mac.Sum(nil))
+	key := s.bearerKey(bearer)
 
 	var reviewed atomic.Bool
 	res, hit, err := s.authn.Do(ctx, key, func(ctx context.Context) (authnResult, time.Time, error) {
@@ -85,6 +84,18 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (user
 		return userInfo{}, false, fmt.Errorf("the hub rejected the token for audience %q: %s: %w", s.cfg.Audience, res.reason, errdefs.ErrUnauthenticated)
 	}
 	return res.user, reviewed.Load(), nil
+}
+
+// bearerKey is the authentication cache key of bearer: its HMAC with the
+// service's key, so that the cache holds no token, made with a pooled MAC.
+func (s *Service) bearerKey(bearer string) string {
+	mac := s.macs.Get().(hash.Hash)
+	mac.Reset()
+	_, _ = io.WriteString(mac, bearer)
+	var sum [sha256.Size]byte
+	key := hex.EncodeToString(mac.Sum(sum[:0]))
+	s.macs.Put(mac)
+	return key
 }
 
 // tokenReview sets reviewed once it has sent the review to the hub.

@@ -2,9 +2,6 @@ package tokenexchange
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -28,12 +25,10 @@ const (
 // authorize asks the hub whether user may create clusterprofiles/token for
 // cluster. Allowed decisions are cached for AllowTTL, denials for DenyTTL.
 func (s *Service) authorize(ctx context.Context, user userInfo, cluster types.NamespacedName) error {
-	key, err := json.Marshal([]any{user, cluster.Namespace, cluster.Name})
-	if err != nil {
-		return fmt.Errorf("authorization cache key: %w", err)
-	}
-	sum := sha256.Sum256(key)
-	allowed, hit, err := s.authz.Do(ctx, hex.EncodeToString(sum[:]), func(ctx context.Context) (bool, time.Time, error) {
+	k := newKey()
+	k.user(user)
+	k.add(cluster.Namespace, cluster.Name)
+	allowed, hit, err := s.authz.Do(ctx, k.sum(), func(ctx context.Context) (bool, time.Time, error) {
 		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
 			return false, time.Time{}, err
 		}

@@ -1,9 +1,6 @@
 package tokenexchange
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -13,7 +10,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -99,11 +95,3 @@ func validAudience(a string) bool {
 }
 
 func isControl(r rune) bool { return r < 0x20 || r == 0x7f }
-
-// tokenKey identifies the minted tokens that one request may reuse: the same
-// ClusterProfile incarnation, consumer, spoke ServiceAccount and audiences.
-func tokenKey(cluster tunnel.ClusterRef, user userInfo, r request) string {
-	b, _ := json.Marshal([]any{cluster.UID, cluster.Namespace, cluster.Name, user.UID, user.Username, r.serviceAccount, r.audiences})
-	sum := sha256.Sum256(b)
-	return hex.EncodeToString(sum[:])
-}

@@ -2,12 +2,13 @@ package tokenexchange
 
 import (
 	"context"
+	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -162,6 +163,9 @@ type Service struct {
 	tokens   *store.Cache[minted]
 	limiters *store.Cache[*rate.Limiter]
 	reviews  *rate.Limiter
+	// macs holds HMACs keyed with HMACKey, for the authentication cache
+	// keys (bearerKey).
+	macs sync.Pool
 	// peerReviews holds a TokenReview limiter per peer address, and
 	// namespaceReviews one per hub namespace.
 	peerReviews      *store.Cache[*rate.Limiter]
@@ -208,6 +212,7 @@ func New(cfg Config) (*Service, error) {
 		}
 	}
 	s := &Service{cfg: cfg, reviews: rate.NewLimiter(cfg.ReviewRateLimit, cfg.ReviewBurst)}
+	s.macs.New = func() any { return hmac.New(sha256.New, cfg.HMACKey) }
 	var err error
 	if s.metrics, err = newMetrics(cfg.Registerer); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
@@ -390,12 +395,10 @@ func tokenSHA256(token string) []byte {
 // errdefs.ErrResourceExhausted that carries (errdefs.RetryAfter) and says
 // how long to wait: the delay of the limiter's reservation.
 func (s *Service) allow(ctx context.Context, user userInfo, what string) error {
-	key, err := json.Marshal([]string{user.UID, user.Username})
-	if err != nil {
-		return fmt.Errorf("rate limit key: %w", err)
-	}
+	k := newKey()
+	k.add(user.UID, user.Username)
 	now := s.cfg.Clock.Now()
-	lim, err := limiterFor(ctx, s.limiters, string(key), s.cfg.RateLimit, s.cfg.RateBurst, now)
+	lim, err := limiterFor(ctx, s.limiters, k.sum(), s.cfg.RateLimit, s.cfg.RateBurst, now)
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,75 @@
+package tokenexchange
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"maps"
+	"slices"
+	"sync"
+
+	"github.com/credbroker/credbroker/pkg/tunnel"
+)
+
+// keyBuffers holds the buffers that cache keys are built in: the cached
+// path builds three keys per exchange.
+var keyBuffers = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
+
+// keyBuilder builds a cache key from lists of strings without reflection:
+// each string is written after its length, and each list after its count,
+// so that no two different lists give the same bytes; the key is their
+// SHA-256.
+type keyBuilder struct {
+	buf *[]byte
+}
+
+func newKey() keyBuilder {
+	b := keyBuffers.Get().(*[]byte)
+	*b = (*b)[:0]
+	return keyBuilder{buf: b}
+}
+
+func (k keyBuilder) count(n int) {
+	*k.buf = binary.AppendUvarint(*k.buf, uint64(n))
+}
+
+func (k keyBuilder) add(values ...string) {
+	for _, v := range values {
+		k.count(len(v))
+		*k.buf = append(*k.buf, v...)
+	}
+}
+
+func (k keyBuilder) list(values []string) {
+	k.count(len(values))
+	k.add(values...)
+}
+
+// sum returns the key, hex, and gives the buffer back.
+func (k keyBuilder) sum() string {
+	sum := sha256.Sum256(*k.buf)
+	if cap(*k.buf) <= 64<<10 {
+		keyBuffers.Put(k.buf)
+	}
+	return hex.EncodeToString(sum[:])
+}
+
+// userKey adds every field of a hub user that a decision may depend on.
+func (k keyBuilder) user(u userInfo) {
+	k.add(u.UID, u.Username)
+	k.list(u.Groups)
+	k.count(len(u.Extra))
+	for _, name := range slices.Sorted(maps.Keys(u.Extra)) {
+		k.add(name)
+		k.list(u.Extra[name])
+	}
+}
+
+// tokenKey identifies the minted tokens that one request may reuse: the same
+// ClusterProfile incarnation, consumer, spoke ServiceAccount and audiences.
+func tokenKey(cluster tunnel.ClusterRef, user userInfo, r request) string {
+	k := newKey()
+	k.add(string(cluster.UID), cluster.Namespace, cluster.Name, user.UID, user.Username, r.serviceAccount.Namespace, r.serviceAccount.Name)
+	k.list(r.audiences)
+	return k.sum()
+}
