@@ -11,6 +11,7 @@ import (
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/agent"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/spoke"
 )
 
@@ -85,7 +86,7 @@ func parseFlags(args []string) (agent.Config, error) {
 		if cfg.TrustDomain, err = spiffeid.TrustDomainFromString(trustDomain); err != nil {
 			return cfg, fmt.Errorf("--trust-domain: %w", err)
 		}
-		cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
+		cfg.BrokerID = fleet.BrokerID(cfg.TrustDomain)
 	}
 	if brokerID != "" {
 		if cfg.BrokerID, err = spiffeid.FromString(brokerID); err != nil {

@@ -31,6 +31,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/apiproxy"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/spoke"
 	"github.com/credbroker/credbroker/pkg/token"
@@ -279,7 +280,10 @@ func New(cfg Config) (_ *Agent, err error) {
 	}
 	id := cfg.SPIFFEID
 	if id.IsZero() && cfg.Cluster != (types.NamespacedName{}) {
-		id = spiffeid.RequireFromPath(cfg.TrustDomain, "/clusterprofile/"+cfg.Cluster.Namespace+"/"+cfg.Cluster.Name)
+		// Validate checked Cluster: its ID is always valid.
+		if id, err = fleet.AgentID(cfg.TrustDomain, cfg.Cluster); err != nil {
+			return nil, fmt.Errorf("agent: %w", err)
+		}
 	}
 	if a.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
 		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,

@@ -24,8 +24,8 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/token"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -42,7 +42,7 @@ type Grants interface {
 // Upstream is a ClusterProfile's API server as the proxy reaches it: the
 // live incarnation, and how its serving certificate is verified.
 type Upstream struct {
-	Cluster    tunnel.ClusterRef
+	Cluster    fleet.ClusterRef
 	ServerName string
 	CAData     []byte
 }
@@ -58,7 +58,7 @@ type Upstreams interface {
 // Dialer opens a connection to a ClusterProfile's API server; *Router is
 // one.
 type Dialer interface {
-	Dial(ctx context.Context, cluster tunnel.ClusterRef) (net.Conn, error)
+	Dial(ctx context.Context, cluster fleet.ClusterRef) (net.Conn, error)
 }
 
 // ProxyConfig configures a Proxy.
@@ -98,7 +98,7 @@ type Proxy struct {
 }
 
 type upstreamKey struct {
-	cluster    tunnel.ClusterRef
+	cluster    fleet.ClusterRef
 	serverName string
 	ca         [sha256.Size]byte
 }

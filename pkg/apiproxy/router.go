@@ -26,6 +26,7 @@ import (
 	"sigs.k8s.io/apiserver-network-proxy/proto/header"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 )
 
@@ -132,7 +133,7 @@ func (r *Router) Run(ctx context.Context) error {
 }
 
 // Carriers reports how many agent streams carry cluster's API server.
-func (r *Router) Carriers(cluster tunnel.ClusterRef) int {
+func (r *Router) Carriers(cluster fleet.ClusterRef) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if c, ok := r.clusters[cluster.NamespacedName]; ok && c.uid == cluster.UID {
@@ -143,7 +144,7 @@ func (r *Router) Carriers(cluster tunnel.ClusterRef) int {
 
 // server returns the proxy server of cluster, if it has one and uid is
 // its incarnation's.
-func (r *Router) server(cluster tunnel.ClusterRef) (*anpserver.ProxyServer, bool) {
+func (r *Router) server(cluster fleet.ClusterRef) (*anpserver.ProxyServer, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	c, ok := r.clusters[cluster.NamespacedName]
@@ -156,7 +157,7 @@ func (r *Router) server(cluster tunnel.ClusterRef) (*anpserver.ProxyServer, bool
 // join adds one agent stream to cluster's proxy server, making it if needed
 // (a new incarnation replaces the old one, whose streams Readmit ends), and
 // returns the server and the func that takes the stream out again.
-func (r *Router) join(cluster tunnel.ClusterRef) (*anpserver.ProxyServer, func(), error) {
+func (r *Router) join(cluster fleet.ClusterRef) (*anpserver.ProxyServer, func(), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	c, ok := r.clusters[cluster.NamespacedName]
@@ -250,7 +251,7 @@ func (s *namedStream) Context() context.Context { return s.ctx }
 // Dial opens a TCP connection to cluster's spoke API server, carried by
 // one of the agent streams of that ClusterProfile incarnation. It fails
 // with errdefs.ErrUnavailable when none is connected.
-func (r *Router) Dial(ctx context.Context, cluster tunnel.ClusterRef) (net.Conn, error) {
+func (r *Router) Dial(ctx context.Context, cluster fleet.ClusterRef) (net.Conn, error) {
 	if _, ok := r.server(cluster); !ok {
 		return nil, fmt.Errorf("no agent of ClusterProfile %s carries its API server: %w", cluster, errdefs.ErrUnavailable)
 	}
@@ -284,7 +285,7 @@ func (f frontend) Proxy(stream clientpb.ProxyService_ProxyServer) error {
 		return errdefs.ToStatus(fmt.Errorf("apiproxy: a tunnel names no ClusterProfile: %w", errdefs.ErrInvalidArgument)).Err()
 	}
 	ns, name, _ := strings.Cut(names[0], "/")
-	srv, ok := f.r.server(tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: ns, Name: name}, UID: types.UID(uids[0])})
+	srv, ok := f.r.server(fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: ns, Name: name}, UID: types.UID(uids[0])})
 	if !ok {
 		return errdefs.ToStatus(fmt.Errorf("no agent of ClusterProfile %s carries its API server: %w", names[0], errdefs.ErrUnavailable)).Err()
 	}

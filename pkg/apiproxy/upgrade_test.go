@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	agentpb "sigs.k8s.io/apiserver-network-proxy/proto/agent"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/token"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -34,7 +35,7 @@ import (
 // upgraded connections of exec, attach and port-forward are exercised here
 // against an upgrade server in the API server's place.
 
-var testCluster = tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "private"}, UID: "uid-1"}
+var testCluster = fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "private"}, UID: "uid-1"}
 
 type fakeAdmitter struct{}
 

@@ -15,7 +15,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // newDataPath builds the router of the agents' data path streams, which
@@ -98,7 +98,7 @@ func (b *Broker) DataPathStreams(namespace, name string) int {
 	if err != nil {
 		return 0
 	}
-	return b.router.Carriers(tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID})
+	return b.router.Carriers(fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID})
 }
 
 // upstreams resolves a ClusterProfile to its API server as its status
@@ -116,7 +116,7 @@ func (u upstreams) Upstream(key types.NamespacedName) (apiproxy.Upstream, error)
 		return apiproxy.Upstream{}, fmt.Errorf("ClusterProfile %s records no data path to its API server: %v; with --publish-access-provider "+
 			"and --proxy-url the broker publishes the one its agents agree on, or its cluster manager writes it: %w", key, err, errdefs.ErrUnavailable)
 	}
-	ref := tunnel.ClusterRef{NamespacedName: key, UID: cp.UID}
+	ref := fleet.ClusterRef{NamespacedName: key, UID: cp.UID}
 	if u.b.router.Carriers(ref) == 0 {
 		return apiproxy.Upstream{}, fmt.Errorf("no agent of ClusterProfile %s carries its API server to this broker: "+
 			"an agent offers it when it runs without --advertise-server (or with --data-path): %w", key, errdefs.ErrUnavailable)

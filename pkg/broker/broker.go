@@ -44,6 +44,7 @@ import (
 	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/clusterprofile"
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/hubkeys"
 	"github.com/credbroker/credbroker/pkg/identity"
@@ -120,7 +121,7 @@ func New(cfg Config) (b *Broker, err error) {
 
 	id := cfg.SPIFFEID
 	if id.IsZero() {
-		id = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
+		id = fleet.BrokerID(cfg.TrustDomain)
 	}
 	if b.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
 		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
@@ -303,7 +304,7 @@ func (b *Broker) Connected(namespace, name string) int {
 	if err != nil {
 		return 0
 	}
-	return b.tunnel.Connected(tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID})
+	return b.tunnel.Connected(fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID})
 }
 
 // PendingAgentRequests reports how many mints and revokes wait for an
@@ -318,7 +319,7 @@ func (b *Broker) Grants() *grants.Registry { return b.grants }
 // after the registry it feeds.
 type tunnelRevoker struct{ b *Broker }
 
-func (r tunnelRevoker) Revoke(ctx context.Context, cluster tunnel.ClusterRef, ids []string, reason string) ([]string, error) {
+func (r tunnelRevoker) Revoke(ctx context.Context, cluster fleet.ClusterRef, ids []string, reason string) ([]string, error) {
 	return r.b.tunnel.Revoke(ctx, cluster, ids, reason)
 }
 
@@ -447,8 +448,8 @@ func (b *Broker) grpcServer(creds credentials.TransportCredentials, params keepa
 		grpc.Creds(creds),
 		grpc.KeepaliveParams(params),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
-		grpc.MaxRecvMsgSize(64<<10),
-		grpc.MaxHeaderListSize(64<<10),
+		grpc.MaxRecvMsgSize(64 << 10),
+		grpc.MaxHeaderListSize(64 << 10),
 		grpc.MaxConcurrentStreams(b.cfg.MaxConcurrentStreams),
 		grpc.ChainUnaryInterceptor(recoverUnary(b.log)),
 		grpc.ChainStreamInterceptor(recoverStream(b.log)),
@@ -475,7 +476,7 @@ func (b *Broker) Ready() error {
 // alive answers /healthz. It takes the tunnel's session lock, which every
 // mint needs: a broker wedged there times the probe out and is restarted.
 func (b *Broker) alive() error {
-	b.tunnel.Connected(tunnel.ClusterRef{})
+	b.tunnel.Connected(fleet.ClusterRef{})
 	return nil
 }
 
@@ -620,12 +621,12 @@ func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, r
 // agentResolver admits agents through the ClusterProfile index.
 type agentResolver struct{ profiles *clusterprofile.Index }
 
-func (r agentResolver) ResolveAgent(id spiffeid.ID) (tunnel.ClusterRef, error) {
+func (r agentResolver) ResolveAgent(id spiffeid.ID) (fleet.ClusterRef, error) {
 	cp, err := r.profiles.ForAgent(id)
 	if err != nil {
-		return tunnel.ClusterRef{}, err
+		return fleet.ClusterRef{}, err
 	}
-	return tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name}, UID: cp.UID}, nil
+	return fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name}, UID: cp.UID}, nil
 }
 
 // clusterLookup answers the exchange's ClusterProfile lookups.
@@ -654,7 +655,7 @@ func (c clusterLookup) Cluster(namespace, name string) (tokenexchange.Cluster, e
 		return tokenexchange.Cluster{}, err
 	}
 	return tokenexchange.Cluster{
-		Ref:    tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID},
+		Ref:    fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: cp.UID},
 		Server: server,
 		CAData: ca,
 	}, nil

@@ -20,8 +20,8 @@ import (
 	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
 
 	"github.com/credbroker/credbroker/pkg/apiproxy"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/publish"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 )
 
 // fieldManager owns the broker's entry and condition in ClusterProfiles'
@@ -36,7 +36,7 @@ func (s tunnelSource) Advertised(key types.NamespacedName) ([]publish.Advertisem
 	if err != nil {
 		return nil, 0
 	}
-	ref := tunnel.ClusterRef{NamespacedName: key, UID: cp.UID}
+	ref := fleet.ClusterRef{NamespacedName: key, UID: cp.UID}
 	ads, live := s.b.tunnel.Advertised(ref)
 	out := make([]publish.Advertisement, 0, len(ads))
 	for _, a := range ads {
@@ -64,7 +64,7 @@ func (s tunnelSource) SpokeReadiness(key types.NamespacedName) publish.Readiness
 	if err != nil {
 		return publish.Readiness{}
 	}
-	r := s.b.tunnel.SpokeReadiness(tunnel.ClusterRef{NamespacedName: key, UID: cp.UID})
+	r := s.b.tunnel.SpokeReadiness(fleet.ClusterRef{NamespacedName: key, UID: cp.UID})
 	return publish.Readiness{Ready: r.Ready, NotReady: r.NotReady, Message: r.Message}
 }
 

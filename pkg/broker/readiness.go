@@ -7,8 +7,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/publish"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 )
 
 // agentsArrived holds once the agents of the fleet have had their chance
@@ -39,7 +39,7 @@ func (b *Broker) agentsArrived() error {
 			continue
 		}
 		key := types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name}
-		if b.tunnel.Connected(tunnel.ClusterRef{NamespacedName: key, UID: cp.UID}) == 0 {
+		if b.tunnel.Connected(fleet.ClusterRef{NamespacedName: key, UID: cp.UID}) == 0 {
 			waiting = append(waiting, key)
 		}
 	}

@@ -6,28 +6,27 @@ import (
 	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // AgentSPIFFEIDAnnotation, on a ClusterProfile, names the SPIFFE ID of the
 // agent that serves it, replacing the default ID.
 const AgentSPIFFEIDAnnotation = "credbroker.io/agent-spiffe-id"
 
-// reservedPath is the path under which every ClusterProfile's default agent
-// ID lives. An annotation may name an ID under it only when that ID is the
-// profile's own default, so no profile can claim another profile's agent.
-const reservedPath = "/clusterprofile/"
-
 // AgentID is the SPIFFE ID an agent must present to serve cp.
 //
 // When cp has the annotation AgentSPIFFEIDAnnotation, its value is the ID; it
 // must parse, have a path and be in td, and it must not lie under the
-// reserved path /clusterprofile/ unless it is cp's own default ID, or AgentID
-// returns an error wrapping errdefs.ErrInvalidArgument. An annotation that is
-// present but empty is an error too, never a fallback to the default.
-// Without the annotation the ID is
+// reserved path fleet.AgentIDPathPrefix (/clusterprofile/), where every
+// profile's default ID lives, unless it is cp's own default ID, so that no
+// profile can claim another profile's agent; or AgentID returns an error
+// wrapping errdefs.ErrInvalidArgument. An annotation that is present but
+// empty is an error too, never a fallback to the default. Without the
+// annotation the ID is the default, fleet.AgentID:
 // spiffe://<td>/clusterprofile/<namespace>/<name>.
 func AgentID(td spiffeid.TrustDomain, cp *v1alpha1.ClusterProfile) (spiffeid.ID, error) {
 	id, err := agentID(td, cp)
@@ -46,7 +45,7 @@ func agentID(td spiffeid.TrustDomain, cp *v1alpha1.ClusterProfile) (spiffeid.ID,
 	if td.IsZero() {
 		return spiffeid.ID{}, fmt.Errorf("agent ID of clusterprofile %s/%s: empty trust domain", cp.Namespace, cp.Name)
 	}
-	def, defErr := spiffeid.FromSegments(td, "clusterprofile", cp.Namespace, cp.Name)
+	def, defErr := fleet.AgentID(td, types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name})
 	v, ok := cp.Annotations[AgentSPIFFEIDAnnotation]
 	if !ok {
 		if defErr != nil {
@@ -65,10 +64,10 @@ func agentID(td spiffeid.TrustDomain, cp *v1alpha1.ClusterProfile) (spiffeid.ID,
 	case id.Path() == "":
 		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q names the trust domain, not an agent",
 			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v)
-	case strings.HasPrefix(id.Path()+"/", reservedPath) && (defErr != nil || id != def):
+	case strings.HasPrefix(id.Path()+"/", fleet.AgentIDPathPrefix) && (defErr != nil || id != def):
 		return spiffeid.ID{}, fmt.Errorf("clusterprofile %s/%s: annotation %s=%q lies under the reserved path %s, "+
 			"where each ClusterProfile owns only its own default ID; choose an ID outside it",
-			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, reservedPath)
+			cp.Namespace, cp.Name, AgentSPIFFEIDAnnotation, v, fleet.AgentIDPathPrefix)
 	}
 	return id, nil
 }

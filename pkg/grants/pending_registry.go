@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -106,7 +106,7 @@ func (r *Registry) Learn(ctx context.Context, revokes []PendingRevoke) {
 // the agent's hello did not report (Update sends those of the grants it
 // did): an agent answers the revoke of a grant it does not hold as gone,
 // which confirms it.
-func (r *Registry) retryUnreported(ctx context.Context, cluster tunnel.ClusterRef, reported []*pb.Grant) {
+func (r *Registry) retryUnreported(ctx context.Context, cluster fleet.ClusterRef, reported []*pb.Grant) {
 	seen := make(map[string]bool, len(reported))
 	for _, g := range reported {
 		seen[g.GetCredentialId()] = true

@@ -22,7 +22,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -156,7 +156,7 @@ func TestPendingStoreRecordAndObserve(t *testing.T) {
 		byID[p.Grant.GetCredentialId()] = p
 	}
 	assert.Equal(t, "leaked", byID["JTI=a"].Reason)
-	assert.Equal(t, tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}, ClusterRef(byID["JTI=a"].Grant))
+	assert.Equal(t, fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}, ClusterRef(byID["JTI=a"].Grant))
 	assert.Equal(t, pendingStart.Add(10*time.Minute), byID["JTI=a"].Grant.GetExpirationTime().AsTime())
 	assert.Equal(t, pendingStart.Add(time.Hour), byID["JTI=b"].Grant.GetExpirationTime().AsTime(), "an expiry past the longest token lifetime")
 
@@ -274,7 +274,7 @@ type gatedRevoker struct {
 	asked     []string
 }
 
-func (g *gatedRevoker) Revoke(_ context.Context, _ tunnel.ClusterRef, ids []string, _ string) ([]string, error) {
+func (g *gatedRevoker) Revoke(_ context.Context, _ fleet.ClusterRef, ids []string, _ string) ([]string, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.asked = append(g.asked, ids...)
@@ -351,7 +351,7 @@ func TestRegistryRevokeRecorded(t *testing.T) {
 // forgets it once the agent confirms; a revoke it confirmed itself is
 // forgotten at once.
 func TestRegistryLearnsPendingRevokes(t *testing.T) {
-	cluster := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
+	cluster := fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
 	tests := []struct {
 		name string
 		// hello is what the agent reports when it comes back.
@@ -408,7 +408,7 @@ func keys(m map[string]string) []string {
 // cluster's SVID could otherwise wipe the record for every replica. The
 // revoke is sent again, and the record stays until the agents answer it.
 func TestRemovalReportDoesNotConfirmAPendingRevoke(t *testing.T) {
-	cluster := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
+	cluster := fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
 	rec := &fakeRecorder{}
 	rev := &gatedRevoker{}
 	// The removals send the revoke again after RetryInterval.
@@ -435,7 +435,7 @@ func TestRemovalReportDoesNotConfirmAPendingRevoke(t *testing.T) {
 // A replica that took one stream's word that a grant is gone still sends
 // the revoke that another replica recorded for it, and keeps the record.
 func TestRecordOfAGrantReportedGoneIsStillSent(t *testing.T) {
-	cluster := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
+	cluster := fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "one"}, UID: "uid-one"}
 	rec := &fakeRecorder{}
 	rev := &gatedRevoker{}
 	r, err := NewRegistry(RegistryConfig{Revoker: rev, Pending: rec, Clock: clocktesting.NewFakePassiveClock(pendingStart)})

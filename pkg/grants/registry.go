@@ -16,6 +16,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -26,7 +27,7 @@ import (
 // errdefs sentinels; ErrUnavailable when no agent of cluster is connected.
 // The broker passes the tunnel server.
 type Revoker interface {
-	Revoke(ctx context.Context, cluster tunnel.ClusterRef, ids []string, reason string) ([]string, error)
+	Revoke(ctx context.Context, cluster fleet.ClusterRef, ids []string, reason string) ([]string, error)
 }
 
 // Selector picks grants; every field that is set must match, and the zero
@@ -60,8 +61,8 @@ func (s Selector) matches(g *pb.Grant) bool {
 }
 
 // ClusterRef returns the ClusterProfile incarnation g was minted through.
-func ClusterRef(g *pb.Grant) tunnel.ClusterRef {
-	return tunnel.ClusterRef{
+func ClusterRef(g *pb.Grant) fleet.ClusterRef {
+	return fleet.ClusterRef{
 		NamespacedName: types.NamespacedName{Namespace: g.GetCluster().GetNamespace(), Name: g.GetCluster().GetName()},
 		UID:            types.UID(g.GetClusterUid()),
 	}
@@ -263,7 +264,7 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 // not taken. A grant recorded for another incarnation of cluster is stale:
 // the ClusterProfile was replaced. It returns nil for a grant without a
 // credential id or an expiry.
-func own(cluster tunnel.ClusterRef, g *pb.Grant) (_ *pb.Grant, stale bool) {
+func own(cluster fleet.ClusterRef, g *pb.Grant) (_ *pb.Grant, stale bool) {
 	if g.GetCredentialId() == "" || g.GetExpirationTime() == nil ||
 		g.GetCluster().GetNamespace() != cluster.Namespace || g.GetCluster().GetName() != cluster.Name {
 		return nil, false
@@ -278,7 +279,7 @@ func own(cluster tunnel.ClusterRef, g *pb.Grant) (_ *pb.Grant, stale bool) {
 
 // Hello applies the grants an agent of cluster reported in its hello, as
 // Report applies those of a GrantUpdate.
-func (r *Registry) Hello(ctx context.Context, cluster tunnel.ClusterRef, grants []*pb.Grant) error {
+func (r *Registry) Hello(ctx context.Context, cluster fleet.ClusterRef, grants []*pb.Grant) error {
 	if err := r.report(ctx, cluster, "hello", &pb.GrantUpdate{Added: grants}); err != nil {
 		return err
 	}
@@ -296,14 +297,14 @@ func (r *Registry) Hello(ctx context.Context, cluster tunnel.ClusterRef, grants 
 // refused report adds nothing, though the removals of one that breaks only
 // the ClusterProfile's share are applied, and it is logged; the tunnel
 // then closes the agent's stream.
-func (r *Registry) Report(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) error {
+func (r *Registry) Report(ctx context.Context, cluster fleet.ClusterRef, u *pb.GrantUpdate) error {
 	return r.report(ctx, cluster, "grant update", u)
 }
 
 // Update records the grants of u, of cluster, as Report does, and only
 // logs a refusal: the exchange tells the registry of every token it
 // mints, which it checked already.
-func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) {
+func (r *Registry) Update(ctx context.Context, cluster fleet.ClusterRef, u *pb.GrantUpdate) {
 	_ = r.report(ctx, cluster, "exchange", u)
 }
 
@@ -318,7 +319,7 @@ func (r *Registry) Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.
 // it adds that were minted through another incarnation of cluster: the
 // ClusterProfile was deleted and created again since, and they are not the
 // new one's.
-func (r *Registry) report(ctx context.Context, cluster tunnel.ClusterRef, frame string, u *pb.GrantUpdate) error {
+func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame string, u *pb.GrantUpdate) error {
 	now := r.cfg.Clock.Now()
 	// What each grant is, off the lock.
 	var (
@@ -501,7 +502,7 @@ func (r *Registry) logForeign(what string, foreign []heldElsewhere) {
 
 // refuse logs a report of an agent of cluster, in frame, that breaks bound
 // (size against max), and returns err, which says so to the agent.
-func (r *Registry) refuse(cluster tunnel.ClusterRef, frame, bound string, size, max int, err error) error {
+func (r *Registry) refuse(cluster fleet.ClusterRef, frame, bound string, size, max int, err error) error {
 	r.cfg.Log.Info("agent grant report refused; closing the stream",
 		"cluster", cluster.String(), "frame", frame, "bound", bound, "size", size, "max", max)
 	return fmt.Errorf("the %s holds %w", frame, err)
@@ -510,7 +511,7 @@ func (r *Registry) refuse(cluster tunnel.ClusterRef, frame, bound string, size, 
 // revokeStale revokes the grants of ids, of an earlier incarnation of
 // cluster, through the agent of cluster that reported them. If that fails,
 // the agent's next hello reports them again.
-func (r *Registry) revokeStale(ctx context.Context, cluster tunnel.ClusterRef, ids []string) {
+func (r *Registry) revokeStale(ctx context.Context, cluster fleet.ClusterRef, ids []string) {
 	if _, err := r.cfg.Revoker.Revoke(ctx, cluster, ids, ReasonClusterProfileReplaced); err != nil {
 		r.cfg.Log.Info("revoke of a replaced ClusterProfile's grants not delivered; it is sent again at the agent's next hello",
 			"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
@@ -871,9 +872,9 @@ func (r *Registry) Revoked(credentialID string) bool {
 // The ids of learnt are those of learnt revokes (see dropUnrecorded): one
 // whose record is gone meanwhile is neither sent nor held again.
 func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason string, quiet bool, learnt map[string]bool) (revoked, pending []*pb.Grant) {
-	byCluster := map[tunnel.ClusterRef][]*pb.Grant{}
+	byCluster := map[fleet.ClusterRef][]*pb.Grant{}
 	var (
-		clusters []tunnel.ClusterRef
+		clusters []fleet.ClusterRef
 		foreign  []heldElsewhere
 	)
 	r.mu.Lock()

@@ -18,7 +18,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -30,7 +30,7 @@ type fakeRevoker struct {
 	called  chan struct{}
 }
 
-func (f *fakeRevoker) Revoke(_ context.Context, cluster tunnel.ClusterRef, ids []string, _ string) ([]string, error) {
+func (f *fakeRevoker) Revoke(_ context.Context, cluster fleet.ClusterRef, ids []string, _ string) ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.calls = append(f.calls, ids)
@@ -45,8 +45,8 @@ func (f *fakeRevoker) Revoke(_ context.Context, cluster tunnel.ClusterRef, ids [
 
 var (
 	start  = time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
-	spoke1 = tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "spoke-1"}, UID: "uid-1"}
-	spoke2 = tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "spoke-2"}, UID: "uid-2"}
+	spoke1 = fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "spoke-1"}, UID: "uid-1"}
+	spoke2 = fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "spoke-2"}, UID: "uid-2"}
 )
 
 func grant(id, user string, ttl time.Duration) *pb.Grant {
@@ -58,7 +58,7 @@ func grant(id, user string, ttl time.Duration) *pb.Grant {
 }
 
 // on returns g as an agent of cluster reports it.
-func on(cluster tunnel.ClusterRef, gs ...*pb.Grant) []*pb.Grant {
+func on(cluster fleet.ClusterRef, gs ...*pb.Grant) []*pb.Grant {
 	for _, g := range gs {
 		g.Cluster = &pb.ObjectReference{Namespace: cluster.Namespace, Name: cluster.Name}
 	}

@@ -21,8 +21,8 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/hubauth"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -66,7 +66,7 @@ var (
 )
 
 // grantOf returns a grant of user on cluster.
-func grantOf(id string, user hubauth.User, cluster tunnel.ClusterRef) *pb.Grant {
+func grantOf(id string, user hubauth.User, cluster fleet.ClusterRef) *pb.Grant {
 	g := grant(id, user.Username, time.Hour)
 	g.Subject.Uid = user.UID
 	return on(cluster, g)[0]
@@ -376,7 +376,7 @@ func manyClusters(t *testing.T, caller hubauth.User, n int, rules ...string) *se
 	t.Helper()
 	f := newService(t, fakeAuthn{user: caller}, rules...)
 	for i := range n {
-		c := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: fmt.Sprintf("many-%d", i)}, UID: types.UID(fmt.Sprint(i))}
+		c := fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: fmt.Sprintf("many-%d", i)}, UID: types.UID(fmt.Sprint(i))}
 		require.NoError(t, f.reg.Hello(context.Background(), c, []*pb.Grant{grantOf(fmt.Sprintf("JTI=m%d", i), userB, c)}))
 	}
 	return f

@@ -16,6 +16,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -32,7 +33,7 @@ type stormRevoker struct {
 	hold     chan struct{} // nil: answer at once
 }
 
-func (s *stormRevoker) Revoke(ctx context.Context, cluster tunnel.ClusterRef, ids []string, reason string) ([]string, error) {
+func (s *stormRevoker) Revoke(ctx context.Context, cluster fleet.ClusterRef, ids []string, reason string) ([]string, error) {
 	s.mu.Lock()
 	s.calls = append(s.calls, revokeCall{cluster: cluster, ids: slices.Clone(ids), reason: reason})
 	s.inFlight++

@@ -14,7 +14,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -27,7 +27,7 @@ type clusterRevoker struct {
 	calls   []revokeCall
 }
 
-func (c *clusterRevoker) Revoke(_ context.Context, cluster tunnel.ClusterRef, ids []string, reason string) ([]string, error) {
+func (c *clusterRevoker) Revoke(_ context.Context, cluster fleet.ClusterRef, ids []string, reason string) ([]string, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.calls = append(c.calls, revokeCall{cluster: cluster, ids: slices.Clone(ids), reason: reason})
@@ -37,14 +37,14 @@ func (c *clusterRevoker) Revoke(_ context.Context, cluster tunnel.ClusterRef, id
 	return ids, nil
 }
 
-func (c *clusterRevoker) setOffline(cluster tunnel.ClusterRef, offline bool) {
+func (c *clusterRevoker) setOffline(cluster fleet.ClusterRef, offline bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.offline[cluster.String()] = offline
 }
 
 // sentTo returns the calls that reached cluster.
-func (c *clusterRevoker) sentTo(cluster tunnel.ClusterRef) []revokeCall {
+func (c *clusterRevoker) sentTo(cluster fleet.ClusterRef) []revokeCall {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var out []revokeCall

@@ -32,8 +32,8 @@ import (
 	inventoryinformers "sigs.k8s.io/cluster-inventory-api/client/informers/externalversions"
 
 	"github.com/credbroker/credbroker/pkg/clusterprofile"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/grants"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
@@ -44,7 +44,7 @@ type revoker struct {
 	ids []string
 }
 
-func (r *revoker) Revoke(_ context.Context, _ tunnel.ClusterRef, ids []string, _ string) ([]string, error) {
+func (r *revoker) Revoke(_ context.Context, _ fleet.ClusterRef, ids []string, _ string) ([]string, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.ids = append(r.ids, ids...)
@@ -114,18 +114,18 @@ func TestTriggersAgainstHub(t *testing.T) {
 	hub := env.Hub
 	asBroker := brokerConfig(t, hub)
 
-	const fleet, team = "fleet", "team"
-	cp, err := hub.CreateClusterProfile(ctx, fleet, "spoke-a", nil)
+	const fleetNS, team = "fleet", "team"
+	cp, err := hub.CreateClusterProfile(ctx, fleetNS, "spoke-a", nil)
 	require.NoError(t, err)
-	cluster := tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: fleet, Name: cp.Name}, UID: cp.UID}
+	cluster := fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: fleetNS, Name: cp.Name}, UID: cp.UID}
 	grantOf := func(id, name string) *pb.Grant {
 		sa, err := hub.CreateServiceAccount(ctx, team, name, nil)
 		require.NoError(t, err)
-		require.NoError(t, hub.GrantClusterProfileToken(ctx, fleet, cp.Name, team, name))
+		require.NoError(t, hub.GrantClusterProfileToken(ctx, fleetNS, cp.Name, team, name))
 		user, groups := framework.ServiceAccountUser(team, name)
 		return &pb.Grant{
 			CredentialId:   id,
-			Cluster:        &pb.ObjectReference{Namespace: fleet, Name: cp.Name},
+			Cluster:        &pb.ObjectReference{Namespace: fleetNS, Name: cp.Name},
 			ClusterUid:     string(cp.UID),
 			Subject:        &pb.Subject{Username: user, Uid: string(sa.UID), Groups: groups},
 			ExpirationTime: timestamppb.New(time.Now().Add(time.Hour)),
@@ -200,13 +200,13 @@ func TestTriggersAgainstHub(t *testing.T) {
 	}
 
 	// Trigger 1: alice's RoleBinding goes.
-	bindings, err := hub.Client.RbacV1().RoleBindings(fleet).List(ctx, metav1.ListOptions{})
+	bindings, err := hub.Client.RbacV1().RoleBindings(fleetNS).List(ctx, metav1.ListOptions{})
 	require.NoError(t, err)
 	i := slices.IndexFunc(bindings.Items, func(b rbacv1.RoleBinding) bool {
 		return slices.Contains(b.Subjects, framework.ServiceAccountSubject(team, "alice"))
 	})
 	require.GreaterOrEqual(t, i, 0)
-	require.NoError(t, hub.Client.RbacV1().RoleBindings(fleet).Delete(ctx, bindings.Items[i].Name, metav1.DeleteOptions{}))
+	require.NoError(t, hub.Client.RbacV1().RoleBindings(fleetNS).Delete(ctx, bindings.Items[i].Name, metav1.DeleteOptions{}))
 	waitRevoked("JTI=alice")
 	assert.ElementsMatch(t, []string{"JTI=bob", "JTI=carol"}, live())
 
@@ -216,7 +216,7 @@ func TestTriggersAgainstHub(t *testing.T) {
 	assert.Equal(t, []string{"JTI=carol"}, live())
 
 	// Trigger 2: the ClusterProfile goes.
-	require.NoError(t, hub.Inventory.ApisV1alpha1().ClusterProfiles(fleet).Delete(ctx, cp.Name, metav1.DeleteOptions{}))
+	require.NoError(t, hub.Inventory.ApisV1alpha1().ClusterProfiles(fleetNS).Delete(ctx, cp.Name, metav1.DeleteOptions{}))
 	waitRevoked("JTI=alice", "JTI=bob", "JTI=carol")
 	assert.Empty(t, live())
 }

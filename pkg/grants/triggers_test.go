@@ -21,14 +21,14 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/hubauth"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // revokeCall is one revoke that reached the agents.
 type revokeCall struct {
-	cluster tunnel.ClusterRef
+	cluster fleet.ClusterRef
 	ids     []string
 	reason  string
 }
@@ -40,7 +40,7 @@ type recordingRevoker struct {
 	calls []revokeCall
 }
 
-func (r *recordingRevoker) Revoke(_ context.Context, cluster tunnel.ClusterRef, ids []string, reason string) ([]string, error) {
+func (r *recordingRevoker) Revoke(_ context.Context, cluster fleet.ClusterRef, ids []string, reason string) ([]string, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.calls = append(r.calls, revokeCall{cluster, slices.Sorted(slices.Values(ids)), reason})
@@ -173,7 +173,7 @@ func (f *fakeProfiles) Get(namespace, name string) (*v1alpha1.ClusterProfile, er
 	return cp.DeepCopy(), nil
 }
 
-func (f *fakeProfiles) set(ref tunnel.ClusterRef, deleting bool) {
+func (f *fakeProfiles) set(ref fleet.ClusterRef, deleting bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	cp := &v1alpha1.ClusterProfile{ObjectMeta: metav1.ObjectMeta{Namespace: ref.Namespace, Name: ref.Name, UID: ref.UID}}
@@ -216,7 +216,7 @@ type fixture struct {
 }
 
 // subjectGrant is a grant of user (with uid and groups) on cluster.
-func subjectGrant(id string, cluster tunnel.ClusterRef, user, uid string, groups ...string) *pb.Grant {
+func subjectGrant(id string, cluster fleet.ClusterRef, user, uid string, groups ...string) *pb.Grant {
 	g := grant(id, user, time.Hour)
 	g.Subject.Uid, g.Subject.Groups = uid, groups
 	g.ClusterUid = string(cluster.UID)
@@ -427,7 +427,7 @@ func TestSweepRevokesGrantsNoLongerAllowed(t *testing.T) {
 // The attack: a ClusterProfile is deleted, or replaced by another
 // incarnation, and the tokens minted through it stay valid.
 func TestClusterProfileGoneRevokesItsGrants(t *testing.T) {
-	replaced := tunnel.ClusterRef{NamespacedName: spoke1.NamespacedName, UID: "uid-1-again"}
+	replaced := fleet.ClusterRef{NamespacedName: spoke1.NamespacedName, UID: "uid-1-again"}
 	for _, tc := range []struct {
 		name    string
 		change  func(*fakeProfiles)

@@ -9,7 +9,7 @@ import (
 	"github.com/go-logr/logr"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // The benchmarks of the cached path, piece by piece, for benchstat: run
@@ -18,7 +18,7 @@ import (
 
 // BenchmarkTokenKey is the token cache key of every exchange.
 func BenchmarkTokenKey(b *testing.B) {
-	ref := tunnel.ClusterRef{UID: "3f2b6c1e-5d7a-4e8b-9c0d-1a2b3c4d5e6f"}
+	ref := fleet.ClusterRef{UID: "3f2b6c1e-5d7a-4e8b-9c0d-1a2b3c4d5e6f"}
 	ref.Namespace, ref.Name = "fleet", "spoke-1"
 	user := userInfo{Username: "system:serviceaccount:argocd:argocd-application-controller", UID: "8d3c1b2a-0f9e-4d8c-b7a6-5e4f3d2c1b0a",
 		Groups: []string{"system:serviceaccounts", "system:serviceaccounts:argocd", "system:authenticated"}}

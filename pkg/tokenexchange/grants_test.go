@@ -13,7 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -22,7 +22,7 @@ type fakeGrants struct {
 	mu      sync.Mutex
 	revoked map[string]bool
 	updates []*pb.GrantUpdate
-	cluster []tunnel.ClusterRef
+	cluster []fleet.ClusterRef
 }
 
 func (g *fakeGrants) Revoked(id string) bool {
@@ -31,7 +31,7 @@ func (g *fakeGrants) Revoked(id string) bool {
 	return g.revoked[id]
 }
 
-func (g *fakeGrants) Update(_ context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate) {
+func (g *fakeGrants) Update(_ context.Context, cluster fleet.ClusterRef, u *pb.GrantUpdate) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.updates = append(g.updates, u)

@@ -8,7 +8,7 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // keyBuffers holds the buffers that cache keys are built in: the cached
@@ -67,7 +67,7 @@ func (k keyBuilder) user(u userInfo) {
 
 // tokenKey identifies the minted tokens that one request may reuse: the same
 // ClusterProfile incarnation, consumer, spoke ServiceAccount and audiences.
-func tokenKey(cluster tunnel.ClusterRef, user userInfo, r request) string {
+func tokenKey(cluster fleet.ClusterRef, user userInfo, r request) string {
 	k := newKey()
 	k.add(string(cluster.UID), cluster.Namespace, cluster.Name, user.UID, user.Username, r.serviceAccount.Namespace, r.serviceAccount.Name)
 	k.list(r.audiences)

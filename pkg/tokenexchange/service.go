@@ -21,9 +21,9 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/store"
 	"github.com/credbroker/credbroker/pkg/token"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -31,7 +31,7 @@ import (
 type Cluster struct {
 	// Ref names the ClusterProfile incarnation; its UID is part of the token
 	// cache key.
-	Ref tunnel.ClusterRef
+	Ref fleet.ClusterRef
 	// Server and CAData tell the consumer how to reach the spoke. Server
 	// is never empty: the consumer's plugin hands the token only to it, so
 	// Clusters refuses a ClusterProfile without one.
@@ -49,7 +49,7 @@ type Clusters interface {
 
 // Minter mints a token on a cluster; the broker passes the tunnel server.
 type Minter interface {
-	Mint(ctx context.Context, cluster tunnel.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error)
+	Mint(ctx context.Context, cluster fleet.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error)
 }
 
 // Grants is the broker's table of live grants (package grants): the
@@ -59,7 +59,7 @@ type Grants interface {
 	// Revoked reports whether the token of credentialID was revoked.
 	Revoked(credentialID string) bool
 	// Update records grants, as an agent of cluster reports them.
-	Update(ctx context.Context, cluster tunnel.ClusterRef, u *pb.GrantUpdate)
+	Update(ctx context.Context, cluster fleet.ClusterRef, u *pb.GrantUpdate)
 }
 
 // Verifier checks a bearer token locally, without a hub call: its
@@ -365,7 +365,7 @@ func (s *Service) revoked(m minted) bool {
 
 // record tells the grant registry of a token just minted, so that this
 // replica can revoke it before the agent reports its grant.
-func (s *Service) record(ctx context.Context, cluster tunnel.ClusterRef, user userInfo, m minted) {
+func (s *Service) record(ctx context.Context, cluster fleet.ClusterRef, user userInfo, m minted) {
 	if s.cfg.Grants == nil || m.credentialID == "" {
 		return
 	}

@@ -26,7 +26,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
-	"github.com/credbroker/credbroker/pkg/tunnel"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -143,7 +143,7 @@ func (f *fakeClusters) Cluster(namespace, name string) (Cluster, error) {
 		return Cluster{}, fmt.Errorf("clusterprofile %s/%s not found: %w", namespace, name, errdefs.ErrNotFound)
 	}
 	return Cluster{
-		Ref:    tunnel.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: f.uid},
+		Ref:    fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: f.uid},
 		Server: "https://spoke.example", CAData: []byte("ca"),
 	}, nil
 }
@@ -160,7 +160,7 @@ type fakeMinter struct {
 	tamper func(*pb.MintResponse)
 }
 
-func (m *fakeMinter) Mint(ctx context.Context, _ tunnel.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
+func (m *fakeMinter) Mint(ctx context.Context, _ fleet.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
 	n := m.calls.Add(1)
 	if m.gate != nil {
 		<-m.gate

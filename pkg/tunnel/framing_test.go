@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -253,7 +254,7 @@ func TestBatchesAreExact(t *testing.T) {
 // answered.
 func TestConnectedClustersAndPending(t *testing.T) {
 	h := newHarness(t, 5*time.Second)
-	clusterB := ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"}
+	clusterB := fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"}
 	agentB := "spiffe://test.example/clusterprofile/fleet/b"
 	h.resolver.set(agentB, &clusterB)
 	assert.Zero(t, h.srv.ConnectedClusters())

@@ -19,14 +19,15 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // fakeRegistry records what the Server reports to the broker's registry.
 type fakeRegistry struct {
 	mu       sync.Mutex
-	replaced [][]*pb.Grant // the grants of each Hello
-	clusters []ClusterRef  // the cluster of each Hello and Update
+	replaced [][]*pb.Grant      // the grants of each Hello
+	clusters []fleet.ClusterRef // the cluster of each Hello and Update
 	updates  []*pb.GrantUpdate
 	state    []string // the credential ids the registry holds
 	// block, when set, holds up the first Hello until it is closed;
@@ -44,7 +45,7 @@ func (r *fakeRegistry) refused(grants []*pb.Grant) error {
 	return nil
 }
 
-func (r *fakeRegistry) Hello(_ context.Context, cluster ClusterRef, grants []*pb.Grant) error {
+func (r *fakeRegistry) Hello(_ context.Context, cluster fleet.ClusterRef, grants []*pb.Grant) error {
 	r.mu.Lock()
 	block := r.block
 	r.block = nil
@@ -63,7 +64,7 @@ func (r *fakeRegistry) Hello(_ context.Context, cluster ClusterRef, grants []*pb
 	return nil
 }
 
-func (r *fakeRegistry) Report(_ context.Context, cluster ClusterRef, u *pb.GrantUpdate) error {
+func (r *fakeRegistry) Report(_ context.Context, cluster fleet.ClusterRef, u *pb.GrantUpdate) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if err := r.refused(u.GetAdded()); err != nil {
@@ -248,7 +249,7 @@ func TestRevoke(t *testing.T) {
 		name     string
 		ids      []string
 		revoke   func(ctx context.Context, req *pb.RevokeRequest) (*pb.RevokeResponse, error)
-		cluster  ClusterRef
+		cluster  fleet.ClusterRef
 		want     []string
 		wantCode codes.Code
 		wantMsg  string
@@ -280,13 +281,13 @@ func TestRevoke(t *testing.T) {
 		},
 		{
 			name: "no agent for cluster", ids: []string{"JTI=a"},
-			cluster:  ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"},
+			cluster:  fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"},
 			wantCode: codes.Unavailable,
 			wantMsg:  "no agent is connected for cluster fleet/b: unavailable",
 		},
 		{
 			name: "recreated cluster is not served by the old agent", ids: []string{"JTI=a"},
-			cluster:  ClusterRef{NamespacedName: clusterA.NamespacedName, UID: "uid-a2"},
+			cluster:  fleet.ClusterRef{NamespacedName: clusterA.NamespacedName, UID: "uid-a2"},
 			wantCode: codes.Unavailable,
 			wantMsg:  "no agent is connected for cluster fleet/a: unavailable",
 		},

@@ -14,11 +14,12 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // streams counts every session of cluster, draining ones too.
-func (h *harness) streams(c ClusterRef) int {
+func (h *harness) streams(c fleet.ClusterRef) int {
 	h.srv.mu.RLock()
 	defer h.srv.mu.RUnlock()
 	return len(h.srv.sessions[c.NamespacedName])

@@ -28,19 +28,10 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/token"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
-
-// ClusterRef names one incarnation of a ClusterProfile: a profile deleted and
-// recreated under the same name has a new UID, and the sessions admitted for
-// the old one do not serve the new one.
-type ClusterRef struct {
-	types.NamespacedName
-	UID types.UID
-}
-
-func (c ClusterRef) String() string { return c.NamespacedName.String() }
 
 // admittedHeader and admittedUIDHeader are the headers the broker sends when
 // it admits a stream; they name the ClusterProfile the agent serves
@@ -60,7 +51,7 @@ const instanceHeader = "credbroker-agent-instance"
 
 // Resolver maps an agent's SPIFFE ID to the one ClusterProfile it may serve.
 type Resolver interface {
-	ResolveAgent(id spiffeid.ID) (ClusterRef, error)
+	ResolveAgent(id spiffeid.ID) (fleet.ClusterRef, error)
 }
 
 // ServerConfig configures a Server.
@@ -115,15 +106,15 @@ type ServerConfig struct {
 // report, and the Server closes the stream with it.
 type GrantRegistry interface {
 	// Hello reports the grants of an agent's hello.
-	Hello(ctx context.Context, cluster ClusterRef, grants []*pb.Grant) error
+	Hello(ctx context.Context, cluster fleet.ClusterRef, grants []*pb.Grant) error
 	// Report applies an agent's report of grants added and removed.
-	Report(ctx context.Context, cluster ClusterRef, u *pb.GrantUpdate) error
+	Report(ctx context.Context, cluster fleet.ClusterRef, u *pb.GrantUpdate) error
 }
 
 type noGrants struct{}
 
-func (noGrants) Hello(context.Context, ClusterRef, []*pb.Grant) error      { return nil }
-func (noGrants) Report(context.Context, ClusterRef, *pb.GrantUpdate) error { return nil }
+func (noGrants) Hello(context.Context, fleet.ClusterRef, []*pb.Grant) error      { return nil }
+func (noGrants) Report(context.Context, fleet.ClusterRef, *pb.GrantUpdate) error { return nil }
 
 // MaxGrantsPerFrame bounds the grants and credential ids of one hello or
 // grant update: the broker closes a stream whose agent sends more. Agents
@@ -183,7 +174,7 @@ type session struct {
 	instance string              // the agent's instanceHeader; empty when it sent none
 	chain    []*x509.Certificate // the agent's SVID, leaf first
 	hello    *pb.Hello           // server and CA the agent advertised
-	cluster  ClusterRef
+	cluster  fleet.ClusterRef
 	out      chan *pb.BrokerFrame
 	ctx      context.Context
 	cancel   context.CancelCauseFunc
@@ -219,7 +210,7 @@ type Admission struct {
 	// Agent is the peer's SPIFFE ID.
 	Agent spiffeid.ID
 	// Cluster is the one ClusterProfile incarnation the agent serves.
-	Cluster ClusterRef
+	Cluster fleet.ClusterRef
 	// Expires is when the peer's SVID, or a CA of its chain, expires: the
 	// stream must end then.
 	Expires time.Time
@@ -558,7 +549,7 @@ func (s *Server) remove(sess *session) {
 // live returns the sessions that serve cluster and take new requests: open,
 // whose agent has not said goodbye, and of those of one agent instance, the
 // newest.
-func (s *Server) live(cluster ClusterRef) []*session {
+func (s *Server) live(cluster fleet.ClusterRef) []*session {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	list := s.sessions[cluster.NamespacedName]
@@ -603,7 +594,7 @@ func instanceOf(ctx context.Context) string {
 func (s *Server) Pending() int { return int(s.pending.Load()) }
 
 // Connected reports how many live sessions serve cluster.
-func (s *Server) Connected(cluster ClusterRef) int { return len(s.live(cluster)) }
+func (s *Server) Connected(cluster fleet.ClusterRef) int { return len(s.live(cluster)) }
 
 // ConnectedClusters reports how many clusters have at least one open
 // session whose agent has not said goodbye.
@@ -629,7 +620,7 @@ type DataPathOffer struct {
 
 // DataPaths returns every distinct data path offer of the live sessions of
 // cluster, oldest first. Like Advertised, it picks none.
-func (s *Server) DataPaths(cluster ClusterRef) (offers []DataPathOffer) {
+func (s *Server) DataPaths(cluster fleet.ClusterRef) (offers []DataPathOffer) {
 	list := s.live(cluster)
 	for _, sess := range list {
 		dp := sess.hello.GetDataPath()
@@ -661,7 +652,7 @@ type Advertisement struct {
 // number of live sessions (those that advertised nothing included). It
 // picks none: which one, if any, is published is the publisher's decision,
 // so that no agent decides it by connecting last.
-func (s *Server) Advertised(cluster ClusterRef) (ads []Advertisement, live int) {
+func (s *Server) Advertised(cluster fleet.ClusterRef) (ads []Advertisement, live int) {
 	list := s.live(cluster)
 	for _, sess := range list {
 		h := sess.hello
@@ -692,7 +683,7 @@ type SpokeReadiness struct {
 
 // SpokeReadiness counts the live sessions of cluster by what their agents
 // last reported of the spoke's /readyz.
-func (s *Server) SpokeReadiness(cluster ClusterRef) SpokeReadiness {
+func (s *Server) SpokeReadiness(cluster fleet.ClusterRef) SpokeReadiness {
 	var out SpokeReadiness
 	for _, sess := range s.live(cluster) {
 		switch h := sess.spokeHealth.Load(); {
@@ -732,7 +723,7 @@ func (s *Server) revalidate(sess *session) {
 
 // stillServes reports why agent no longer maps to the ClusterProfile
 // incarnation cluster, or nil.
-func (s *Server) stillServes(agent spiffeid.ID, cluster ClusterRef) error {
+func (s *Server) stillServes(agent spiffeid.ID, cluster fleet.ClusterRef) error {
 	got, err := s.cfg.Resolver.ResolveAgent(agent)
 	switch {
 	case err != nil:
@@ -765,7 +756,7 @@ func (s *Server) Reverify() {
 // Errors wrap errdefs sentinels: ErrUnavailable when no agent is connected or
 // the stream breaks, ErrDeadlineExceeded when the agent does not answer within
 // MintTimeout, and the agent's own code when it refuses.
-func (s *Server) Mint(ctx context.Context, cluster ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
+func (s *Server) Mint(ctx context.Context, cluster fleet.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
 	return call(s, ctx, cluster, &pb.BrokerFrame{Body: &pb.BrokerFrame_MintRequest{MintRequest: req}}, answerOf, s.metrics.observeMint)
 }
 
@@ -786,7 +777,7 @@ func (s *Server) Mint(ctx context.Context, cluster ClusterRef, req *pb.MintReque
 // cluster was open, so that nothing was sent.
 var ErrNoAgent = errors.New("no agent is connected")
 
-func (s *Server) Revoke(ctx context.Context, cluster ClusterRef, ids []string, reason string) ([]string, error) {
+func (s *Server) Revoke(ctx context.Context, cluster fleet.ClusterRef, ids []string, reason string) ([]string, error) {
 	list := batches(ids, maxRevokeIDs, maxRevokeBytes)
 	if len(list) == 0 {
 		return nil, nil
@@ -868,7 +859,7 @@ type revokeVote struct {
 // open stream that has not said goodbye, of every agent instance, the
 // draining streams of an instance included (another holder of the
 // instance's SPIFFE ID may have named itself with its instance value).
-func (s *Server) revokeTargets(cluster ClusterRef) []*session {
+func (s *Server) revokeTargets(cluster fleet.ClusterRef) []*session {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	var out []*session
@@ -884,7 +875,7 @@ func (s *Server) revokeTargets(cluster ClusterRef) []*session {
 // returns its vote. A stream that closes under a request hands the rest to
 // the newest stream of the same agent instance, unless that stream is one
 // of targets, which is asked on its own.
-func (s *Server) revokeOn(ctx context.Context, cluster ClusterRef, sess *session, targets map[*session]bool,
+func (s *Server) revokeOn(ctx context.Context, cluster fleet.ClusterRef, sess *session, targets map[*session]bool,
 	list [][]string, reason string) revokeVote {
 	var v revokeVote
 	for _, batch := range list {
@@ -940,7 +931,7 @@ func (s *Server) requestOne(ctx context.Context, sess *session, req *pb.BrokerFr
 
 // successor returns the live stream that took over the requests of sess,
 // closed: the newest of the same agent SPIFFE ID and instance, if any.
-func (s *Server) successor(cluster ClusterRef, sess *session) *session {
+func (s *Server) successor(cluster fleet.ClusterRef, sess *session) *session {
 	if sess.instance == "" {
 		return nil
 	}
@@ -990,7 +981,7 @@ func batches(ids []string, n, size int) [][]string {
 // the answer with answer. A stream that closes under the request hands it
 // to another live one, of those live then. The whole call is bounded by MintTimeout. observe sees
 // every call that found a session.
-func call[T any](s *Server, ctx context.Context, cluster ClusterRef, req *pb.BrokerFrame,
+func call[T any](s *Server, ctx context.Context, cluster fleet.ClusterRef, req *pb.BrokerFrame,
 	answer func(*pb.AgentFrame) (T, error), observe func(time.Time, error)) (T, error) {
 	var zero T
 	sessions := s.live(cluster)

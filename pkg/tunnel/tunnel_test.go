@@ -30,6 +30,7 @@ import (
 
 	"github.com/credbroker/credbroker/internal/testpki"
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -38,20 +39,20 @@ const testToken = "eyJhbGciOiJSUzI1NiJ9.eyJqdGkiOiJiMWYzIn0.c2ln"
 // fakeResolver admits the agents listed in clusters.
 type fakeResolver struct {
 	mu       sync.Mutex
-	clusters map[string]ClusterRef
+	clusters map[string]fleet.ClusterRef
 }
 
-func (r *fakeResolver) ResolveAgent(id spiffeid.ID) (ClusterRef, error) {
+func (r *fakeResolver) ResolveAgent(id spiffeid.ID) (fleet.ClusterRef, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	c, ok := r.clusters[id.String()]
 	if !ok {
-		return ClusterRef{}, fmt.Errorf("no ClusterProfile accepts agent %s: %w", id, errdefs.ErrPermissionDenied)
+		return fleet.ClusterRef{}, fmt.Errorf("no ClusterProfile accepts agent %s: %w", id, errdefs.ErrPermissionDenied)
 	}
 	return c, nil
 }
 
-func (r *fakeResolver) set(id string, c *ClusterRef) {
+func (r *fakeResolver) set(id string, c *fleet.ClusterRef) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if c == nil {
@@ -124,7 +125,7 @@ func (m *fakeMinter) Mint(ctx context.Context, req *pb.MintRequest) (*pb.MintRes
 }
 
 var (
-	clusterA = ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "a"}, UID: "uid-a"}
+	clusterA = fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "a"}, UID: "uid-a"}
 	agentA   = "spiffe://test.example/clusterprofile/fleet/a"
 )
 
@@ -141,7 +142,7 @@ func newHarness(t *testing.T, mintTimeout time.Duration, tune ...func(*ServerCon
 	ca, err := testpki.NewCA("test.example")
 	require.NoError(t, err)
 	h := &harness{
-		resolver: &fakeResolver{clusters: map[string]ClusterRef{agentA: clusterA}},
+		resolver: &fakeResolver{clusters: map[string]fleet.ClusterRef{agentA: clusterA}},
 		peers:    &peers{ca: ca, chains: map[string][]*x509.Certificate{}},
 		bundles:  x509bundle.NewSet(x509bundle.FromX509Authorities(ca.TrustDomain(), []*x509.Certificate{ca.Certificate()})),
 	}
@@ -218,7 +219,7 @@ func (h *harness) rawStreamContext(t *testing.T, ctx context.Context, id string)
 	return stream
 }
 
-func waitConnected(t *testing.T, h *harness, c ClusterRef, n int) {
+func waitConnected(t *testing.T, h *harness, c fleet.ClusterRef, n int) {
 	t.Helper()
 	require.Eventually(t, func() bool { return h.srv.Connected(c) == n }, 10*time.Second, 5*time.Millisecond)
 }
@@ -252,19 +253,19 @@ func TestMintErrors(t *testing.T) {
 	tests := []struct {
 		name     string
 		minter   func(context.Context, *pb.MintRequest) (*pb.MintResponse, error)
-		cluster  ClusterRef
+		cluster  fleet.ClusterRef
 		wantCode codes.Code
 		wantMsg  string
 	}{
 		{
 			name:     "no agent for cluster",
-			cluster:  ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"},
+			cluster:  fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"},
 			wantCode: codes.Unavailable,
 			wantMsg:  "no agent is connected for cluster fleet/b: unavailable",
 		},
 		{
 			name:     "recreated cluster is not served by the old agent",
-			cluster:  ClusterRef{NamespacedName: clusterA.NamespacedName, UID: "uid-a2"},
+			cluster:  fleet.ClusterRef{NamespacedName: clusterA.NamespacedName, UID: "uid-a2"},
 			wantCode: codes.Unavailable,
 			wantMsg:  "no agent is connected for cluster fleet/a: unavailable",
 		},
@@ -452,7 +453,7 @@ func TestRevalidateClosesStreamsOfChangedCluster(t *testing.T) {
 
 	// Recreated under the same name with a new UID: the agent's reconnect is
 	// admitted for the new incarnation only.
-	recreated := ClusterRef{NamespacedName: clusterA.NamespacedName, UID: "uid-a2"}
+	recreated := fleet.ClusterRef{NamespacedName: clusterA.NamespacedName, UID: "uid-a2"}
 	h.resolver.set(agentA, &recreated)
 	waitConnected(t, h, recreated, 1)
 	assert.Equal(t, 0, h.srv.Connected(clusterA))

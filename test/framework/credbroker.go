@@ -31,6 +31,7 @@ import (
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/broker"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/plugin"
 	spokepkg "github.com/credbroker/credbroker/pkg/spoke"
@@ -386,7 +387,7 @@ func (d *Deployment) BrokerConfig() broker.Config { return d.brokerCfg }
 
 // AgentID is the SPIFFE ID of the agent of the ClusterProfile fleet/<name>.
 func AgentID(name string) string {
-	return "spiffe://" + TrustDomain + "/clusterprofile/" + FleetNamespace + "/" + name
+	return "spiffe://" + TrustDomain + fleet.AgentIDPathPrefix + FleetNamespace + "/" + name
 }
 
 // StartAgent starts an agent on spoke that presents the SVID id, with the
@@ -552,7 +553,7 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 		cfg.BrokerAddresses = append(cfg.BrokerAddresses, b.AgentAddr())
 	}
 	cfg.TrustDomain = d.CA.TrustDomain()
-	cfg.BrokerID = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
+	cfg.BrokerID = fleet.BrokerID(cfg.TrustDomain)
 	cfg.Spoke = spoke.TokenConfig(tok)
 	cfg.InitialBackoff, cfg.MaxBackoff = 50*time.Millisecond, time.Second
 	cfg.MetricsAddress, cfg.ShutdownGrace = "127.0.0.1:0", 5*time.Second
@@ -632,7 +633,7 @@ func (d *Deployment) ensureAgentAccount(ctx context.Context, spoke *Cluster) err
 // another replica reaches it in the agent's grant update, a moment after the
 // exchange. Failures leave them to the end of the suite, which counts them.
 func (d *Deployment) revokeGrants(spoke *Cluster, id string) {
-	rest, ok := strings.CutPrefix(id, "spiffe://"+TrustDomain+"/clusterprofile/")
+	rest, ok := strings.CutPrefix(id, "spiffe://"+TrustDomain+fleet.AgentIDPathPrefix)
 	ns, name, ok2 := strings.Cut(rest, "/")
 	if !ok || !ok2 {
 		return

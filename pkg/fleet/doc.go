@@ -1,0 +1,12 @@
+// Package fleet holds the names that the hub and the spokes of a fleet
+// share: ClusterRef, the incarnation of a ClusterProfile that an agent
+// serves, and the default SPIFFE IDs of an agent (AgentID) and of the
+// broker (BrokerID).
+//
+// It imports nothing of credbroker, so that the tunnel, the exchange, the
+// grant registry, the ClusterProfile index and the agent can all use it
+// without importing each other:
+//
+//	id, err := fleet.AgentID(td, types.NamespacedName{Namespace: "fleet", Name: "prod-eu-1"})
+//	// spiffe://<td>/clusterprofile/fleet/prod-eu-1
+package fleet
