@@ -1,7 +1,8 @@
 // Package fleet holds the names that the hub and the spokes of a fleet
 // share: ClusterRef, the incarnation of a ClusterProfile that an agent
-// serves, and the default SPIFFE IDs of an agent (AgentID) and of the
-// broker (BrokerID).
+// serves; the default SPIFFE IDs of an agent (AgentID) and of the broker
+// (BrokerID); ErrNoAgent, for a cluster whose agent is not connected; and
+// MaxClockSkew, how far a spoke's clock may run ahead of the broker's.
 //
 // It imports nothing of credbroker, so that the tunnel, the exchange, the
 // grant registry, the ClusterProfile index and the agent can all use it

@@ -1,6 +1,9 @@
 package fleet
 
 import (
+	"errors"
+	"time"
+
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/apimachinery/pkg/types"
 )
@@ -34,3 +37,14 @@ func AgentID(td spiffeid.TrustDomain, cluster types.NamespacedName) (spiffeid.ID
 func BrokerID(td spiffeid.TrustDomain) spiffeid.ID {
 	return spiffeid.RequireFromPath(td, "/broker")
 }
+
+// ErrNoAgent is what the error of a request to a cluster's agents wraps
+// when no agent stream of the cluster was open, so that nothing was sent.
+var ErrNoAgent = errors.New("no agent is connected")
+
+// MaxClockSkew is how far ahead of the broker's clock a spoke's clock may
+// run: a token's exp, and the expiry of a grant an agent reports, may lie
+// up to the broker's maximum expiration plus MaxClockSkew after the
+// broker's now. One minute is the leeway JWT validators such as go-jose
+// give by default.
+const MaxClockSkew = time.Minute

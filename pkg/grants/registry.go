@@ -17,8 +17,6 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
-	"github.com/credbroker/credbroker/pkg/tokenexchange"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -97,7 +95,7 @@ type RegistryConfig struct {
 	// DefaultMaxGrantBytesPerCluster.
 	MaxGrantBytesPerCluster int
 	// MaxGrantLifetime bounds the expiry of a reported grant to now plus
-	// MaxGrantLifetime and tokenexchange.MaxClockSkew: no token the broker
+	// MaxGrantLifetime and fleet.MaxClockSkew: no token the broker
 	// mints lives longer. The broker passes its MaxExpiration. Default
 	// DefaultMaxGrantLifetime.
 	MaxGrantLifetime time.Duration
@@ -327,7 +325,7 @@ func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame s
 		stale []string
 		at    = map[string]int{} // the last report of an id wins
 	)
-	latest := now.Add(r.cfg.MaxGrantLifetime + tokenexchange.MaxClockSkew)
+	latest := now.Add(r.cfg.MaxGrantLifetime + fleet.MaxClockSkew)
 	for _, g := range u.GetAdded() {
 		size := proto.Size(g)
 		switch {
@@ -341,7 +339,7 @@ func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame s
 			return r.refuse(cluster, frame, "grantLifetime", int(g.GetExpirationTime().AsTime().Sub(now)/time.Second), int(latest.Sub(now)/time.Second),
 				fmt.Errorf("a grant that expires at %s, later than %s, the broker's maximum token lifetime (%s) and %s of clock skew from now: %w",
 					g.GetExpirationTime().AsTime().UTC().Format(time.RFC3339), latest.UTC().Format(time.RFC3339), r.cfg.MaxGrantLifetime,
-					tokenexchange.MaxClockSkew, errdefs.ErrInvalidArgument))
+					fleet.MaxClockSkew, errdefs.ErrInvalidArgument))
 		}
 		g, old := own(cluster, g)
 		if g == nil || !g.GetExpirationTime().AsTime().After(now) {
@@ -908,7 +906,7 @@ func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason strin
 			r.cfg.Log.Info("revoke not delivered; it is sent again when the agent reports the grants",
 				"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
 		}
-		if errors.Is(err, tunnel.ErrNoAgent) {
+		if errors.Is(err, fleet.ErrNoAgent) {
 			// Nothing was sent: the next agent to connect gets the
 			// revoke at once, not a RetryInterval later.
 			r.mu.Lock()

@@ -17,7 +17,6 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -53,7 +52,7 @@ func (s *stormRevoker) Revoke(ctx context.Context, cluster fleet.ClusterRef, ids
 		}
 	}
 	if offline {
-		return nil, fmt.Errorf("%w: %w", tunnel.ErrNoAgent, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("%w: %w", fleet.ErrNoAgent, errdefs.ErrUnavailable)
 	}
 	return ids, nil
 }

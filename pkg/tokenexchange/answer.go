@@ -9,15 +9,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/token"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
-
-// MaxClockSkew is how far ahead of the broker's clock a spoke's clock may
-// run: a token's exp may lie up to MaxExpiration plus MaxClockSkew after the
-// broker checks it. One minute is the leeway JWT validators such as go-jose
-// give by default.
-const MaxClockSkew = time.Minute
 
 // minted is an agent's answer that passed the broker's checks, with the
 // claims that were checked. Audit lines and answers to consumers use these
@@ -61,8 +56,8 @@ const serviceAccountPrefix = "system:serviceaccount:"
 //   - aud equals the requested audiences as a set, or, when none were
 //     requested (the spoke's defaults), holds 1 to maxAudiences printable
 //     audiences, none of them brokerAudience (which no request may ask for);
-//   - exp lies in (now, now + maxExp + MaxClockSkew];
-//   - expiration_time is exp, or up to MaxClockSkew before it, since
+//   - exp lies in (now, now + maxExp + fleet.MaxClockSkew];
+//   - expiration_time is exp, or up to fleet.MaxClockSkew before it, since
 //     kube-apiserver reads its clock for the status when the request
 //     arrives and for exp when it signs the token, seconds apart under load.
 //
@@ -106,7 +101,7 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 		}
 	}
 
-	latest := now.Add(maxExp + MaxClockSkew)
+	latest := now.Add(maxExp + fleet.MaxClockSkew)
 	switch {
 	case c.Expiry.IsZero():
 		return minted{}, failed("exp", "the token has no exp")
@@ -114,7 +109,7 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 		return minted{}, failed("exp", "exp %s is not after now (%s)", rfc3339(c.Expiry), rfc3339(now))
 	case c.Expiry.After(latest):
 		return minted{}, failed("exp", "exp %s is later than %s, the maximum expiration %s and %s of clock skew from now",
-			rfc3339(c.Expiry), rfc3339(latest), maxExp, MaxClockSkew)
+			rfc3339(c.Expiry), rfc3339(latest), maxExp, fleet.MaxClockSkew)
 	}
 
 	et := resp.GetExpirationTime()
@@ -126,9 +121,9 @@ func checkAnswer(resp *pb.MintResponse, r request, brokerAudience string, now ti
 	// when it signs: seconds apart on a loaded API server. An earlier
 	// expiration_time harms nobody (consumers get exp); a later one is
 	// refused.
-	if s := et.GetSeconds(); s > c.Expiry.Unix() || s < c.Expiry.Add(-MaxClockSkew).Unix() {
+	if s := et.GetSeconds(); s > c.Expiry.Unix() || s < c.Expiry.Add(-fleet.MaxClockSkew).Unix() {
 		return minted{}, failed("expiration_time", "expiration_time %s is not exp %s, nor less than %s before it",
-			rfc3339(et.AsTime()), rfc3339(c.Expiry), MaxClockSkew)
+			rfc3339(et.AsTime()), rfc3339(c.Expiry), fleet.MaxClockSkew)
 	}
 
 	return minted{

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/token"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -43,14 +44,14 @@ func TestCheckAnswer(t *testing.T) {
 			wantCheck: "aud", wantErr: `aud: aud holds "credbroker", the broker's own audience`,
 		},
 		{name: "aud as one string", resp: answer(jwt(`{"sub":"`+sub+`","aud":"a","exp":`+unix(exp)+`}`), exp), req: request{audiences: []string{"a"}}},
-		{name: "exp at the latest allowed", resp: answer(spokeToken(sub, []string{"a", "b"}, t0.Add(time.Hour+MaxClockSkew), "j"), t0.Add(time.Hour+MaxClockSkew)), req: named},
+		{name: "exp at the latest allowed", resp: answer(spokeToken(sub, []string{"a", "b"}, t0.Add(time.Hour+fleet.MaxClockSkew), "j"), t0.Add(time.Hour+fleet.MaxClockSkew)), req: named},
 		{name: "expiration_time a second before exp", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-time.Second)), req: named},
 		{name: "expiration_time with nanoseconds", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-300*time.Millisecond)), req: named},
 		// kube-apiserver reads its clock for the status before admission and
 		// the live GET of the bound object (the agent's grant Secret), and
 		// again for exp: on a loaded API server, seconds apart.
 		{name: "expiration_time two seconds before exp, as a loaded API server answers", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-2*time.Second)), req: named},
-		{name: "expiration_time MaxClockSkew before exp", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-MaxClockSkew)), req: named},
+		{name: "expiration_time fleet.MaxClockSkew before exp", resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-fleet.MaxClockSkew)), req: named},
 
 		{
 			name: "not a jwt", resp: answer("opaque", exp), req: named,
@@ -140,7 +141,7 @@ func TestCheckAnswer(t *testing.T) {
 		},
 		{
 			name: "a second past the skew", req: named,
-			resp:      answer(spokeToken(sub, []string{"a", "b"}, t0.Add(time.Hour+MaxClockSkew+time.Second), "j"), t0.Add(time.Hour+MaxClockSkew+time.Second)),
+			resp:      answer(spokeToken(sub, []string{"a", "b"}, t0.Add(time.Hour+fleet.MaxClockSkew+time.Second), "j"), t0.Add(time.Hour+fleet.MaxClockSkew+time.Second)),
 			wantCheck: "exp", wantErr: "exp: exp 2026-01-01T01:01:01Z is later than 2026-01-01T01:01:00Z, the maximum expiration 1h0m0s and 1m0s of clock skew from now",
 		},
 		{
@@ -157,7 +158,7 @@ func TestCheckAnswer(t *testing.T) {
 			wantCheck: "expiration_time", wantErr: "expiration_time: expiration_time 2026-01-01T01:00:01Z is not exp 2026-01-01T01:00:00Z, nor less than 1m0s before it",
 		},
 		{
-			name: "expiration_time more than MaxClockSkew before exp", req: named, resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-MaxClockSkew-time.Second)),
+			name: "expiration_time more than fleet.MaxClockSkew before exp", req: named, resp: answer(spokeToken(sub, []string{"a", "b"}, exp, "j"), exp.Add(-fleet.MaxClockSkew-time.Second)),
 			wantCheck: "expiration_time", wantErr: "expiration_time: expiration_time 2026-01-01T00:58:59Z is not exp 2026-01-01T01:00:00Z, nor less than 1m0s before it",
 		},
 	}
@@ -265,7 +266,7 @@ func FuzzCheckAnswer(f *testing.F) {
 			}
 			return
 		}
-		if !got.expiry.After(t0) || got.expiry.After(t0.Add(time.Hour+MaxClockSkew)) {
+		if !got.expiry.After(t0) || got.expiry.After(t0.Add(time.Hour+fleet.MaxClockSkew)) {
 			t.Fatalf("expiry %v passed the checks", got.expiry)
 		}
 		if got.serviceAccount.String() != "spoke/reader" || len(got.audiences) == 0 {

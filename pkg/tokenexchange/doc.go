@@ -28,7 +28,7 @@
 // signature, must name the ServiceAccount the answer names (and the requested
 // one, if any) in sub, carry the requested audiences (or, when none were
 // requested, some), expire after now and no later than MaxExpiration plus
-// MaxClockSkew from now, and agree with the answer's expiration_time. An
+// fleet.MaxClockSkew from now, and agree with the answer's expiration_time. An
 // answer that fails is Unavailable for the consumer and an error in the log
 // that names the cluster and the check.
 //

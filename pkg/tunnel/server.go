@@ -772,11 +772,9 @@ func (s *Server) Mint(ctx context.Context, cluster fleet.ClusterRef, req *pb.Min
 // MintTimeout; an instance that fails one is sent no more of them. Errors
 // wrap errdefs sentinels as Mint's do: ErrUnavailable when no agent is
 // connected, and otherwise the first instance's failure, with the ids gone
-// in every instance's answer. It implements grants.Revoker.
-// ErrNoAgent is what Revoke's error wraps when no agent stream of the
-// cluster was open, so that nothing was sent.
-var ErrNoAgent = errors.New("no agent is connected")
-
+// in every instance's answer; fleet.ErrNoAgent too when no agent stream
+// of cluster was open, so that nothing was sent. It implements
+// grants.Revoker.
 func (s *Server) Revoke(ctx context.Context, cluster fleet.ClusterRef, ids []string, reason string) ([]string, error) {
 	list := batches(ids, maxRevokeIDs, maxRevokeBytes)
 	if len(list) == 0 {
@@ -784,7 +782,7 @@ func (s *Server) Revoke(ctx context.Context, cluster fleet.ClusterRef, ids []str
 	}
 	targets := s.revokeTargets(cluster)
 	if len(targets) == 0 {
-		return nil, fmt.Errorf("%w for cluster %s: %w", ErrNoAgent, cluster, errdefs.ErrUnavailable)
+		return nil, fmt.Errorf("%w for cluster %s: %w", fleet.ErrNoAgent, cluster, errdefs.ErrUnavailable)
 	}
 	isTarget := make(map[*session]bool, len(targets))
 	for _, sess := range targets {
