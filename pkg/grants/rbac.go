@@ -12,7 +12,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/credbroker/credbroker/pkg/hubauth"
-	"github.com/credbroker/credbroker/pkg/tokenexchange"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -82,7 +81,7 @@ func (t *Triggers) checkRBAC(ctx context.Context) {
 		}
 		if !allowed {
 			t.revoke(ctx, "rbac", byAccess[a], fmt.Sprintf("hub RBAC no longer allows %s to %s %s.%s/%s %s in namespace %s",
-				a.username, tokenexchange.Verb, hubauth.Resource, hubauth.Group, hubauth.Subresource, a.cluster.Name, a.cluster.Namespace))
+				a.username, hubauth.VerbCreate, hubauth.Resource, hubauth.Group, hubauth.Subresource, a.cluster.Name, a.cluster.Namespace))
 		}
 	}
 }
@@ -90,7 +89,7 @@ func (t *Triggers) checkRBAC(ctx context.Context) {
 func (t *Triggers) review(ctx context.Context, a access) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, t.cfg.ReviewTimeout)
 	defer cancel()
-	review, err := t.cfg.AccessReviews.Create(ctx, hubauth.AccessReview(a.user(), tokenexchange.Verb, a.cluster), metav1.CreateOptions{})
+	review, err := t.cfg.AccessReviews.Create(ctx, hubauth.AccessReview(a.user(), hubauth.VerbCreate, a.cluster), metav1.CreateOptions{})
 	if err != nil {
 		return false, fmt.Errorf("SubjectAccessReview: %w", err)
 	}

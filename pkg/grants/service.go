@@ -25,13 +25,6 @@ import (
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// The verbs on multicluster.x-k8s.io clusterprofiles/token that let a caller
-// list and revoke other consumers' grants of a ClusterProfile.
-const (
-	VerbList   = "list"
-	VerbDelete = "delete"
-)
-
 // Authenticator authenticates the caller of a gRPC call from its metadata.
 // Errors wrap errdefs sentinels. The broker passes the exchange service
 // (*tokenexchange.Service), so that both services of the exchange port
@@ -162,7 +155,7 @@ func (s *Service) list(ctx context.Context, user hubauth.User, sel Selector, rec
 		allowed := len(foreign) == 0 && len(matched) > 0
 		if !allowed {
 			var err error
-			if allowed, err = s.review(ctx, user, VerbList, scopeOf(sel, foreign)); err != nil {
+			if allowed, err = s.review(ctx, user, hubauth.VerbList, scopeOf(sel, foreign)); err != nil {
 				return nil, err
 			}
 		}
@@ -174,7 +167,7 @@ func (s *Service) list(ctx context.Context, user hubauth.User, sel Selector, rec
 	} else {
 		// Others' grants may be many: the review comes first, and
 		// without it only the caller's own are read.
-		allowed, err := s.review(ctx, user, VerbList, scopeOf(sel, nil))
+		allowed, err := s.review(ctx, user, hubauth.VerbList, scopeOf(sel, nil))
 		if err != nil {
 			return nil, err
 		}
@@ -206,14 +199,14 @@ func (s *Service) revoke(ctx context.Context, user hubauth.User, sel Selector, r
 	// whether others' grants match or nothing does.
 	if len(foreign) > 0 || !slices.ContainsFunc(matched, func(g *pb.Grant) bool { return Owns(user, g) }) {
 		scope := scopeOf(sel, foreign)
-		allowed, err := s.review(ctx, user, VerbDelete, scope)
+		allowed, err := s.review(ctx, user, hubauth.VerbDelete, scope)
 		if err != nil {
 			return nil, err
 		}
 		if !allowed {
 			return nil, fmt.Errorf("hub RBAC does not allow %q to %s %s.%s/%s %s, which revoking grants that are not yours needs; "+
 				"without it you may revoke only your own grants, and %s matches others' grants or none of yours; nothing was revoked: %w",
-				user.Username, VerbDelete, hubauth.Resource, hubauth.Group, hubauth.Subresource, scope.describe(sel), describe(sel), errdefs.ErrPermissionDenied)
+				user.Username, hubauth.VerbDelete, hubauth.Resource, hubauth.Group, hubauth.Subresource, scope.describe(sel), describe(sel), errdefs.ErrPermissionDenied)
 		}
 	}
 	if len(matched) == 0 {

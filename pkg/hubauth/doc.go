@@ -3,10 +3,10 @@
 // SubjectAccessReview that asks the hub whether that user may act on a
 // ClusterProfile's token subresource.
 //
-// The exchange asks for verb create; the Grants service for list and
-// delete:
+// The exchange asks for VerbCreate; the Grants service for VerbList and
+// VerbDelete:
 //
-//	review := hubauth.AccessReview(user, "delete", types.NamespacedName{Namespace: "fleet", Name: "prod-eu-1"})
+//	review := hubauth.AccessReview(user, hubauth.VerbDelete, types.NamespacedName{Namespace: "fleet", Name: "prod-eu-1"})
 //	answer, err := client.Create(ctx, review, metav1.CreateOptions{})
 //	ok := err == nil && hubauth.Allowed(answer)
 //

@@ -6,12 +6,19 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 )
 
-// The resource a consumer needs hub RBAC on, per ClusterProfile: create to
-// exchange, list and delete to see and revoke other consumers' grants.
+// The resource a consumer needs hub RBAC on, per ClusterProfile.
 const (
 	Group       = "multicluster.x-k8s.io"
 	Resource    = "clusterprofiles"
 	Subresource = "token"
+)
+
+// The verbs on Resource/Subresource: create to exchange, list and delete to
+// see and revoke other consumers' grants.
+const (
+	VerbCreate = "create"
+	VerbList   = "list"
+	VerbDelete = "delete"
 )
 
 // User is a hub identity as the hub's TokenReview reported it.

@@ -14,14 +14,6 @@ import (
 	"github.com/credbroker/credbroker/pkg/hubauth"
 )
 
-// The permission a consumer needs on the hub, per ClusterProfile.
-const (
-	Group       = hubauth.Group
-	Resource    = hubauth.Resource
-	Subresource = hubauth.Subresource
-	Verb        = "create"
-)
-
 // authorize asks the hub whether user may create clusterprofiles/token for
 // cluster. Allowed decisions are cached for AllowTTL, denials for DenyTTL.
 func (s *Service) authorize(ctx context.Context, user userInfo, cluster types.NamespacedName) error {
@@ -40,7 +32,7 @@ func (s *Service) authorize(ctx context.Context, user userInfo, cluster types.Na
 	}
 	if !allowed {
 		return fmt.Errorf("hub RBAC does not allow %q to %s %s.%s/%s %q in namespace %q: %w",
-			user.Username, Verb, Resource, Group, Subresource, cluster.Name, cluster.Namespace, errdefs.ErrPermissionDenied)
+			user.Username, hubauth.VerbCreate, hubauth.Resource, hubauth.Group, hubauth.Subresource, cluster.Name, cluster.Namespace, errdefs.ErrPermissionDenied)
 	}
 	return nil
 }
@@ -49,7 +41,7 @@ func (s *Service) accessReview(ctx context.Context, user userInfo, cluster types
 	now := s.cfg.Clock.Now()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()
-	review, err := s.cfg.AccessReviews.Create(ctx, hubauth.AccessReview(user, Verb, cluster), metav1.CreateOptions{})
+	review, err := s.cfg.AccessReviews.Create(ctx, hubauth.AccessReview(user, hubauth.VerbCreate, cluster), metav1.CreateOptions{})
 	if err != nil {
 		return false, time.Time{}, s.hubFailure("SubjectAccessReview", err)
 	}

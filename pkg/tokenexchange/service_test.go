@@ -27,6 +27,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -126,7 +127,7 @@ func (f fakeAccessReviews) Create(_ context.Context, sar *authorizationv1.Subjec
 	out := sar.DeepCopy()
 	ra := sar.Spec.ResourceAttributes
 	out.Status.Allowed = (sar.Spec.User == "system:serviceaccount:hub:consumer" || sar.Spec.User == "system:serviceaccount:hub:second-consumer") &&
-		ra.Group == Group && ra.Resource == Resource && ra.Subresource == Subresource && ra.Verb == Verb &&
+		ra.Group == hubauth.Group && ra.Resource == hubauth.Resource && ra.Subresource == hubauth.Subresource && ra.Verb == hubauth.VerbCreate &&
 		ra.Namespace == "fleet" && ra.Name == "a"
 	return out, nil
 }
