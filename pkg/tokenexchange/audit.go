@@ -4,12 +4,13 @@ import (
 	"time"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // auditRecord collects what one exchange learned, for its audit line.
 type auditRecord struct {
-	user     *userInfo
+	user     *hubauth.User
 	cacheHit bool
 	minted   *minted // the checked claims of the token answered
 }

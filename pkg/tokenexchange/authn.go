@@ -28,12 +28,9 @@ import (
 	"github.com/credbroker/credbroker/pkg/token"
 )
 
-// userInfo is the hub identity a TokenReview returned.
-type userInfo = hubauth.User
-
 // authnResult is a cached TokenReview outcome: a user, or why there is none.
 type authnResult struct {
-	user   userInfo
+	user   hubauth.User
 	reason string
 }
 
@@ -61,7 +58,7 @@ func bearerToken(ctx context.Context) (string, error) {
 // it, failures for DenyTTL.
 // Before its review, a token not in the cache must pass the Verifier and
 // the review limits of its peer address and of the broker.
-func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, error) {
+func (s *Service) authenticate(ctx context.Context, bearer string) (hubauth.User, error) {
 	user, _, err := s.authenticateReviewed(ctx, bearer)
 	return user, err
 }
@@ -69,7 +66,7 @@ func (s *Service) authenticate(ctx context.Context, bearer string) (userInfo, er
 // authenticateReviewed is authenticate, and also reports whether this call
 // sent the TokenReview (the token was not in the cache, and no concurrent
 // call was reviewing it already).
-func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (userInfo, bool, error) {
+func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (hubauth.User, bool, error) {
 	key := s.bearerKey(bearer)
 
 	var reviewed atomic.Bool
@@ -78,10 +75,10 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (user
 	})
 	s.metrics.cacheLookups.WithLabelValues("authn", cacheLabel(hit)).Inc()
 	if err != nil {
-		return userInfo{}, false, err
+		return hubauth.User{}, false, err
 	}
 	if res.reason != "" {
-		return userInfo{}, false, fmt.Errorf("the hub rejected the token for audience %q: %s: %w", s.cfg.Audience, res.reason, errdefs.ErrUnauthenticated)
+		return hubauth.User{}, false, fmt.Errorf("the hub rejected the token for audience %q: %s: %w", s.cfg.Audience, res.reason, errdefs.ErrUnauthenticated)
 	}
 	return res.user, reviewed.Load(), nil
 }
@@ -136,7 +133,7 @@ func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atom
 	if exp.Before(until) {
 		until = exp
 	}
-	return authnResult{user: userInfo{
+	return authnResult{user: hubauth.User{
 		Username: st.User.Username,
 		UID:      st.User.UID,
 		Groups:   st.User.Groups,

@@ -16,7 +16,7 @@ import (
 
 // authorize asks the hub whether user may create clusterprofiles/token for
 // cluster. Allowed decisions are cached for AllowTTL, denials for DenyTTL.
-func (s *Service) authorize(ctx context.Context, user userInfo, cluster types.NamespacedName) error {
+func (s *Service) authorize(ctx context.Context, user hubauth.User, cluster types.NamespacedName) error {
 	k := newKey()
 	k.user(user)
 	k.add(cluster.Namespace, cluster.Name)
@@ -37,7 +37,7 @@ func (s *Service) authorize(ctx context.Context, user userInfo, cluster types.Na
 	return nil
 }
 
-func (s *Service) accessReview(ctx context.Context, user userInfo, cluster types.NamespacedName) (bool, time.Time, error) {
+func (s *Service) accessReview(ctx context.Context, user hubauth.User, cluster types.NamespacedName) (bool, time.Time, error) {
 	now := s.cfg.Clock.Now()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()

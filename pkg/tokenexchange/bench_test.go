@@ -10,6 +10,7 @@ import (
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/fleet"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 )
 
 // The benchmarks of the cached path, piece by piece, for benchstat: run
@@ -20,7 +21,7 @@ import (
 func BenchmarkTokenKey(b *testing.B) {
 	ref := fleet.ClusterRef{UID: "3f2b6c1e-5d7a-4e8b-9c0d-1a2b3c4d5e6f"}
 	ref.Namespace, ref.Name = "fleet", "spoke-1"
-	user := userInfo{Username: "system:serviceaccount:argocd:argocd-application-controller", UID: "8d3c1b2a-0f9e-4d8c-b7a6-5e4f3d2c1b0a",
+	user := hubauth.User{Username: "system:serviceaccount:argocd:argocd-application-controller", UID: "8d3c1b2a-0f9e-4d8c-b7a6-5e4f3d2c1b0a",
 		Groups: []string{"system:serviceaccounts", "system:serviceaccounts:argocd", "system:authenticated"}}
 	r := request{audiences: []string{"https://kubernetes.default.svc"}}
 	b.ReportAllocs()

@@ -9,6 +9,7 @@ import (
 	"sync"
 
 	"github.com/credbroker/credbroker/pkg/fleet"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 )
 
 // keyBuffers holds the buffers that cache keys are built in: the cached
@@ -55,7 +56,7 @@ func (k keyBuilder) sum() string {
 }
 
 // userKey adds every field of a hub user that a decision may depend on.
-func (k keyBuilder) user(u userInfo) {
+func (k keyBuilder) user(u hubauth.User) {
 	k.add(u.UID, u.Username)
 	k.list(u.Groups)
 	k.count(len(u.Extra))
@@ -67,7 +68,7 @@ func (k keyBuilder) user(u userInfo) {
 
 // tokenKey identifies the minted tokens that one request may reuse: the same
 // ClusterProfile incarnation, consumer, spoke ServiceAccount and audiences.
-func tokenKey(cluster fleet.ClusterRef, user userInfo, r request) string {
+func tokenKey(cluster fleet.ClusterRef, user hubauth.User, r request) string {
 	k := newKey()
 	k.add(string(cluster.UID), cluster.Namespace, cluster.Name, user.UID, user.Username, r.serviceAccount.Namespace, r.serviceAccount.Name)
 	k.list(r.audiences)

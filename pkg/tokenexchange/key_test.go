@@ -5,6 +5,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	authenticationv1 "k8s.io/api/authentication/v1"
+
+	"github.com/credbroker/credbroker/pkg/hubauth"
 )
 
 // Cache keys are injective for one cache's fields: what differs in any
@@ -17,7 +19,7 @@ func TestKeysDoNotCollide(t *testing.T) {
 		build(k)
 		return k.sum()
 	}
-	user := func(u userInfo) func(keyBuilder) { return func(k keyBuilder) { k.user(u); k.add("fleet", "a") } }
+	user := func(u hubauth.User) func(keyBuilder) { return func(k keyBuilder) { k.user(u); k.add("fleet", "a") } }
 	for schema, keys := range map[string]map[string]string{
 		"two strings": {
 			"ab|c": key(func(k keyBuilder) { k.add("ab", "c") }),
@@ -31,11 +33,11 @@ func TestKeysDoNotCollide(t *testing.T) {
 			"[ab][]":  key(func(k keyBuilder) { k.list([]string{"ab"}); k.list(nil) }),
 		},
 		"a user and a ClusterProfile": {
-			"group x":     key(user(userInfo{Username: "u", Groups: []string{"x"}})),
-			"extra x":     key(user(userInfo{Username: "u", Extra: map[string]authenticationv1.ExtraValue{"x": nil}})),
-			"extra x=[y]": key(user(userInfo{Username: "u", Extra: map[string]authenticationv1.ExtraValue{"x": {"y"}}})),
-			"uid u":       key(user(userInfo{UID: "u"})),
-			"nothing":     key(user(userInfo{Username: "u"})),
+			"group x":     key(user(hubauth.User{Username: "u", Groups: []string{"x"}})),
+			"extra x":     key(user(hubauth.User{Username: "u", Extra: map[string]authenticationv1.ExtraValue{"x": nil}})),
+			"extra x=[y]": key(user(hubauth.User{Username: "u", Extra: map[string]authenticationv1.ExtraValue{"x": {"y"}}})),
+			"uid u":       key(user(hubauth.User{UID: "u"})),
+			"nothing":     key(user(hubauth.User{Username: "u"})),
 		},
 	} {
 		seen := map[string]string{}
@@ -48,8 +50,8 @@ func TestKeysDoNotCollide(t *testing.T) {
 	}
 
 	extra := map[string]authenticationv1.ExtraValue{"a": {"1"}, "b": {"2"}, "c": {"3"}, "d": {"4"}}
-	first := key(func(k keyBuilder) { k.user(userInfo{Username: "u", Extra: extra}) })
+	first := key(func(k keyBuilder) { k.user(hubauth.User{Username: "u", Extra: extra}) })
 	for range 20 {
-		assert.Equal(t, first, key(func(k keyBuilder) { k.user(userInfo{Username: "u", Extra: extra}) }), "map order does not change the key")
+		assert.Equal(t, first, key(func(k keyBuilder) { k.user(hubauth.User{Username: "u", Extra: extra}) }), "map order does not change the key")
 	}
 }

@@ -22,6 +22,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
+	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/store"
 	"github.com/credbroker/credbroker/pkg/token"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -365,7 +366,7 @@ func (s *Service) revoked(m minted) bool {
 
 // record tells the grant registry of a token just minted, so that this
 // replica can revoke it before the agent reports its grant.
-func (s *Service) record(ctx context.Context, cluster fleet.ClusterRef, user userInfo, m minted) {
+func (s *Service) record(ctx context.Context, cluster fleet.ClusterRef, user hubauth.User, m minted) {
 	if s.cfg.Grants == nil || m.credentialID == "" {
 		return
 	}
@@ -394,7 +395,7 @@ func tokenSHA256(token string) []byte {
 // spends nothing either, and returns an error wrapping
 // errdefs.ErrResourceExhausted that carries (errdefs.RetryAfter) and says
 // how long to wait: the delay of the limiter's reservation.
-func (s *Service) allow(ctx context.Context, user userInfo, what string) error {
+func (s *Service) allow(ctx context.Context, user hubauth.User, what string) error {
 	k := newKey()
 	k.add(user.UID, user.Username)
 	now := s.cfg.Clock.Now()
