@@ -9,7 +9,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/credbroker/credbroker/pkg/brokerclient"
-	"github.com/credbroker/credbroker/pkg/grants"
+	"github.com/credbroker/credbroker/pkg/grants/selector"
 	"github.com/credbroker/credbroker/pkg/plugin"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -110,7 +110,7 @@ func (o *selectorOptions) selector() (*pb.GrantSelector, error) {
 		}
 		sel.Cluster = &pb.ObjectReference{Namespace: r.Namespace, Name: r.Name}
 	}
-	if _, err := grants.ParseSelector(sel); err != nil {
+	if err := selector.Check(sel); err != nil {
 		return nil, err
 	}
 	return sel, nil

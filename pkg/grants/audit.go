@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/grants/selector"
 	"github.com/credbroker/credbroker/pkg/hubauth"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -29,9 +30,9 @@ func (s *Service) audit(rec *auditRecord, err error, latency time.Duration) {
 	sel := rec.selector
 	kv := []any{
 		"method", rec.method,
-		"selectorCredentialID", clip(sel.GetCredentialId()),
-		"selectorUsername", clip(sel.GetUsername()),
-		"selectorCluster", clip(refString(sel.GetCluster())),
+		"selectorCredentialID", selector.Clip(sel.GetCredentialId()),
+		"selectorUsername", selector.Clip(sel.GetUsername()),
+		"selectorCluster", selector.Clip(refString(sel.GetCluster())),
 		"code", errdefs.Code(err).String(),
 		"latency", latency.String(),
 	}
@@ -42,7 +43,7 @@ func (s *Service) audit(rec *auditRecord, err error, latency time.Duration) {
 	case "list":
 		kv = append(kv, "listed", rec.listed)
 	case "revoke":
-		kv = append(kv, "revokeReason", clip(rec.reason), "revoked", firstIDs(rec.revoked), "pending", firstIDs(rec.pending))
+		kv = append(kv, "revokeReason", selector.Clip(rec.reason), "revoked", firstIDs(rec.revoked), "pending", firstIDs(rec.pending))
 	}
 	if err != nil {
 		kv = append(kv, "reason", err.Error())

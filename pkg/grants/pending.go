@@ -23,6 +23,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/grants/selector"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -501,7 +502,7 @@ func (s *PendingStore) encode(p PendingRevoke, now time.Time) (string, string, s
 		err = checkRecord(key, value, rec)
 	}
 	if err != nil {
-		return "", "", "", fmt.Errorf("the revoke of %s on ClusterProfile %s cannot be recorded: %w: %w", clip(id), clip(rec.Cluster), err, errdefs.ErrInvalidArgument)
+		return "", "", "", fmt.Errorf("the revoke of %s on ClusterProfile %s cannot be recorded: %w: %w", selector.Clip(id), selector.Clip(rec.Cluster), err, errdefs.ErrInvalidArgument)
 	}
 	return key, value, rec.Cluster, nil
 }
@@ -512,7 +513,7 @@ func (s *PendingStore) encode(p PendingRevoke, now time.Time) (string, string, s
 func cleanReason(reason string) string {
 	reason = strings.ToValidUTF8(reason, "")
 	reason = strings.Map(func(r rune) rune {
-		if isControl(r) {
+		if selector.IsControl(r) {
 			return -1
 		}
 		return r
@@ -533,19 +534,18 @@ func cleanReason(reason string) string {
 // back.
 func checkRecord(key, value string, rec pendingRecord) error {
 	ns, name, _ := strings.Cut(rec.Cluster, "/")
-	jti, ok := strings.CutPrefix(rec.CredentialID, "JTI=")
 	switch {
 	case len(value) > maxPendingRecord:
 		return errors.New("record too long")
 	case key != pendingKey(rec.CredentialID):
 		return errors.New("key does not match the credential id")
-	case !ok || jti == "" || len(jti) > maxJTILength || strings.ContainsFunc(jti, notVisibleASCII):
+	case !selector.IsCredentialID(rec.CredentialID):
 		return errors.New("not a credential id")
 	case len(validation.IsDNS1123Label(ns)) > 0 || len(validation.IsDNS1123Subdomain(name)) > 0:
 		return errors.New("not a ClusterProfile")
 	case len(rec.ClusterUID) > 128:
 		return errors.New("ClusterProfile UID too long")
-	case len(rec.Reason) > maxReasonLength || !utf8.ValidString(rec.Reason) || strings.ContainsFunc(rec.Reason, isControl):
+	case len(rec.Reason) > maxReasonLength || !utf8.ValidString(rec.Reason) || strings.ContainsFunc(rec.Reason, selector.IsControl):
 		return errors.New("reason too long or not text")
 	}
 	return nil

@@ -23,6 +23,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
+	"github.com/credbroker/credbroker/pkg/grants/selector"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -482,7 +483,7 @@ func TestPendingStoreLongReasonSurvives(t *testing.T) {
 				}
 				assert.LessOrEqual(t, len(p.Reason), maxReasonLength)
 				assert.True(t, utf8.ValidString(p.Reason))
-				assert.False(t, strings.ContainsFunc(p.Reason, isControl))
+				assert.False(t, strings.ContainsFunc(p.Reason, selector.IsControl))
 				assert.NotEmpty(t, p.Reason)
 				assert.True(t, strings.HasPrefix(tt.reason, p.Reason[:3]) || strings.Contains(p.Reason, "bytes"), "the reason is kept")
 			}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
+	"github.com/credbroker/credbroker/pkg/grants/selector"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -134,7 +135,7 @@ const (
 
 // MaxCredentialIDBytes bounds a reported grant's credential id: "JTI="
 // and a JTI of at most 128 bytes, as a selector may name it.
-const MaxCredentialIDBytes = 4 + maxJTILength
+const MaxCredentialIDBytes = len("JTI=") + selector.MaxJTILength
 
 // What the registry counts against MaxGrantBytesPerCluster besides a
 // grant's protobuf size: its record and index entries (grantOverhead), and

@@ -15,13 +15,12 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/grants/selector"
 	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/store"
-	"github.com/credbroker/credbroker/pkg/token"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -347,45 +346,14 @@ func (s *Service) hubFailure(err error) error {
 	return fmt.Errorf("hub SubjectAccessReview failed: %s: %w", reason, errdefs.ErrUnavailable)
 }
 
-// Limits of what a selector and a reason may hold.
-const (
-	maxUsernameLength = 1024
-	maxReasonLength   = 256
-	maxJTILength      = 128
-)
+// maxReasonLength bounds a revoke's reason.
+const maxReasonLength = 256
 
-// ParseSelector validates the wire form of a selector: a credential id of
-// the form "JTI=<jti>", a username without control characters, and a
-// cluster with both a namespace (an RFC 1123 label) and a name (an RFC 1123
-// subdomain). Errors wrap errdefs.ErrInvalidArgument.
-func ParseSelector(s *pb.GrantSelector) (Selector, error) { return parseSelector(s) }
-
+// parseSelector checks the wire form of a selector (selector.Check) and
+// converts it.
 func parseSelector(s *pb.GrantSelector) (Selector, error) {
-	var errs []string
-	if id := s.GetCredentialId(); id != "" {
-		jti, ok := strings.CutPrefix(id, "JTI=")
-		if !ok || jti == "" || len(jti) > maxJTILength || strings.ContainsFunc(jti, notVisibleASCII) {
-			errs = append(errs, fmt.Sprintf("credential id %q is not of the form JTI=<jti> (1 to %d printable ASCII characters), as 'credbroker grants list' shows it",
-				clip(id), maxJTILength))
-		}
-	}
-	if u := s.GetUsername(); u != "" {
-		if len(u) > maxUsernameLength || strings.ContainsFunc(u, isControl) || strings.TrimSpace(u) != u {
-			errs = append(errs, fmt.Sprintf("username %q is longer than %d bytes, or has control characters or surrounding spaces", clip(u), maxUsernameLength))
-		}
-	}
-	if c := s.GetCluster(); c != nil {
-		switch {
-		case c.GetNamespace() == "" || c.GetName() == "":
-			errs = append(errs, fmt.Sprintf("cluster %q needs both a namespace and a name", clip(c.GetNamespace()+"/"+c.GetName())))
-		case len(validation.IsDNS1123Label(c.GetNamespace())) > 0:
-			errs = append(errs, fmt.Sprintf("cluster namespace %q is not a valid namespace (an RFC 1123 label)", clip(c.GetNamespace())))
-		case len(validation.IsDNS1123Subdomain(c.GetName())) > 0:
-			errs = append(errs, fmt.Sprintf("cluster name %q is not a valid ClusterProfile name (an RFC 1123 subdomain)", clip(c.GetName())))
-		}
-	}
-	if len(errs) > 0 {
-		return Selector{}, fmt.Errorf("invalid selector: %s: %w", strings.Join(errs, "; "), errdefs.ErrInvalidArgument)
+	if err := selector.Check(s); err != nil {
+		return Selector{}, err
 	}
 	return SelectorOf(s), nil
 }
@@ -393,7 +361,7 @@ func parseSelector(s *pb.GrantSelector) (Selector, error) {
 // parseReason checks a revoke's reason; without one, the reason names the
 // caller.
 func parseReason(reason string, user hubauth.User) (string, error) {
-	if len(reason) > maxReasonLength || strings.ContainsFunc(reason, isControl) {
+	if len(reason) > maxReasonLength || strings.ContainsFunc(reason, selector.IsControl) {
 		return "", fmt.Errorf("the reason must be at most %d bytes without control characters: %w", maxReasonLength, errdefs.ErrInvalidArgument)
 	}
 	if strings.TrimSpace(reason) == "" {
@@ -409,7 +377,7 @@ func describe(s Selector) string {
 		parts = append(parts, "credential id "+s.CredentialID)
 	}
 	if s.Username != "" {
-		parts = append(parts, fmt.Sprintf("user %q", clip(s.Username)))
+		parts = append(parts, fmt.Sprintf("user %q", selector.Clip(s.Username)))
 	}
 	if s.Cluster != (types.NamespacedName{}) {
 		parts = append(parts, "ClusterProfile "+s.Cluster.String())
@@ -423,21 +391,4 @@ func credentialIDs(gs []*pb.Grant) []string {
 		out[i] = g.GetCredentialId()
 	}
 	return out
-}
-
-func notVisibleASCII(r rune) bool { return r <= ' ' || r > '~' }
-
-func isControl(r rune) bool { return r < 0x20 || r == 0x7f }
-
-// clip shortens what a caller sent for messages and logs, and replaces
-// anything shaped like a bearer token with its fingerprint: a caller who
-// pastes a token into a field must not find it in the audit log.
-func clip(s string) string {
-	if token.CheckShape(s) == nil {
-		return token.Fingerprint(s)
-	}
-	if len(s) > 64 {
-		return s[:64] + "..."
-	}
-	return s
 }
