@@ -61,9 +61,6 @@ func (s *Server) stopAdmitting() []*session {
 	return all
 }
 
-// leaving reports whether the agent of the session said goodbye.
-func (sess *session) isLeaving() bool { return sess.leaving.Load() }
-
 // errLeft ends a stream that said goodbye.
 var errLeft = errors.New("the agent left")
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -59,4 +60,47 @@ func reportSpokeHealth(ctx context.Context, h *SpokeHealth, sent *pb.SpokeHealth
 			return
 		}
 	}
+}
+
+// maxSpokeHealthMessage bounds the message of an agent's spoke health
+// report that the broker keeps, in bytes: it reaches the ClusterProfile's
+// condition, whose message the API server caps at 32 KiB.
+const maxSpokeHealthMessage = 512
+
+// setSpokeHealth records an agent's report of its spoke's /readyz.
+func (sess *session) setSpokeHealth(h *pb.SpokeHealth) {
+	if h == nil {
+		sess.spokeHealth.Store(nil)
+		return
+	}
+	sess.spokeHealth.Store(&pb.SpokeHealth{Ready: h.GetReady(), Message: clipAgentString(h.GetMessage(), maxSpokeHealthMessage)})
+}
+
+// SpokeReadiness counts the live sessions of a cluster by what their
+// agents last reported of the spoke API server's /readyz.
+type SpokeReadiness struct {
+	// Ready and NotReady count the sessions whose agents reported the
+	// spoke ready, and not ready; the others reported nothing.
+	Ready, NotReady int
+	// Message is the message of the oldest not ready report.
+	Message string
+}
+
+// SpokeReadiness counts the live sessions of cluster by what their agents
+// last reported of the spoke's /readyz.
+func (s *Server) SpokeReadiness(cluster fleet.ClusterRef) SpokeReadiness {
+	var out SpokeReadiness
+	for _, sess := range s.live(cluster) {
+		switch h := sess.spokeHealth.Load(); {
+		case h == nil:
+		case h.GetReady():
+			out.Ready++
+		default:
+			if out.NotReady == 0 {
+				out.Message = h.GetMessage()
+			}
+			out.NotReady++
+		}
+	}
+	return out
 }

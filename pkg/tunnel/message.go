@@ -5,6 +5,8 @@ import (
 	"strings"
 	"unicode"
 	"unicode/utf8"
+
+	"google.golang.org/grpc/status"
 )
 
 // maxAgentMessage bounds the reason an agent gives, in bytes, before the
@@ -66,4 +68,41 @@ func agentMessage(msg string) string {
 		msg += "..."
 	}
 	return msg
+}
+
+// The longest agent version and correlation id the broker logs, in bytes,
+// before the "..." that marks a clipped one: an agent chooses them, and
+// the log is not its to fill.
+const (
+	maxAgentVersion        = 128
+	maxLoggedCorrelationID = 64
+)
+
+// agentVersion is the version an agent's hello names, fit to log: as
+// agentMessage makes it, and clipped to maxAgentVersion bytes.
+func agentVersion(v string) string { return clipAgentString(v, maxAgentVersion) }
+
+// clipAgentString makes s, which an agent sent, fit to log: as
+// agentMessage makes it, and clipped to at most n bytes and "...".
+func clipAgentString(s string, n int) string {
+	s = agentMessage(s)
+	if len(s) <= n {
+		return s
+	}
+	// s is valid UTF-8, so s[0] starts a rune and the loop ends.
+	cut := n
+	for !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "..."
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	if st, ok := status.FromError(err); ok {
+		return st.Code().String() + ": " + st.Message()
+	}
+	return err.Error()
 }

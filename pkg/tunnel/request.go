@@ -1,0 +1,135 @@
+package tunnel
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
+	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// Mint sends req to one live agent session of cluster and returns its answer.
+// Errors wrap errdefs sentinels: ErrUnavailable when no agent is connected or
+// the stream breaks, ErrDeadlineExceeded when the agent does not answer within
+// MintTimeout, and the agent's own code when it refuses.
+func (s *Server) Mint(ctx context.Context, cluster fleet.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
+	return call(s, ctx, cluster, &pb.BrokerFrame{Body: &pb.BrokerFrame_MintRequest{MintRequest: req}}, answerOf, s.metrics.observeMint)
+}
+
+// call sends req down one live session of cluster, round robin, and reads
+// the answer with answer. A stream that closes under the request hands it
+// to another live one, of those live then. The whole call is bounded by MintTimeout. observe sees
+// every call that found a session.
+func call[T any](s *Server, ctx context.Context, cluster fleet.ClusterRef, req *pb.BrokerFrame,
+	answer func(*pb.AgentFrame) (T, error), observe func(time.Time, error)) (T, error) {
+	var zero T
+	sessions := s.live(cluster)
+	if len(sessions) == 0 {
+		return zero, fmt.Errorf("no agent is connected for cluster %s: %w", cluster, errdefs.ErrUnavailable)
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
+	defer cancel()
+	s.pending.Add(1)
+	defer s.pending.Add(-1)
+	start := time.Now()
+	var (
+		f   *pb.AgentFrame
+		err error
+	)
+	first := s.next.Add(1)
+	tried := map[*session]bool{}
+	for {
+		var sess *session
+		for i := range uint64(len(sessions)) {
+			if c := sessions[(first+i)%uint64(len(sessions))]; !tried[c] {
+				sess = c
+				break
+			}
+		}
+		if sess == nil {
+			break // err is the last stream's errStreamClosed
+		}
+		tried[sess] = true
+		f, err = sess.request(ctx, req)
+		if !errors.Is(err, errStreamClosed) {
+			break
+		}
+		// The sessions of the cluster now, which may include a stream
+		// opened since, such as the one that replaced a drained stream.
+		sessions = s.live(cluster)
+	}
+	var v T
+	if err == nil {
+		v, err = answer(f)
+	}
+	observe(start, err)
+	if err != nil {
+		return v, fmt.Errorf("cluster %s: %w", cluster, err)
+	}
+	return v, nil
+}
+
+// request sends the body of req down the stream under a new correlation id,
+// and returns the agent's answer.
+func (sess *session) request(ctx context.Context, req *pb.BrokerFrame) (*pb.AgentFrame, error) {
+	id := newCorrelationID()
+	answer := make(chan *pb.AgentFrame, 1)
+	sess.mu.Lock()
+	sess.pending[id] = answer
+	sess.mu.Unlock()
+	defer func() {
+		sess.mu.Lock()
+		delete(sess.pending, id)
+		sess.mu.Unlock()
+	}()
+
+	frame := &pb.BrokerFrame{CorrelationId: id, Body: req.GetBody()}
+	select {
+	case sess.out <- frame:
+	case <-sess.ctx.Done():
+		return nil, fmt.Errorf("%w: %w", errStreamClosed, errdefs.ErrUnavailable)
+	case <-ctx.Done():
+		return nil, waitErr(ctx)
+	}
+
+	select {
+	case f := <-answer:
+		return f, nil
+	case <-sess.ctx.Done():
+		return nil, fmt.Errorf("%w before it answered: %w", errStreamClosed, errdefs.ErrUnavailable)
+	case <-ctx.Done():
+		return nil, waitErr(ctx)
+	}
+}
+
+// requestOne sends req down sess and waits for its answer, within
+// MintTimeout.
+func (s *Server) requestOne(ctx context.Context, sess *session, req *pb.BrokerFrame) (*pb.AgentFrame, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
+	defer cancel()
+	s.pending.Add(1)
+	defer s.pending.Add(-1)
+	return sess.request(ctx, req)
+}
+
+// errStreamClosed marks a request whose stream ended under it; another
+// stream of the cluster may still serve it.
+var errStreamClosed = errors.New("agent stream closed")
+
+func waitErr(ctx context.Context) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return fmt.Errorf("the agent did not answer in time: %w", errdefs.ErrDeadlineExceeded)
+	}
+	return ctx.Err()
+}
+
+func newCorrelationID() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
