@@ -134,7 +134,7 @@ func (s *Server) verify(id spiffeid.ID, chain []*x509.Certificate) (time.Time, e
 }
 
 // recvHello reads the agent's first frame, which must be a hello, within
-// HelloTimeout.
+// HelloTimeout by the Server's clock.
 func (s *Server) recvHello(ctx context.Context, stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerFrame]) (*pb.Hello, error) {
 	type result struct {
 		f   *pb.AgentFrame
@@ -145,6 +145,8 @@ func (s *Server) recvHello(ctx context.Context, stream grpc.BidiStreamingServer[
 		f, err := stream.Recv()
 		ch <- result{f, err}
 	}()
+	timeout := s.cfg.Clock.NewTimer(s.cfg.HelloTimeout)
+	defer timeout.Stop()
 	select {
 	case r := <-ch:
 		if r.err != nil {
@@ -154,7 +156,7 @@ func (s *Server) recvHello(ctx context.Context, stream grpc.BidiStreamingServer[
 			return nil, fmt.Errorf("agent stream: the first frame must be a hello: %w", errdefs.ErrInvalidArgument)
 		}
 		return r.f.GetHello(), nil
-	case <-time.After(s.cfg.HelloTimeout):
+	case <-timeout.C():
 		return nil, fmt.Errorf("agent stream: no hello within %s: %w", s.cfg.HelloTimeout, errdefs.ErrDeadlineExceeded)
 	case <-ctx.Done():
 		return nil, ctx.Err()

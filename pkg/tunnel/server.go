@@ -73,7 +73,8 @@ type ServerConfig struct {
 	// refused"), with the agent's SPIFFE ID, instance, cluster, code and
 	// reason. Default: discard.
 	Audit logr.Logger
-	// Clock times the end of each stream's identity. Default: the real clock.
+	// Clock times the wait for each stream's hello and the end of its
+	// identity. Default: the real clock.
 	Clock clock.WithDelayedExecution
 	// Grants receives the grants the agents report: those of each hello,
 	// and every update after it. The broker passes its *grants.Registry.

@@ -545,6 +545,22 @@ func TestStreamEndsWithTheAgentsSVID(t *testing.T) {
 	waitConnected(t, h, clusterA, 1)
 }
 
+// Attack: an agent that opens streams and never says hello holds the
+// broker's resources.
+// Defence: the broker waits HelloTimeout for the hello, on its own clock.
+func TestHelloTimeoutRunsOnTheServersClock(t *testing.T) {
+	clk := testingclock.NewFakeClock(time.Now())
+	h := newHarness(t, time.Second, func(cfg *ServerConfig) { cfg.Clock, cfg.HelloTimeout = clk, 5*time.Second })
+	stream := h.rawStream(t, agentA)
+	require.Eventually(t, clk.HasWaiters, 10*time.Second, 5*time.Millisecond, "the broker waits for the hello on its clock")
+
+	clk.Step(5 * time.Second)
+	_, err := stream.Recv()
+	assert.Equal(t, codes.DeadlineExceeded, statusCode(err))
+	assert.Contains(t, err.Error(), "agent stream: no hello within 5s")
+	assert.Equal(t, 0, h.srv.Connected(clusterA))
+}
+
 func TestReverifyClosesStreamsTheBundleNoLongerTrusts(t *testing.T) {
 	h := newHarness(t, time.Second)
 	h.agent(t, agentA, &fakeMinter{})
