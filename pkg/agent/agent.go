@@ -329,18 +329,16 @@ func New(cfg Config) (_ *Agent, err error) {
 	a.grants = spoke.NewGrantInformer(client, cfg.Namespace)
 	a.synced = []cache.InformerSynced{sas.Informer().HasSynced, a.grants.HasSynced}
 	minter, err := spoke.New(spoke.Config{
-		Tokens:            countedTokens{spoke.NewTokenCreator(client), a.metrics},
-		ServiceAccounts:   sas.Lister(),
-		Grants:            spoke.NewGrantStore(client, cfg.Namespace),
-		GrantCache:        a.grants.GetIndexer(),
-		ClusterProfile:    tunnel.AdmittedClusterProfile,
-		ClusterProfileUID: tunnel.AdmittedClusterProfileUID,
-		CollectInterval:   cfg.CollectInterval,
-		MaxExpiration:     cfg.MaxExpiration,
-		Access:            spoke.NewAccessReviewer(reviewClient),
-		AllowEscalating:   cfg.AllowEscalatingServiceAccounts,
-		Clock:             cfg.Clock,
-		Log:               cfg.Log.WithName("mint"),
+		Tokens:          countedTokens{spoke.NewTokenCreator(client), a.metrics},
+		ServiceAccounts: sas.Lister(),
+		Grants:          spoke.NewGrantStore(client, cfg.Namespace),
+		GrantCache:      a.grants.GetIndexer(),
+		CollectInterval: cfg.CollectInterval,
+		MaxExpiration:   cfg.MaxExpiration,
+		Access:          spoke.NewAccessReviewer(reviewClient),
+		AllowEscalating: cfg.AllowEscalatingServiceAccounts,
+		Clock:           cfg.Clock,
+		Log:             cfg.Log.WithName("mint"),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("agent: %w", err)

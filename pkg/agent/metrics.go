@@ -13,6 +13,7 @@ import (
 
 	"github.com/credbroker/credbroker/internal/metrics"
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/spoke"
 	"github.com/credbroker/credbroker/pkg/tunnel"
@@ -94,9 +95,9 @@ type instrumented struct {
 	metrics *agentMetrics
 }
 
-func (i instrumented) Mint(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
+func (i instrumented) Mint(ctx context.Context, cluster fleet.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
 	start := time.Now()
-	resp, err := i.m.Mint(ctx, req)
+	resp, err := i.m.Mint(ctx, cluster, req)
 	i.metrics.mintDuration.WithLabelValues(errdefs.Code(err).String()).Observe(time.Since(start).Seconds())
 	return resp, err
 }

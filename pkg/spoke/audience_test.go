@@ -9,6 +9,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -107,7 +108,7 @@ func TestMintAudiencePolicy(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			tokens := &fakeTokens{}
 			m := newMinter(t, tokens, sas...)
-			resp, err := m.Mint(t.Context(), tt.req)
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, tt.req)
 			if tt.wantErr != "" {
 				requireRefused(t, tokens, resp, err, tt.wantErr, tt.wantError)
 				return

@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -186,7 +187,7 @@ func TestMintWhileItsGrantIsRevokedIntegration(t *testing.T) {
 			} else {
 				tokens.hook.Store(&hook)
 			}
-			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, sa)})
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, sa)})
 			require.NotEmpty(t, grant, "the hook did not run")
 			require.EqualError(t, err, fmt.Sprintf(tt.wantErr, sa, grant))
 			assert.Equal(t, tt.wantCode, errdefs.Code(err))

@@ -64,7 +64,7 @@
 // data. Its label credbroker.io/grant=true marks it for people (the agent
 // knows a grant by its type, which cannot change), and its annotations
 // name the hub user and UID, the hub ClusterProfile the broker admitted the
-// agent for (Config.ClusterProfile reads it from the mint's context), the
+// agent for (the cluster Mint is given, with its UID), the
 // ServiceAccount, the requested audiences and the expiry. The TokenRequest
 // names the grant in spec.boundObjectRef, and once the token is minted the
 // grant gets its credential id (credbroker.io/credential-id: JTI=<jti>, the
@@ -156,7 +156,7 @@
 //		},
 //	})
 //	go m.Run(ctx) // collects expired grants, revokes withdrawn ones
-//	resp, err := m.Mint(ctx, req)
+//	resp, err := m.Mint(ctx, cluster, req) // cluster: the ClusterProfile the broker admitted the stream for
 //
 // The agent's own identity needs list and watch on serviceaccounts, create
 // on serviceaccounts/token, and create, patch, delete, list and watch on

@@ -16,6 +16,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -172,7 +173,7 @@ func TestMintRefusesEscalatingServiceAccount(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			tokens := &fakeTokens{}
 			m, grants := escalationMinter(t, tokens, tt.access, tt.allowed, nil)
-			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
 			switch tt.wantReviews {
 			case all:
 				assert.Len(t, tt.access.Reviews(), len(escalations))
@@ -206,7 +207,7 @@ func TestMintRefusesEscalatingServiceAccount(t *testing.T) {
 func TestEscalationReviewsAsTheServiceAccount(t *testing.T) {
 	access := allowing()
 	m, _ := escalationMinter(t, &fakeTokens{}, access, nil, nil)
-	_, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
+	_, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
 	require.NoError(t, err)
 	var asked []authorizationv1.ResourceAttributes
 	for _, r := range access.Reviews() {
@@ -228,7 +229,7 @@ func TestEscalationAnswersAreCached(t *testing.T) {
 	access := allowing()
 	m, _ := escalationMinter(t, &fakeTokens{}, access, nil, clk)
 	mint := func() error {
-		_, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
+		_, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
 		return err
 	}
 	n := len(escalations)
@@ -268,7 +269,7 @@ func TestEscalationReviewsAreShared(t *testing.T) {
 	errs := make(chan error, mints)
 	for range mints {
 		go func() {
-			_, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
+			_, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
 			errs <- err
 		}()
 	}
@@ -290,7 +291,7 @@ func TestEscalationWaitEndsWithContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() {
-		_, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
+		_, err := m.Mint(ctx, fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
 		done <- err
 	}()
 	require.Eventually(t, func() bool { return len(access.Reviews()) == len(escalations) }, 10*time.Second, time.Millisecond)

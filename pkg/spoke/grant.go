@@ -18,6 +18,8 @@ import (
 	corev1informers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // A grant is the Secret the agent creates for each token it mints, in the
@@ -225,6 +227,15 @@ type grantInfo struct {
 	clusterUID     string
 	audiences      []string
 	expiration     time.Time
+}
+
+// profileName is how a grant records the ClusterProfile cluster:
+// "namespace/name", or "" for none.
+func profileName(cluster fleet.ClusterRef) string {
+	if cluster.NamespacedName == (types.NamespacedName{}) {
+		return ""
+	}
+	return cluster.String()
 }
 
 // newGrant returns the grant Secret to create for info.

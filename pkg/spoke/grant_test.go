@@ -27,6 +27,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -262,13 +263,6 @@ func (c *countingIndexer) SALists() []string {
 	return slices.Clone(c.saLists)
 }
 
-func profileFrom(ctx context.Context) string {
-	s, _ := ctx.Value(profileKey{}).(string)
-	return s
-}
-
-type profileKey struct{}
-
 func TestMintBindsTokenToGrant(t *testing.T) {
 	tokens := &fakeTokens{}
 	grants := newFakeGrants()
@@ -277,20 +271,14 @@ func TestMintBindsTokenToGrant(t *testing.T) {
 		Grants:          grants,
 		GrantCache:      grants.cache,
 		ServiceAccounts: lister(t, withAudiences(serviceAccount("apps", "deployer", argocd), "vault")),
-		ClusterProfile:  profileFrom,
-		ClusterProfileUID: func(ctx context.Context) string {
-			if profileFrom(ctx) == "" {
-				return ""
-			}
-			return "uid-spoke-1"
-		},
 	})
 	require.NoError(t, err)
 
-	ctx := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-1")
+	cluster := admitted("fleet/spoke-1")
+	cluster.UID = "uid-spoke-1"
 	sub := subject(argocd)
 	sub.Groups = []string{"system:serviceaccounts", "team,a", "100%"}
-	resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: sub, Audiences: []string{"vault"}, ExpirationSeconds: 900})
+	resp, err := m.Mint(t.Context(), cluster, &credbrokerv1alpha1.MintRequest{Subject: sub, Audiences: []string{"vault"}, ExpirationSeconds: 900})
 	require.NoError(t, err)
 	require.NotEmpty(t, resp.GetToken())
 
@@ -370,7 +358,7 @@ func TestMintRefusesWithoutGrant(t *testing.T) {
 			grants.createErr = tt.err
 			m, err := New(Config{Tokens: tokens, Grants: grants, GrantCache: grants.cache, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
 			require.NoError(t, err)
-			resp, err := m.Mint(tt.ctx, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+			resp, err := m.Mint(tt.ctx, fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 			requireRefused(t, tokens, resp, err, tt.wantErr, tt.sentinel)
 		})
 	}
@@ -406,7 +394,7 @@ func TestMintDeletesGrantOfFailedMint(t *testing.T) {
 			grants.patchErr = tt.patchErr
 			m, err := New(Config{Tokens: tt.tokens, Grants: grants, GrantCache: grants.cache, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))})
 			require.NoError(t, err)
-			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 			require.EqualError(t, err, tt.wantErr)
 			assert.ErrorIs(t, err, errdefs.ErrUnavailable)
 			assert.Nil(t, resp)
@@ -460,7 +448,7 @@ func TestRunCollectsGrantWhenTokenExpires(t *testing.T) {
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
 
-	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	_, err = m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
 	require.NoError(t, err)
 	require.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Keys())
 
@@ -482,7 +470,7 @@ func TestGrantOfTokenWithoutExpirationLivesItsRequestedLifetime(t *testing.T) {
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
 
-	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	_, err = m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
 	require.NoError(t, err)
 	clk.Step(time.Second)
 	assert.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Keys(), "the grant of a live token was collected")
@@ -605,7 +593,7 @@ func TestGrantInFlightCarriesTheLatestExpiry(t *testing.T) {
 	m, err := New(withGrants(Config{Tokens: tokens, Clock: testingclock.NewFakeClock(issuedAt),
 		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
 	require.NoError(t, err)
-	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	_, err = m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
 	require.NoError(t, err)
 	assert.Equal(t, issuedAt.Add(900*time.Second).Format(time.RFC3339), tokens.expiration)
 }
@@ -630,7 +618,7 @@ func TestMintLogsAGrantItCannotDelete(t *testing.T) {
 			m, err := New(withGrants(Config{Tokens: &fakeTokens{err: apierrors.NewInternalError(errors.New("mint failed"))}, Log: log,
 				ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
 			require.NoError(t, err)
-			_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+			_, err = m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 			require.ErrorIs(t, err, errdefs.ErrUnavailable)
 			assert.Equal(t, tt.logged, strings.Contains(lines.String(), "failed to delete the grant of a failed mint"))
 		})

@@ -8,6 +8,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -116,7 +117,7 @@ func TestMintGroupSubjects(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			tokens := &fakeTokens{}
 			m := newMinter(t, tokens, sas...)
-			resp, err := m.Mint(t.Context(), tt.req)
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, tt.req)
 			if tt.wantCode != nil {
 				require.ErrorIs(t, err, tt.wantCode)
 				assert.Nil(t, resp)

@@ -27,6 +27,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/token"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -118,15 +119,6 @@ type Config struct {
 	// every CollectInterval. Register GrantEvents on that informer, and
 	// wait for it to sync before Run and before the first Snapshot.
 	GrantCache cache.Indexer
-	// ClusterProfile returns the hub ClusterProfile ("namespace/name") the
-	// mint's request came through, from the request's context; the grant
-	// records it. The agent passes tunnel.AdmittedClusterProfile. Nil
-	// records none.
-	ClusterProfile func(context.Context) string
-	// ClusterProfileUID returns the UID of that ClusterProfile incarnation,
-	// from the same context; the grant records it. The agent passes
-	// tunnel.AdmittedClusterProfileUID. Nil records none.
-	ClusterProfileUID func(context.Context) string
 	// CollectInterval is how often Run lists grants to delete those whose
 	// token has expired. Zero means DefaultCollectInterval.
 	CollectInterval time.Duration
@@ -157,18 +149,16 @@ type Config struct {
 // Minter mints spoke ServiceAccount tokens for hub subjects under the
 // spoke's own policy. It is safe for concurrent use.
 type Minter struct {
-	tokens         TokenCreator
-	grants         GrantStore
-	grantCache     cache.Indexer
-	clusterProfile func(context.Context) string
-	clusterUID     func(context.Context) string
-	sas            corev1listers.ServiceAccountLister
-	minSeconds     int64
-	maxSeconds     int64
-	interval       time.Duration
-	clock          clock.WithTickerAndDelayedExecution
-	log            logr.Logger
-	escalation     *escalationChecker
+	tokens     TokenCreator
+	grants     GrantStore
+	grantCache cache.Indexer
+	sas        corev1listers.ServiceAccountLister
+	minSeconds int64
+	maxSeconds int64
+	interval   time.Duration
+	clock      clock.WithTickerAndDelayedExecution
+	log        logr.Logger
+	escalation *escalationChecker
 
 	mu sync.Mutex
 	// runCtx is Run's context while Run runs; nil otherwise. Grants minted
@@ -244,20 +234,18 @@ func New(cfg Config) (*Minter, error) {
 		return nil, err
 	}
 	return &Minter{
-		escalation:     escalation,
-		tokens:         cfg.Tokens,
-		grants:         cfg.Grants,
-		grantCache:     cfg.GrantCache,
-		clusterProfile: cfg.ClusterProfile,
-		clusterUID:     cfg.ClusterProfileUID,
-		sas:            cfg.ServiceAccounts,
-		minSeconds:     int64(minExp / time.Second),
-		maxSeconds:     int64(maxExp / time.Second),
-		interval:       interval,
-		clock:          clk,
-		log:            cfg.Log,
-		timers:         map[types.UID]clock.Timer{},
-		subscribers:    map[*func(*credbrokerv1alpha1.GrantUpdate)]struct{}{},
+		escalation:  escalation,
+		tokens:      cfg.Tokens,
+		grants:      cfg.Grants,
+		grantCache:  cfg.GrantCache,
+		sas:         cfg.ServiceAccounts,
+		minSeconds:  int64(minExp / time.Second),
+		maxSeconds:  int64(maxExp / time.Second),
+		interval:    interval,
+		clock:       clk,
+		log:         cfg.Log,
+		timers:      map[types.UID]clock.Timer{},
+		subscribers: map[*func(*credbrokerv1alpha1.GrantUpdate)]struct{}{},
 	}, nil
 }
 
@@ -271,13 +259,16 @@ func New(cfg Config) (*Minter, error) {
 // subject or the ServiceAccount does not allow an audience,
 // ErrFailedPrecondition when several allow the subject and req names none, and
 // ErrUnavailable when the spoke API server fails or refuses the agent.
+// The grant records cluster, the hub ClusterProfile incarnation the
+// request came through (the one the broker admitted the agent's stream
+// for); a zero cluster records none.
 // ErrPermissionDenied also refuses a ServiceAccount that may create
 // ServiceAccount tokens or impersonate, unless Config.AllowEscalating
 // allows it; when the spoke API server cannot say whether it may, Mint
 // fails with ErrUnavailable. Each
 // token is bound to a grant Secret created first (see the package doc); Mint
 // fails rather than mint a token without one.
-func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
+func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
 	if err := validate(req); err != nil {
 		m.log.Info("refused mint request", "subject", req.GetSubject().GetUsername(), "error", err.Error())
 		return nil, err
@@ -296,20 +287,14 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 	}
 	ref := sa.Namespace + "/" + sa.Name
 	seconds := m.expirationSeconds(req.GetExpirationSeconds())
-	cluster, clusterUID := "", ""
-	if m.clusterProfile != nil {
-		cluster = m.clusterProfile(ctx)
-	}
-	if m.clusterUID != nil {
-		clusterUID = m.clusterUID(ctx)
-	}
+	profile := profileName(cluster)
 	grant, err := m.grants.Create(ctx, newGrant(grantInfo{
 		serviceAccount: sa,
 		hubUser:        user,
 		hubUID:         req.GetSubject().GetUid(),
 		hubGroups:      req.GetSubject().GetGroups(),
-		clusterProfile: cluster,
-		clusterUID:     clusterUID,
+		clusterProfile: profile,
+		clusterUID:     string(cluster.UID),
 		audiences:      req.GetAudiences(),
 		// The latest the token can expire; the patch below records when it
 		// does.
@@ -394,7 +379,7 @@ func (m *Minter) Mint(ctx context.Context, req *credbrokerv1alpha1.MintRequest) 
 		"expiration", exp.UTC().Format(time.RFC3339),
 		"credentialID", id,
 		"grant", grantRef,
-		"clusterProfile", cluster,
+		"clusterProfile", profile,
 	)
 	return &credbrokerv1alpha1.MintResponse{
 		Token:          out.Status.Token,

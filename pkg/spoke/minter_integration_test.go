@@ -29,6 +29,7 @@ import (
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/token"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -142,13 +143,9 @@ func TestMinterIntegration(t *testing.T) {
 
 	grantInformer := startGrantInformer(t, cs)
 	m, err := New(Config{
-		Tokens:         NewTokenCreator(cs),
-		Grants:         NewGrantStore(cs, ""),
-		GrantCache:     grantInformer.GetIndexer(),
-		ClusterProfile: profileFrom,
-		ClusterProfileUID: func(ctx context.Context) string {
-			return "uid-" + profileFrom(ctx)
-		},
+		Tokens:          NewTokenCreator(cs),
+		Grants:          NewGrantStore(cs, ""),
+		GrantCache:      grantInformer.GetIndexer(),
 		ServiceAccounts: saLister,
 		MaxExpiration:   2 * time.Hour,
 		Log:             testr.New(t),
@@ -171,7 +168,7 @@ func TestMinterIntegration(t *testing.T) {
 
 	t.Run("minted token passes TokenReview with the requested audiences and expiry", func(t *testing.T) {
 		before := time.Now()
-		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+		resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{
 			Subject:           subject(argocd),
 			ServiceAccount:    ref(testNamespace, "deployer"),
 			Audiences:         []string{"credbroker-test", "vault"},
@@ -203,7 +200,7 @@ func TestMinterIntegration(t *testing.T) {
 	})
 
 	t.Run("no audiences means the API server's default, and a short expiry is raised to the minimum", func(t *testing.T) {
-		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+		resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{
 			Subject:           subject(argocd),
 			ServiceAccount:    ref(testNamespace, "deployer"),
 			ExpirationSeconds: 60,
@@ -220,7 +217,7 @@ func TestMinterIntegration(t *testing.T) {
 	})
 
 	t.Run("unnamed request picks the single allowed ServiceAccount; zero expiry is the maximum", func(t *testing.T) {
-		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+		resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 		require.NoError(t, err)
 		assert.Equal(t, "deployer", resp.GetServiceAccount().GetName())
 		st := tokenReview(t, cs, resp.GetToken())
@@ -231,20 +228,20 @@ func TestMinterIntegration(t *testing.T) {
 	})
 
 	t.Run("ServiceAccount that has not opted in is refused", func(t *testing.T) {
-		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "closed")})
+		resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "closed")})
 		require.EqualError(t, err, "spoke ServiceAccount spoke-apps/closed does not allow hub user "+argocd+
 			"; a spoke admin must add "+argocd+" to its credbroker.io/allowed-subjects annotation: permission denied")
 		assert.ErrorIs(t, err, errdefs.ErrPermissionDenied)
 		assert.Nil(t, resp)
 
-		_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject("mallory")})
+		_, err = m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject("mallory")})
 		require.EqualError(t, err, "no spoke ServiceAccount allows hub user mallory; a spoke admin must annotate one with credbroker.io/allowed-subjects: permission denied")
 		assert.ErrorIs(t, err, errdefs.ErrPermissionDenied)
 	})
 
 	t.Run("an audience the ServiceAccount does not list is refused", func(t *testing.T) {
 		for _, name := range []string{"cloud-trusted", "deployer"} {
-			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{
 				Subject:        subject(flux),
 				ServiceAccount: ref(testNamespace, name),
 				Audiences:      []string{"sts.amazonaws.com"},
@@ -262,7 +259,7 @@ func TestMinterIntegration(t *testing.T) {
 	})
 
 	t.Run("a listed audience is minted, and TokenReview accepts it for that audience only", func(t *testing.T) {
-		resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+		resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{
 			Subject:        subject(flux),
 			ServiceAccount: ref(testNamespace, "irsa"),
 			Audiences:      []string{"sts.amazonaws.com"},
@@ -279,7 +276,7 @@ func TestMinterIntegration(t *testing.T) {
 		createServiceAccount(t, cs, "late", "")
 		req := &credbrokerv1alpha1.MintRequest{Subject: subject(flux), ServiceAccount: ref(testNamespace, "late")}
 		require.Eventually(t, func() bool {
-			_, err := m.Mint(t.Context(), req)
+			_, err := m.Mint(t.Context(), fleet.ClusterRef{}, req)
 			return errors.Is(err, errdefs.ErrPermissionDenied)
 		}, 10*time.Second, 20*time.Millisecond, "informer never saw the new ServiceAccount")
 
@@ -288,7 +285,7 @@ func TestMinterIntegration(t *testing.T) {
 		require.NoError(t, err)
 		var resp *credbrokerv1alpha1.MintResponse
 		require.Eventually(t, func() bool {
-			resp, err = m.Mint(t.Context(), req)
+			resp, err = m.Mint(t.Context(), fleet.ClusterRef{}, req)
 			return err == nil
 		}, 10*time.Second, 20*time.Millisecond, "informer never saw the annotation")
 		st := tokenReview(t, cs, resp.GetToken())
@@ -299,7 +296,7 @@ func TestMinterIntegration(t *testing.T) {
 		_, err = cs.CoreV1().ServiceAccounts(testNamespace).Patch(t.Context(), "late", types.MergePatchType, patch, metav1.PatchOptions{})
 		require.NoError(t, err)
 		require.Eventually(t, func() bool {
-			_, err := m.Mint(t.Context(), req)
+			_, err := m.Mint(t.Context(), fleet.ClusterRef{}, req)
 			return errors.Is(err, errdefs.ErrPermissionDenied)
 		}, 10*time.Second, 20*time.Millisecond, "informer never saw the annotation go")
 	})
@@ -315,7 +312,7 @@ func TestMinterIntegration(t *testing.T) {
 		})
 		require.NoError(t, err)
 		before := grantNames(t, cs)
-		_, err = weak.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+		_, err = weak.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 		assert.Equal(t, before, grantNames(t, cs), "the grant of a failed mint must be deleted")
 		require.EqualError(t, err, "spoke API server forbids the agent to mint tokens for ServiceAccount spoke-apps/deployer; "+
 			"grant the agent's ServiceAccount create on serviceaccounts/token: "+
@@ -336,18 +333,17 @@ func TestMinterIntegration(t *testing.T) {
 		stale, err := New(Config{Tokens: NewTokenCreator(cs), Grants: NewGrantStore(cs, ""), GrantCache: emptyGrantCache(), ServiceAccounts: lister(t, old, gone)})
 		require.NoError(t, err)
 
-		_, err = stale.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "replaced")})
+		_, err = stale.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "replaced")})
 		require.EqualError(t, err, "spoke ServiceAccount spoke-apps/replaced was replaced since the agent's cache saw it; retry once the cache catches up: unavailable")
 		assert.ErrorIs(t, err, errdefs.ErrUnavailable)
 
-		_, err = stale.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "gone")})
+		_, err = stale.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref(testNamespace, "gone")})
 		require.EqualError(t, err, "spoke ServiceAccount spoke-apps/gone: not found")
 		assert.ErrorIs(t, err, errdefs.ErrNotFound)
 	})
 
 	t.Run("deleting the grant revokes the token", func(t *testing.T) {
-		ctx := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-1")
-		resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{
+		resp, err := m.Mint(t.Context(), admitted("fleet/spoke-1"), &credbrokerv1alpha1.MintRequest{
 			Subject:        subject(argocd),
 			ServiceAccount: ref(testNamespace, "deployer"),
 			Audiences:      []string{"vault"},
@@ -389,10 +385,11 @@ func TestMinterIntegration(t *testing.T) {
 	t.Run("the grant informer reports grants, and revoke deletes them for the admitted ClusterProfile only", func(t *testing.T) {
 		var r recorder
 		defer m.Subscribe(r.fn)()
-		ctx := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-1")
+		cluster := admitted("fleet/spoke-1")
+		cluster.UID = "uid-spoke-1"
 		sub := subject(argocd)
 		sub.Groups = []string{"system:serviceaccounts", "team,a"}
-		resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: sub, ServiceAccount: ref(testNamespace, "deployer")})
+		resp, err := m.Mint(t.Context(), cluster, &credbrokerv1alpha1.MintRequest{Subject: sub, ServiceAccount: ref(testNamespace, "deployer")})
 		require.NoError(t, err)
 		id := token.ID(resp.GetToken())
 
@@ -406,19 +403,18 @@ func TestMinterIntegration(t *testing.T) {
 		assert.Equal(t, "hub-uid", g.GetSubject().GetUid())
 		assert.Equal(t, "fleet", g.GetCluster().GetNamespace())
 		assert.Equal(t, "spoke-1", g.GetCluster().GetName())
-		assert.Equal(t, "uid-fleet/spoke-1", g.GetClusterUid())
+		assert.Equal(t, "uid-spoke-1", g.GetClusterUid())
 		assert.Equal(t, resp.GetExpirationTime().AsTime(), g.GetExpirationTime().AsTime())
 		grantName := g.GetSecret().GetName()
 
 		// Another ClusterProfile's broker revokes nothing.
-		other := context.WithValue(t.Context(), profileKey{}, "fleet/spoke-2")
-		got, err := m.Revoke(other, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}, Reason: "test"})
+		got, err := m.Revoke(t.Context(), admitted("fleet/spoke-2"), &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}, Reason: "test"})
 		require.NoError(t, err)
 		assert.Empty(t, got.GetCredentialIds())
 		assert.Contains(t, grantNames(t, cs), grantName)
 		require.True(t, tokenReview(t, cs, resp.GetToken()).Authenticated)
 
-		got, err = m.Revoke(ctx, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}, Reason: "test"})
+		got, err = m.Revoke(t.Context(), cluster, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}, Reason: "test"})
 		require.NoError(t, err)
 		assert.Equal(t, []string{id}, got.GetCredentialIds())
 		_, err = cs.CoreV1().Secrets(testNamespace).Get(t.Context(), grantName, metav1.GetOptions{})
@@ -429,15 +425,15 @@ func TestMinterIntegration(t *testing.T) {
 			"the spoke still accepts a revoked token")
 
 		// Revoked again: already gone.
-		got, err = m.Revoke(ctx, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}})
+		got, err = m.Revoke(t.Context(), cluster, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}})
 		require.NoError(t, err)
 		assert.Equal(t, []string{id}, got.GetCredentialIds())
 
 		// Revoked the moment it is minted, before the cache may have it.
-		resp, err = m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: sub, ServiceAccount: ref(testNamespace, "deployer")})
+		resp, err = m.Mint(t.Context(), cluster, &credbrokerv1alpha1.MintRequest{Subject: sub, ServiceAccount: ref(testNamespace, "deployer")})
 		require.NoError(t, err)
 		before := len(grantNames(t, cs))
-		got, err = m.Revoke(ctx, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{token.ID(resp.GetToken())}})
+		got, err = m.Revoke(t.Context(), cluster, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{token.ID(resp.GetToken())}})
 		require.NoError(t, err)
 		assert.Equal(t, []string{token.ID(resp.GetToken())}, got.GetCredentialIds())
 		assert.Len(t, grantNames(t, cs), before-1)
@@ -454,7 +450,7 @@ func TestMinterIntegration(t *testing.T) {
 			ServiceAccounts: saLister,
 		})
 		require.NoError(t, err)
-		resp, err := weak.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+		resp, err := weak.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 		require.EqualError(t, err, "spoke API server forbids the agent to create the grant Secret the token would be bound to in namespace spoke-apps, so no token is minted; "+
 			"grant the agent's ServiceAccount create on secrets and check the credbroker-agent-grants admission policy: "+
 			`secrets is forbidden: User "credbroker-agent-no-secrets" cannot create resource "secrets" in API group "" in the namespace "spoke-apps": unavailable`)

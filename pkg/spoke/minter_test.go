@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -320,7 +321,7 @@ func TestMintPolicy(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			tokens := &fakeTokens{}
 			m := newMinter(t, tokens, sas...)
-			resp, err := m.Mint(t.Context(), tt.req)
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, tt.req)
 			if tt.wantErr != "" {
 				requireRefused(t, tokens, resp, err, tt.wantErr, tt.wantCode)
 				return
@@ -403,7 +404,7 @@ func TestMintValidation(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			resp, err := m.Mint(t.Context(), tt.req)
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, tt.req)
 			require.EqualError(t, err, tt.wantErr)
 			assert.ErrorIs(t, err, errdefs.ErrInvalidArgument)
 			assert.Equal(t, codes.InvalidArgument, errdefs.Code(err))
@@ -449,7 +450,7 @@ func TestMintExpirationAndAudiences(t *testing.T) {
 				MaxExpiration:   tt.max,
 			}, newFakeGrants()))
 			require.NoError(t, err)
-			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{
 				Subject:           subject(argocd),
 				Audiences:         tt.audiences,
 				ExpirationSeconds: tt.requested,
@@ -537,7 +538,7 @@ func TestMintCreateTokenErrors(t *testing.T) {
 			if tt.ctx != nil {
 				ctx = tt.ctx(ctx)
 			}
-			resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
+			resp, err := m.Mint(ctx, fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ServiceAccount: ref("apps", "deployer")})
 			require.EqualError(t, err, tt.wantErr)
 			assert.Equal(t, tt.wantCode, errdefs.Code(err))
 			assert.Nil(t, resp)
@@ -568,13 +569,13 @@ func TestMintLogsWithoutToken(t *testing.T) {
 	}, newFakeGrants()))
 	require.NoError(t, err)
 
-	resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{
+	resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{
 		Subject:           subject(argocd),
 		Audiences:         []string{"vault"},
 		ExpirationSeconds: 900,
 	})
 	require.NoError(t, err)
-	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject("mallory")})
+	_, err = m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject("mallory")})
 	require.ErrorIs(t, err, errdefs.ErrPermissionDenied)
 
 	got := lines.String()
@@ -591,9 +592,9 @@ func TestMintLogsWithoutToken(t *testing.T) {
 func TestMintZeroLoggerDiscards(t *testing.T) {
 	m, err := New(withGrants(Config{Tokens: &fakeTokens{}, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, newFakeGrants()))
 	require.NoError(t, err)
-	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
+	_, err = m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd)})
 	require.NoError(t, err)
-	_, err = m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject("mallory")})
+	_, err = m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject("mallory")})
 	require.Error(t, err)
 }
 
@@ -607,7 +608,7 @@ func TestMintConcurrent(t *testing.T) {
 			if i%2 == 1 {
 				user = flux
 			}
-			_, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(user)})
+			_, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(user)})
 			assert.NoError(t, err)
 		})
 	}

@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -69,7 +70,7 @@ func TestPolicyRevocationIntegration(t *testing.T) {
 	grantOfMint := map[string]string{}
 	mint := func(user, sa string, audiences ...string) {
 		t.Helper()
-		resp, err := m.Mint(ctx, &credbrokerv1alpha1.MintRequest{Subject: subject(user), ServiceAccount: ref(testNamespace, sa), Audiences: audiences})
+		resp, err := m.Mint(ctx, fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(user), ServiceAccount: ref(testNamespace, sa), Audiences: audiences})
 		require.NoError(t, err)
 		st := tokenReview(t, cs, resp.GetToken(), audiences...)
 		require.True(t, st.Authenticated, "TokenReview error: %s", st.Error)

@@ -19,6 +19,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -264,7 +265,7 @@ func TestRunRevokesOnPolicyChange(t *testing.T) {
 		{Subject: subject(flux), ServiceAccount: ref("apps", "deployer")},
 		{Subject: subject(argocd), ServiceAccount: ref("apps", "reader")},
 	} {
-		_, err := m.Mint(t.Context(), req)
+		_, err := m.Mint(t.Context(), fleet.ClusterRef{}, req)
 		require.NoError(t, err)
 	}
 	require.Len(t, grants.Keys(), 3)
@@ -369,7 +370,7 @@ func TestMintRefusesWhenPolicyChangesDuringMint(t *testing.T) {
 			tokens := &fakeTokens{}
 			m, err := New(Config{Tokens: tokens, Grants: grants, GrantCache: grants.cache, ServiceAccounts: sal})
 			require.NoError(t, err)
-			resp, err := m.Mint(t.Context(), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), Audiences: []string{"vault"}})
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{}, &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), Audiences: []string{"vault"}})
 			requireRefused(t, tokens, resp, err, tt.wantErr, tt.sentinel)
 			assert.Equal(t, []string{"apps/credbroker-grant-1"}, grants.Deleted())
 			assert.Empty(t, grants.Keys())

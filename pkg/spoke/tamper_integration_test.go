@@ -46,7 +46,6 @@ func TestChangedGrantIsDeletedOnTheAPIServer(t *testing.T) {
 		Tokens:          NewTokenCreator(cs),
 		Grants:          NewGrantStore(cs, ""),
 		GrantCache:      grantInformer.GetIndexer(),
-		ClusterProfile:  profileFrom,
 		ServiceAccounts: saLister,
 		Log:             testr.New(t),
 	})
@@ -61,7 +60,7 @@ func TestChangedGrantIsDeletedOnTheAPIServer(t *testing.T) {
 	var r recorder
 	defer m.Subscribe(r.fn)()
 
-	resp, err := m.Mint(context.WithValue(ctx, profileKey{}, "fleet/spoke-1"), &credbrokerv1alpha1.MintRequest{
+	resp, err := m.Mint(ctx, admitted("fleet/spoke-1"), &credbrokerv1alpha1.MintRequest{
 		Subject: subject(argocd), ServiceAccount: ref(testNamespace, "deployer"),
 	})
 	require.NoError(t, err)

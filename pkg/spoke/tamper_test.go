@@ -57,7 +57,7 @@ func tamperMinter(t *testing.T, grants *fakeGrants, log logr.Logger) (*Minter, *
 	t.Helper()
 	clk := testingclock.NewFakeClock(issuedAt)
 	m, err := New(withGrants(Config{
-		Tokens: &fakeTokens{}, Clock: clk, CollectInterval: time.Hour, Log: log, ClusterProfile: profileFrom,
+		Tokens: &fakeTokens{}, Clock: clk, CollectInterval: time.Hour, Log: log,
 		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd)),
 	}, grants))
 	require.NoError(t, err)
@@ -65,7 +65,7 @@ func tamperMinter(t *testing.T, grants *fakeGrants, log logr.Logger) (*Minter, *
 	r := &recorder{}
 	t.Cleanup(m.Subscribe(r.fn))
 	startRun(t, m, grants, clk)
-	_, err = m.Mint(admitted(t, "fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	_, err = m.Mint(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
 	require.NoError(t, err)
 	require.Equal(t, []string{"+JTI=jti-apps-deployer"}, r.summary())
 	return m, r, clk
@@ -164,7 +164,7 @@ func TestGrantWrittenByTheAgentStays(t *testing.T) {
 
 	// A grant changed after those is deleted after them: once it is gone,
 	// the agent has judged every change before.
-	_, err := m.Mint(admitted(t, "fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	_, err := m.Mint(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
 	require.NoError(t, err)
 	grants.change("apps/credbroker-grant-2", func(s *corev1.Secret) { delete(s.Labels, GrantLabel) })
 	require.Eventually(t, func() bool { return len(grants.Deleted()) > 0 }, 5*time.Second, time.Millisecond)
@@ -202,11 +202,11 @@ func TestChangedGrantLeavesTheBrokersOnlyWhenDeleted(t *testing.T) {
 func TestRevokeOfAChangedGrant(t *testing.T) {
 	grants := newFakeGrants()
 	// No Run: nothing deletes the changed grant but the revoke.
-	m, err := New(withGrants(Config{Tokens: &fakeTokens{}, ClusterProfile: profileFrom,
+	m, err := New(withGrants(Config{Tokens: &fakeTokens{},
 		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
 	require.NoError(t, err)
 	grants.events = m.GrantEvents()
-	_, err = m.Mint(admitted(t, "fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	_, err = m.Mint(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
 	require.NoError(t, err)
 	grants.change(tamperedKey, func(s *corev1.Secret) {
 		s.Annotations[GrantClusterProfileAnnotation] = "fleet/b"
@@ -217,12 +217,12 @@ func TestRevokeOfAChangedGrant(t *testing.T) {
 	for _, req := range []struct {
 		profile, id string
 	}{{"fleet/b", id}, {"fleet/b", "JTI=other"}} {
-		resp, err := m.Revoke(admitted(t, req.profile), &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{req.id}})
+		resp, err := m.Revoke(t.Context(), admitted(req.profile), &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{req.id}})
 		require.NoError(t, err)
 		assert.NotContains(t, resp.GetCredentialIds(), id)
 		assert.Empty(t, grants.Deleted(), "the broker of %s revoked %s", req.profile, req.id)
 	}
-	resp, err := m.Revoke(admitted(t, "fleet/a"), &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}})
+	resp, err := m.Revoke(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{id}})
 	require.NoError(t, err)
 	assert.Equal(t, []string{id}, resp.GetCredentialIds())
 	assert.Equal(t, []string{tamperedKey}, grants.Deleted())
@@ -272,7 +272,7 @@ func TestDeletingGrantSeenFirstIsNotReported(t *testing.T) {
 	g.Finalizers = []string{metav1.FinalizerDeleteDependents}
 
 	grants := newFakeGrants()
-	m, err := New(withGrants(Config{Tokens: &fakeTokens{}, ClusterProfile: profileFrom,
+	m, err := New(withGrants(Config{Tokens: &fakeTokens{},
 		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
 	require.NoError(t, err)
 	grants.events = m.GrantEvents()
@@ -312,7 +312,7 @@ func TestForeignLabelsAndAnnotationsAreKept(t *testing.T) {
 			grants.change(tamperedKey, tt.change)
 			// A grant changed after it is deleted after it: once it is
 			// gone, the agent has judged the change before.
-			_, err := m.Mint(admitted(t, "fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+			_, err := m.Mint(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
 			require.NoError(t, err)
 			grants.change("apps/credbroker-grant-2", func(s *corev1.Secret) { delete(s.Labels, GrantLabel) })
 			require.Eventually(t, func() bool { return len(grants.Deleted()) > 0 }, 5*time.Second, time.Millisecond)

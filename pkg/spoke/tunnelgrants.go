@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -188,10 +189,9 @@ func (m *Minter) toGrant(g *corev1.Secret) *credbrokerv1alpha1.Grant {
 }
 
 // Revoke deletes the grants whose credential id req names and whose
-// GrantClusterProfileAnnotation is the ClusterProfile the request's stream
-// was admitted for (Config.ClusterProfile of ctx): a broker that admitted
-// the agent for one ClusterProfile cannot revoke the grants minted through
-// another. It logs each revocation with req's reason.
+// GrantClusterProfileAnnotation is cluster, the ClusterProfile the
+// request's stream was admitted for: a broker that admitted the agent for
+// one ClusterProfile cannot revoke the grants minted through another. It logs each revocation with req's reason.
 //
 // It answers the credential ids whose grants are now gone: deleted now, or
 // found neither in GrantCache nor, asked at once, on the API server. An id
@@ -199,13 +199,10 @@ func (m *Minter) toGrant(g *corev1.Secret) *credbrokerv1alpha1.Grant {
 // left out, and the broker retries it. Revoke returns an error (wrapping
 // ErrUnavailable) only when no id is gone and some delete or lookup failed,
 // so a partial failure still reports what succeeded; and ErrPermissionDenied
-// when ctx names no admitted ClusterProfile. At most 256 ids unknown to
+// when cluster is zero. At most 256 ids unknown to
 // the cache are looked up per request; the others are left out.
-func (m *Minter) Revoke(ctx context.Context, req *credbrokerv1alpha1.RevokeRequest) (*credbrokerv1alpha1.RevokeResponse, error) {
-	cluster := ""
-	if m.clusterProfile != nil {
-		cluster = m.clusterProfile(ctx)
-	}
+func (m *Minter) Revoke(ctx context.Context, admitted fleet.ClusterRef, req *credbrokerv1alpha1.RevokeRequest) (*credbrokerv1alpha1.RevokeResponse, error) {
+	cluster := profileName(admitted)
 	if cluster == "" {
 		return nil, fmt.Errorf("revoke request came through no broker stream admitted for a ClusterProfile: %w", errdefs.ErrPermissionDenied)
 	}

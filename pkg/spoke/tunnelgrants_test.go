@@ -1,7 +1,6 @@
 package spoke
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -16,17 +15,20 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// admitted is the context of a request down a stream the broker admitted
-// for ClusterProfile profile, as profileFrom reads it.
-func admitted(t *testing.T, profile string) context.Context {
-	return context.WithValue(t.Context(), profileKey{}, profile)
+// admitted is the ClusterProfile ("namespace/name") a request's stream was
+// admitted for.
+func admitted(profile string) fleet.ClusterRef {
+	namespace, name, _ := strings.Cut(profile, "/")
+	return fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}}
 }
 
 // profileGrant is grantOf, recorded for ClusterProfile profile.
@@ -36,11 +38,10 @@ func profileGrant(namespace, name, sa, user, profile string) *corev1.Secret {
 	return g
 }
 
-// grantsMinter is a Minter over grants that knows the admitted ClusterProfile
-// from profileFrom.
+// grantsMinter is a Minter over grants.
 func grantsMinter(t *testing.T, grants *fakeGrants, log ...func(*Config)) *Minter {
 	t.Helper()
-	cfg := withGrants(Config{Tokens: &fakeTokens{}, ServiceAccounts: lister(t), ClusterProfile: profileFrom}, grants)
+	cfg := withGrants(Config{Tokens: &fakeTokens{}, ServiceAccounts: lister(t)}, grants)
 	for _, f := range log {
 		f(&cfg)
 	}
@@ -63,26 +64,25 @@ func TestRevokeOnlyGrantsOfTheAdmittedClusterProfile(t *testing.T) {
 
 	tests := []struct {
 		name     string
-		ctx      func(t *testing.T) context.Context
+		admitted fleet.ClusterRef
 		gone     []string
 		deleted  []string
 		sentinel error
 	}{
 		{
-			name:    "admitted for fleet/b: only fleet/b's grant goes",
-			ctx:     func(t *testing.T) context.Context { return admitted(t, "fleet/b") },
-			gone:    []string{"JTI=jti-of-b"},
-			deleted: []string{"apps/of-b"},
+			name:     "admitted for fleet/b: only fleet/b's grant goes",
+			admitted: admitted("fleet/b"),
+			gone:     []string{"JTI=jti-of-b"},
+			deleted:  []string{"apps/of-b"},
 		},
 		{
-			name:    "admitted for fleet/a: its grants go, the lagging one too",
-			ctx:     func(t *testing.T) context.Context { return admitted(t, "fleet/a") },
-			gone:    []string{"JTI=jti-of-a", "JTI=jti-of-a-new"},
-			deleted: []string{"apps/of-a", "apps/of-a-new"},
+			name:     "admitted for fleet/a: its grants go, the lagging one too",
+			admitted: admitted("fleet/a"),
+			gone:     []string{"JTI=jti-of-a", "JTI=jti-of-a-new"},
+			deleted:  []string{"apps/of-a", "apps/of-a-new"},
 		},
 		{
 			name:     "no admitted ClusterProfile: nothing goes, not even a grant that records none",
-			ctx:      func(t *testing.T) context.Context { return t.Context() },
 			sentinel: errdefs.ErrPermissionDenied,
 		},
 	}
@@ -93,7 +93,7 @@ func TestRevokeOnlyGrantsOfTheAdmittedClusterProfile(t *testing.T) {
 			log, lines := capture()
 			m := grantsMinter(t, grants, func(c *Config) { c.Log = log })
 
-			resp, err := m.Revoke(tt.ctx(t), &credbrokerv1alpha1.RevokeRequest{CredentialIds: ids, Reason: "test"})
+			resp, err := m.Revoke(t.Context(), tt.admitted, &credbrokerv1alpha1.RevokeRequest{CredentialIds: ids, Reason: "test"})
 			if tt.sentinel != nil {
 				require.ErrorIs(t, err, tt.sentinel)
 				assert.Nil(t, resp)
@@ -201,7 +201,7 @@ func TestRevoke(t *testing.T) {
 			grants.deleteErr, grants.listErr = tt.deleteErr, tt.listErr
 			m := grantsMinter(t, grants)
 
-			resp, err := m.Revoke(admitted(t, "fleet/a"), &credbrokerv1alpha1.RevokeRequest{CredentialIds: tt.ids, Reason: "test"})
+			resp, err := m.Revoke(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.RevokeRequest{CredentialIds: tt.ids, Reason: "test"})
 			if tt.wantErr != "" {
 				require.EqualError(t, err, tt.wantErr)
 				assert.ErrorIs(t, err, errdefs.ErrUnavailable)
@@ -224,16 +224,16 @@ func TestRevokeLogsAndStopsTheTimer(t *testing.T) {
 	grants := newFakeGrants()
 	log, lines := capture()
 	m, err := New(withGrants(Config{Tokens: &fakeTokens{}, Clock: clk, CollectInterval: time.Hour, Log: log,
-		ClusterProfile: profileFrom, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
+		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
-	resp, err := m.Mint(admitted(t, "fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
+	resp, err := m.Mint(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.MintRequest{Subject: subject(argocd), ExpirationSeconds: 900})
 	require.NoError(t, err)
 	m.mu.Lock()
 	require.Len(t, m.timers, 1)
 	m.mu.Unlock()
 
-	got, err := m.Revoke(admitted(t, "fleet/a"), &credbrokerv1alpha1.RevokeRequest{
+	got, err := m.Revoke(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.RevokeRequest{
 		CredentialIds: []string{"JTI=jti-apps-deployer"}, Reason: "hub RBAC no longer allows the consumer",
 	})
 	require.NoError(t, err)
@@ -477,7 +477,7 @@ func TestRevokeBoundsItsLookups(t *testing.T) {
 	for i := range ids {
 		ids[i] = fmt.Sprintf("JTI=unknown-%d", i)
 	}
-	resp, err := m.Revoke(admitted(t, "fleet/a"), &credbrokerv1alpha1.RevokeRequest{CredentialIds: ids})
+	resp, err := m.Revoke(t.Context(), admitted("fleet/a"), &credbrokerv1alpha1.RevokeRequest{CredentialIds: ids})
 	require.NoError(t, err)
 	assert.Equal(t, ids[:maxLookups], grants.Lookups())
 	assert.Equal(t, ids[:maxLookups], resp.GetCredentialIds(), "an id found nowhere is gone")

@@ -12,20 +12,22 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // echoMinter records the request it is given and answers by its mode: a
 // token, a refusal, or nothing at all.
 type echoMinter struct {
-	mode byte
-	got  []*pb.MintRequest
+	mode     byte
+	got      []*pb.MintRequest
+	clusters []fleet.ClusterRef
 }
 
 const fuzzToken = "eyJhbGciOiJSUzI1NiJ9.eyJqdGkiOiJmdXp6In0.c2ln"
 
-func (m *echoMinter) Mint(_ context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
-	m.got = append(m.got, req)
+func (m *echoMinter) Mint(_ context.Context, cluster fleet.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
+	m.got, m.clusters = append(m.got, req), append(m.clusters, cluster)
 	switch m.mode % 3 {
 	case 0:
 		return &pb.MintResponse{Token: fuzzToken, ExpirationTime: timestamppb.Now()}, nil
@@ -37,12 +39,15 @@ func (m *echoMinter) Mint(_ context.Context, req *pb.MintRequest) (*pb.MintRespo
 }
 
 // echoGrants records the revoke requests it is given and answers them.
-type echoGrants struct{ got []*pb.RevokeRequest }
+type echoGrants struct {
+	got      []*pb.RevokeRequest
+	clusters []fleet.ClusterRef
+}
 
 func (g *echoGrants) Snapshot() []*pb.Grant                                { return nil }
 func (g *echoGrants) Subscribe(func(*pb.GrantUpdate)) (unsubscribe func()) { return func() {} }
-func (g *echoGrants) Revoke(_ context.Context, req *pb.RevokeRequest) (*pb.RevokeResponse, error) {
-	g.got = append(g.got, req)
+func (g *echoGrants) Revoke(_ context.Context, cluster fleet.ClusterRef, req *pb.RevokeRequest) (*pb.RevokeResponse, error) {
+	g.got, g.clusters = append(g.got, req), append(g.clusters, cluster)
 	if len(req.GetCredentialIds()) == 0 {
 		return nil, fmt.Errorf("nothing to revoke: %w", errdefs.ErrInvalidArgument)
 	}
@@ -51,7 +56,7 @@ func (g *echoGrants) Revoke(_ context.Context, req *pb.RevokeRequest) (*pb.Revok
 
 // FuzzBrokerFrame feeds the agent's end of the tunnel arbitrary frames as
 // the broker's. A mint or revoke request is handed to the Minter or the
-// Grants exactly as it came, once, and answered with one frame of the same
+// Grants exactly as it came, once, with the admitted cluster, and answered with one frame of the same
 // correlation id: the token, the revoked ids, or a refusal whose code is not
 // OK; a revoke to an agent without Grants is FailedPrecondition. A drain is
 // reported as such, and any other frame is left unanswered and reaches
@@ -88,7 +93,7 @@ func FuzzBrokerFrame(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		handle, drain := c.request(&fr)
+		handle, drain := c.request(&fr, clusterA)
 		switch body := fr.GetBody().(type) {
 		case *pb.BrokerFrame_Drain:
 			if !drain || handle != nil {
@@ -115,6 +120,9 @@ func FuzzBrokerFrame(f *testing.F) {
 				if len(minter.got) != 1 || !proto.Equal(minter.got[0], m.MintRequest) || len(grants.got) != 0 {
 					t.Fatalf("the Minter got %v for %v, the Grants %d requests", minter.got, m.MintRequest, len(grants.got))
 				}
+				if minter.clusters[0] != clusterA {
+					t.Fatalf("the Minter got cluster %v, not the admitted %v", minter.clusters[0], clusterA)
+				}
 				switch {
 				case minter.mode%3 == 0 && answer.GetMintResponse().GetToken() != fuzzToken:
 					t.Fatalf("the token was not answered: %v", answer)
@@ -133,8 +141,8 @@ func FuzzBrokerFrame(f *testing.F) {
 				}
 				return
 			}
-			if len(grants.got) != 1 || !proto.Equal(grants.got[0], r.RevokeRequest) {
-				t.Fatalf("the Grants got %v for %v", grants.got, r.RevokeRequest)
+			if len(grants.got) != 1 || !proto.Equal(grants.got[0], r.RevokeRequest) || grants.clusters[0] != clusterA {
+				t.Fatalf("the Grants got %v of %v for %v", grants.got, grants.clusters, r.RevokeRequest)
 			}
 			if answer.GetRevokeResponse() == nil && answer.GetError() == nil {
 				t.Fatalf("a revoke answered neither ids nor a refusal: %v", answer)

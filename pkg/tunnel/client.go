@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,15 +17,19 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// Minter mints a token for a request that came down the stream. Errors wrap
-// errdefs sentinels; their code and message travel back to the broker.
+// Minter mints a token for a request that came down a stream the broker
+// admitted for cluster, the ClusterProfile incarnation its admission
+// headers name. Errors wrap errdefs sentinels; their code and message
+// travel back to the broker.
 type Minter interface {
-	Mint(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error)
+	Mint(ctx context.Context, cluster fleet.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error)
 }
 
 // Grants is the agent's side of revocation: the grants its tokens are bound
@@ -39,9 +44,10 @@ type Grants interface {
 	// before Snapshot, so a change in between is sent twice rather than
 	// lost.
 	Subscribe(fn func(*pb.GrantUpdate)) (unsubscribe func())
-	// Revoke deletes the grants a RevokeRequest names, of the ClusterProfile
-	// AdmittedClusterProfile(ctx) names. Errors wrap errdefs sentinels.
-	Revoke(ctx context.Context, req *pb.RevokeRequest) (*pb.RevokeResponse, error)
+	// Revoke deletes the grants a RevokeRequest names, of cluster, the
+	// ClusterProfile incarnation the broker admitted the stream for. Errors
+	// wrap errdefs sentinels.
+	Revoke(ctx context.Context, cluster fleet.ClusterRef, req *pb.RevokeRequest) (*pb.RevokeResponse, error)
 }
 
 // ClientConfig configures a Client.
@@ -396,7 +402,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		return false, err
 	}
 	log.Info("connected to broker", "cluster", cluster, "grants", len(hello.GetGrants())+grantCount(rest))
-	ctx = context.WithValue(ctx, admittedKey{}, admission{cluster: cluster, uid: first(md.Get(admittedUIDHeader))})
+	admittedFor := admittedCluster(cluster, first(md.Get(admittedUIDHeader)))
 	c.once.Do(func() { close(c.connected) })
 	if !stopBeforeAdmission() {
 		return true, context.Canceled // leave ended before the admission
@@ -447,7 +453,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		if err != nil {
 			return true, causeOf(ctx, err)
 		}
-		handle, drain := c.request(f)
+		handle, drain := c.request(f, admittedFor)
 		if drain {
 			// The broker still sends the requests of its exchanges in
 			// flight, and closes the stream when they are done.
@@ -480,17 +486,19 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 	}
 }
 
-// request reads a frame from the broker: handle answers a mint or a revoke
-// request with a frame of the same correlation id, and drain reports that
-// the broker drains. A frame of any other kind, which a newer broker may
-// send, has neither.
-func (c *Client) request(f *pb.BrokerFrame) (handle func(ctx context.Context) *pb.AgentFrame, drain bool) {
+// request reads a frame from the broker on a stream admitted for cluster:
+// handle answers a mint or a revoke request with a frame of the same
+// correlation id, and drain reports that the broker drains. A frame of any
+// other kind, which a newer broker may send, has neither.
+func (c *Client) request(f *pb.BrokerFrame, cluster fleet.ClusterRef) (handle func(ctx context.Context) *pb.AgentFrame, drain bool) {
 	switch body := f.GetBody().(type) {
 	case *pb.BrokerFrame_MintRequest:
-		return func(ctx context.Context) *pb.AgentFrame { return c.answer(ctx, f.GetCorrelationId(), body.MintRequest) }, false
+		return func(ctx context.Context) *pb.AgentFrame {
+			return c.answer(ctx, f.GetCorrelationId(), cluster, body.MintRequest)
+		}, false
 	case *pb.BrokerFrame_RevokeRequest:
 		return func(ctx context.Context) *pb.AgentFrame {
-			return c.revoke(ctx, f.GetCorrelationId(), body.RevokeRequest)
+			return c.revoke(ctx, f.GetCorrelationId(), cluster, body.RevokeRequest)
 		}, false
 	case *pb.BrokerFrame_Drain:
 		return nil, true
@@ -637,10 +645,10 @@ func sendGrantUpdates(ctx context.Context, rest []*pb.GrantUpdate, queue <-chan 
 	}
 }
 
-func (c *Client) answer(ctx context.Context, id string, req *pb.MintRequest) *pb.AgentFrame {
+func (c *Client) answer(ctx context.Context, id string, cluster fleet.ClusterRef, req *pb.MintRequest) *pb.AgentFrame {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.MintTimeout)
 	defer cancel()
-	resp, err := c.cfg.Minter.Mint(ctx, req)
+	resp, err := c.cfg.Minter.Mint(ctx, cluster, req)
 	if err == nil && resp != nil {
 		return &pb.AgentFrame{CorrelationId: id, Body: &pb.AgentFrame_MintResponse{MintResponse: resp}}
 	}
@@ -653,13 +661,13 @@ func (c *Client) answer(ctx context.Context, id string, req *pb.MintRequest) *pb
 // errNoGrants answers revoke requests to an agent without Grants.
 var errNoGrants = fmt.Errorf("this agent keeps no grants: %w", errdefs.ErrFailedPrecondition)
 
-func (c *Client) revoke(ctx context.Context, id string, req *pb.RevokeRequest) *pb.AgentFrame {
+func (c *Client) revoke(ctx context.Context, id string, cluster fleet.ClusterRef, req *pb.RevokeRequest) *pb.AgentFrame {
 	if c.cfg.Grants == nil {
 		return errorFrame(id, errNoGrants)
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.MintTimeout)
 	defer cancel()
-	resp, err := c.cfg.Grants.Revoke(ctx, req)
+	resp, err := c.cfg.Grants.Revoke(ctx, cluster, req)
 	if err == nil && resp != nil {
 		return &pb.AgentFrame{CorrelationId: id, Body: &pb.AgentFrame_RevokeResponse{RevokeResponse: resp}}
 	}
@@ -676,29 +684,16 @@ func errorFrame(id string, err error) *pb.AgentFrame {
 	}}}
 }
 
-type admittedKey struct{}
-
-type admission struct{ cluster, uid string }
+// admittedCluster reads the ClusterProfile incarnation that a broker's
+// admission headers name: name ("namespace/name") and uid.
+func admittedCluster(name, uid string) fleet.ClusterRef {
+	namespace, name, _ := strings.Cut(name, "/")
+	return fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: types.UID(uid)}
+}
 
 func first(values []string) string {
 	if len(values) == 0 {
 		return ""
 	}
 	return values[0]
-}
-
-// AdmittedClusterProfile returns the ClusterProfile ("namespace/name") the
-// broker admitted the stream for, from the context the Client passes to
-// Minter.Mint and Grants.Revoke; empty for any other context.
-func AdmittedClusterProfile(ctx context.Context) string {
-	a, _ := ctx.Value(admittedKey{}).(admission)
-	return a.cluster
-}
-
-// AdmittedClusterProfileUID returns the UID of the ClusterProfile
-// incarnation the broker admitted the stream for, like
-// AdmittedClusterProfile.
-func AdmittedClusterProfileUID(ctx context.Context) string {
-	a, _ := ctx.Value(admittedKey{}).(admission)
-	return a.uid
 }

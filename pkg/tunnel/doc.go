@@ -29,7 +29,9 @@
 //
 // On the spoke, a Client holds one stream to one broker address, reconnects
 // over a new connection with jittered exponential backoff, and hands every
-// mint request to a Minter, which the agent wires to package spoke. With
+// mint request to a Minter, which the agent wires to package spoke, with
+// the ClusterProfile incarnation (fleet.ClusterRef) that the broker's
+// admission headers named for the stream. With
 // ClientConfig.Cluster set, it leaves a broker that admits it for another
 // ClusterProfile. With ClientConfig.Grants set, every stream subscribes to
 // the agent's grant updates, sends a snapshot in its hello (the grants that do

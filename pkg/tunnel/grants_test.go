@@ -126,7 +126,7 @@ type fakeAgentGrants struct {
 	nextSub   int
 	revoke    func(ctx context.Context, req *pb.RevokeRequest) (*pb.RevokeResponse, error)
 	revokes   []*pb.RevokeRequest
-	admitted  []string // AdmittedClusterProfile of each Revoke
+	admitted  []fleet.ClusterRef // the cluster of each Revoke
 }
 
 func (g *fakeAgentGrants) Snapshot() []*pb.Grant {
@@ -172,10 +172,10 @@ func (g *fakeAgentGrants) subscribers() []func(*pb.GrantUpdate) {
 	return fns
 }
 
-func (g *fakeAgentGrants) Revoke(ctx context.Context, req *pb.RevokeRequest) (*pb.RevokeResponse, error) {
+func (g *fakeAgentGrants) Revoke(ctx context.Context, cluster fleet.ClusterRef, req *pb.RevokeRequest) (*pb.RevokeResponse, error) {
 	g.mu.Lock()
 	g.revokes = append(g.revokes, req)
-	g.admitted = append(g.admitted, AdmittedClusterProfile(ctx))
+	g.admitted = append(g.admitted, cluster)
 	fn := g.revoke
 	g.mu.Unlock()
 	if fn != nil {
@@ -360,7 +360,7 @@ func TestRevoke(t *testing.T) {
 			require.Len(t, ag.revokes, 1)
 			assert.Equal(t, tt.ids, ag.revokes[0].GetCredentialIds())
 			assert.Equal(t, "test reason", ag.revokes[0].GetReason())
-			assert.Equal(t, []string{clusterA.String()}, ag.admitted)
+			assert.Equal(t, []fleet.ClusterRef{clusterA}, ag.admitted)
 		})
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -110,14 +111,28 @@ func (p *peers) setSVID(id string, ttl time.Duration) {
 	p.chains[id] = p.issue(id, ttl)
 }
 
-// fakeMinter answers with fn, or a fixed token.
+// fakeMinter answers with fn, or a fixed token, and records the cluster
+// of every mint.
 type fakeMinter struct {
 	calls atomic.Int32
 	fn    func(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error)
+
+	mu       sync.Mutex
+	clusters []fleet.ClusterRef
 }
 
-func (m *fakeMinter) Mint(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
+// admitted returns the cluster of every mint so far.
+func (m *fakeMinter) admitted() []fleet.ClusterRef {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.Clone(m.clusters)
+}
+
+func (m *fakeMinter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *pb.MintRequest) (*pb.MintResponse, error) {
 	m.calls.Add(1)
+	m.mu.Lock()
+	m.clusters = append(m.clusters, cluster)
+	m.mu.Unlock()
 	if m.fn != nil {
 		return m.fn(ctx, req)
 	}
@@ -226,12 +241,9 @@ func waitConnected(t *testing.T, h *harness, c fleet.ClusterRef, n int) {
 
 func TestMintRoundTrip(t *testing.T) {
 	h := newHarness(t, 5*time.Second)
-	var (
-		got          *pb.MintRequest
-		profile, uid string
-	)
+	var got *pb.MintRequest
 	m := &fakeMinter{fn: func(ctx context.Context, req *pb.MintRequest) (*pb.MintResponse, error) {
-		got, profile, uid = req, AdmittedClusterProfile(ctx), AdmittedClusterProfileUID(ctx)
+		got = req
 		return &pb.MintResponse{Token: testToken, ExpirationTime: timestamppb.New(time.Unix(2e9, 0))}, nil
 	}}
 	h.agent(t, agentA, m)
@@ -243,10 +255,8 @@ func TestMintRoundTrip(t *testing.T) {
 	assert.Equal(t, testToken, resp.GetToken())
 	assert.Equal(t, "system:serviceaccount:hub:c", got.GetSubject().GetUsername())
 	assert.Equal(t, []string{"x"}, got.GetAudiences())
-	assert.Equal(t, clusterA.String(), profile, "the Minter must learn the ClusterProfile the broker admitted the stream for")
-	assert.Equal(t, string(clusterA.UID), uid, "and the UID of its incarnation, which the grant records")
-	assert.Empty(t, AdmittedClusterProfile(context.Background()))
-	assert.Empty(t, AdmittedClusterProfileUID(context.Background()))
+	assert.Equal(t, []fleet.ClusterRef{clusterA}, m.admitted(),
+		"the Minter must learn the ClusterProfile the broker admitted the stream for, and the UID of its incarnation, which the grant records")
 }
 
 func TestMintErrors(t *testing.T) {
