@@ -175,10 +175,10 @@ func TestRollingRestartUnderLoad(t *testing.T) {
 
 	var (
 		calls, failed, waits atomic.Int64
-		mu            sync.Mutex
-		failures      []string
-		stop          = make(chan struct{})
-		wg            sync.WaitGroup
+		mu                   sync.Mutex
+		failures             []string
+		stop                 = make(chan struct{})
+		wg                   sync.WaitGroup
 	)
 	// Half of them keep one connection, as a controller with pkg/client
 	// does; the other half dial for every call, as credbroker-plugin does
