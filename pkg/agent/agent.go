@@ -54,21 +54,11 @@ type Config struct {
 	// has its stream closed and retried with backoff. Empty: serve whichever
 	// ClusterProfile the broker maps the agent's SPIFFE ID to.
 	Cluster types.NamespacedName
-	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the agent's
-	// X.509-SVID and the bundle of TrustDomain, reloaded when they change.
-	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
-	// SPIFFEEndpointSocket, instead of the three files, is the SPIFFE
-	// Workload API (a SPIRE agent's socket) that serves the agent's SVID and
-	// bundle, such as unix:///run/spire/agent-sockets/spire-agent.sock.
-	SPIFFEEndpointSocket string
-	// SPIFFEID is the agent's own ID: of the SVIDs the Workload API serves,
-	// the agent takes the one with this ID and refuses others. Zero means
+	// Config is the agent's SPIFFE identity: its X.509-SVID and the bundle
+	// of TrustDomain, from files or the Workload API. A zero SPIFFEID means
 	// the default ID of Cluster, spiffe://<TrustDomain>/clusterprofile/<ns>/<name>,
-	// when Cluster is set, and else the first SVID in TrustDomain. The SVID
-	// files are used as they are.
-	SPIFFEID          spiffeid.ID
-	TrustDomain       spiffeid.TrustDomain
-	FileCheckInterval time.Duration
+	// when Cluster is set, and else the first SVID in TrustDomain.
+	identity.Config
 
 	// Spoke is the spoke API server's client config; the agent needs
 	// create on serviceaccounts/token, list/watch on serviceaccounts,
@@ -153,21 +143,21 @@ type Config struct {
 // Default returns a Config with every default set.
 func Default() Config {
 	return Config{
-		MaxExpiration:     time.Hour,
-		SpokeQPS:          50,
-		SpokeBurst:        100,
-		ResolveInterval:   30 * time.Second,
-		MintTimeout:       30 * time.Second,
-		CollectInterval:   spoke.DefaultCollectInterval,
-		FileCheckInterval: 5 * time.Second,
-		InitialBackoff:    500 * time.Millisecond,
-		MaxBackoff:        30 * time.Second,
-		CacheSyncTimeout:  time.Minute,
-		MetricsAddress:    ":8080",
-		ShutdownGrace:     15 * time.Second,
-		MaxInFlight:       64,
-		KeepaliveTime:     10 * time.Second,
-		KeepaliveTimeout:  5 * time.Second,
+		Config:           identity.DefaultConfig(),
+		MaxExpiration:    time.Hour,
+		SpokeQPS:         50,
+		SpokeBurst:       100,
+		ResolveInterval:  30 * time.Second,
+		MintTimeout:      30 * time.Second,
+		CollectInterval:  spoke.DefaultCollectInterval,
+		InitialBackoff:   500 * time.Millisecond,
+		MaxBackoff:       30 * time.Second,
+		CacheSyncTimeout: time.Minute,
+		MetricsAddress:   ":8080",
+		ShutdownGrace:    15 * time.Second,
+		MaxInFlight:      64,
+		KeepaliveTime:    10 * time.Second,
+		KeepaliveTimeout: 5 * time.Second,
 
 		SpokeHealthInterval:         10 * time.Second,
 		SpokeHealthFailureThreshold: 3,
@@ -210,12 +200,8 @@ func (c *Config) Validate() error {
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(c.SpokeHealthInterval >= 0, "the spoke health interval must not be negative")
 	need(c.SpokeHealthInterval == 0 || c.SpokeHealthFailureThreshold > 0, "the spoke health failure threshold must be positive")
-	need(!c.TrustDomain.IsZero(), "the trust domain is required")
+	errs = append(errs, c.Config.Validate("agent"))
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
-	if err := identity.CheckSourceChoice(c.SPIFFEEndpointSocket, c.SVIDCertFile, c.SVIDKeyFile, c.TrustBundleFile); err != nil {
-		errs = append(errs, err)
-	}
-	need(c.SPIFFEID.IsZero() || c.SPIFFEID.MemberOf(c.TrustDomain), "the agent's SPIFFE ID %s is not in trust domain %q", c.SPIFFEID, c.TrustDomain)
 	need(c.Spoke != nil, "a spoke client config is required")
 	need(c.SpokeQPS > 0 && !math.IsInf(float64(c.SpokeQPS), 0) && !math.IsNaN(float64(c.SpokeQPS)) && c.SpokeBurst > 0,
 		"the spoke QPS and burst must be positive and finite")

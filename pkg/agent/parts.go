@@ -45,15 +45,11 @@ type parts struct {
 // Cluster's default ID when Cluster is set, else the first of TrustDomain.
 func (a *Agent) newIdentity(*parts) (err error) {
 	cfg := a.cfg
-	id := cfg.SPIFFEID
-	if id.IsZero() && cfg.Cluster != (types.NamespacedName{}) {
+	var id spiffeid.ID
+	if cfg.SPIFFEID.IsZero() && cfg.Cluster != (types.NamespacedName{}) {
 		id = spiffeid.RequireFromPath(cfg.TrustDomain, "/clusterprofile/"+cfg.Cluster.Namespace+"/"+cfg.Cluster.Name)
 	}
-	a.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
-		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
-		EndpointSocket: cfg.SPIFFEEndpointSocket, ID: id,
-		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
-	})
+	a.svid, err = cfg.NewSource(context.Background(), id, cfg.Log.WithName("svid"))
 	return err
 }
 

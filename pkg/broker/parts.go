@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -37,19 +36,12 @@ type hub struct {
 	accessReviews timedAccessReviews
 }
 
-// newIdentity loads the broker's SVID source, its ID spiffe://<td>/broker
-// unless SPIFFEID says otherwise, and the exchange port's key pair.
+// newIdentity loads the broker's SVID source, its ID
+// spiffe://<td>/broker unless SPIFFEID says otherwise, and the exchange
+// port's key pair.
 func (b *Broker) newIdentity(*hub) (err error) {
 	cfg := b.cfg
-	id := cfg.SPIFFEID
-	if id.IsZero() {
-		id = spiffeid.RequireFromPath(cfg.TrustDomain, "/broker")
-	}
-	if b.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
-		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
-		EndpointSocket: cfg.SPIFFEEndpointSocket, ID: id,
-		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
-	}); err != nil {
+	if b.svid, err = cfg.NewSource(context.Background(), identity.DefaultBrokerID(cfg.TrustDomain), cfg.Log.WithName("svid")); err != nil {
 		return err
 	}
 	b.keyPair, err = identity.NewKeyPairFile(cfg.TLSCertFile, cfg.TLSKeyFile, cfg.FileCheckInterval, cfg.Log.WithName("tls"))
