@@ -144,7 +144,7 @@ type Config struct {
 func Default() Config {
 	return Config{
 		Config:           identity.DefaultConfig(),
-		MaxExpiration:    time.Hour,
+		MaxExpiration:    spoke.DefaultMaxExpiration,
 		SpokeQPS:         50,
 		SpokeBurst:       100,
 		ResolveInterval:  30 * time.Second,

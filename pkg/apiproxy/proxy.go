@@ -59,6 +59,13 @@ type Dialer interface {
 	Dial(ctx context.Context, cluster tunnel.ClusterRef) (net.Conn, error)
 }
 
+// The defaults of ProxyConfig.
+const (
+	DefaultMaxRequestsPerCluster  = 1000
+	DefaultMaxRequestsPerConsumer = 100
+	DefaultResponseHeaderTimeout  = time.Minute
+)
+
 // ProxyConfig configures a Proxy.
 type ProxyConfig struct {
 	Dialer    Dialer
@@ -67,10 +74,11 @@ type ProxyConfig struct {
 	// MaxRequestsPerCluster and MaxRequestsPerConsumer bound the requests
 	// in flight (watches and upgraded connections included) to one
 	// ClusterProfile, and of one hub consumer to one ClusterProfile.
-	// Defaults 1000 and 100.
+	// Defaults DefaultMaxRequestsPerCluster (1000) and
+	// DefaultMaxRequestsPerConsumer (100).
 	MaxRequestsPerCluster, MaxRequestsPerConsumer int
 	// ResponseHeaderTimeout bounds the wait for the spoke's answer to
-	// start. Default 60s.
+	// start. Default DefaultResponseHeaderTimeout (60s).
 	ResponseHeaderTimeout time.Duration
 	// RecheckInterval is how often a request in flight checks that its
 	// grant is still live, and ends when it is not. Default 500ms.
@@ -107,13 +115,13 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		return nil, errors.New("apiproxy: Dialer, Grants and Upstreams are required")
 	}
 	if cfg.MaxRequestsPerCluster <= 0 {
-		cfg.MaxRequestsPerCluster = 1000
+		cfg.MaxRequestsPerCluster = DefaultMaxRequestsPerCluster
 	}
 	if cfg.MaxRequestsPerConsumer <= 0 {
-		cfg.MaxRequestsPerConsumer = 100
+		cfg.MaxRequestsPerConsumer = DefaultMaxRequestsPerConsumer
 	}
 	if cfg.ResponseHeaderTimeout <= 0 {
-		cfg.ResponseHeaderTimeout = time.Minute
+		cfg.ResponseHeaderTimeout = DefaultResponseHeaderTimeout
 	}
 	if cfg.RecheckInterval <= 0 {
 		cfg.RecheckInterval = 500 * time.Millisecond

@@ -12,7 +12,9 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/internal/serverurl"
+	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/grants"
+	"github.com/credbroker/credbroker/pkg/hubkeys"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/token"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
@@ -231,8 +233,8 @@ func Default() Config {
 		PeerReviewBurst:             20,
 		NamespaceReviewRateLimit:    tokenexchange.DefaultNamespaceReviewRateLimit,
 		NamespaceReviewBurst:        tokenexchange.DefaultNamespaceReviewBurst,
-		IssuerKeysRefresh:           5 * time.Minute,
-		IssuerKeysMinRefresh:        15 * time.Second,
+		IssuerKeysRefresh:           hubkeys.DefaultRefreshInterval,
+		IssuerKeysMinRefresh:        hubkeys.DefaultMinRefreshInterval,
 		GrantRecheckInterval:        5 * time.Minute,
 		RBACDebounce:                2 * time.Second,
 		RBACDebounceMax:             5 * time.Second,
@@ -240,9 +242,9 @@ func Default() Config {
 		GrantReviewBurst:            20,
 		PublishLeaseName:            "credbroker-publisher",
 		PublishDisconnectGrace:      30 * time.Second,
-		ProxyMaxRequestsPerCluster:  1000,
-		ProxyMaxRequestsPerConsumer: 100,
-		ProxyResponseHeaderTimeout:  time.Minute,
+		ProxyMaxRequestsPerCluster:  apiproxy.DefaultMaxRequestsPerCluster,
+		ProxyMaxRequestsPerConsumer: apiproxy.DefaultMaxRequestsPerConsumer,
+		ProxyResponseHeaderTimeout:  apiproxy.DefaultResponseHeaderTimeout,
 		ProxyIdleTimeout:            90 * time.Second,
 	}
 }
