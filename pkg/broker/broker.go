@@ -116,8 +116,8 @@ func New(cfg Config) (b *Broker, err error) {
 			}
 		}
 	}()
-	h := &hub{}
-	for _, step := range []func(*hub) error{
+	h := &hubClients{}
+	for _, step := range []func(*hubClients) error{
 		b.newIdentity,
 		b.newHubClients,
 		b.newProfiles,

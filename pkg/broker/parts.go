@@ -24,9 +24,9 @@ import (
 // The steps of New: each builds one part of the Broker, in this file's
 // order, and returns an error that New wraps with "broker: ".
 
-// hub holds the hub clients that New's steps build the parts with; the
+// hubClients holds the hub clients that New's steps build the parts with; the
 // Broker keeps none of them but hubClient, for the publisher's Lease.
-type hub struct {
+type hubClients struct {
 	config    *rest.Config
 	client    kubernetes.Interface
 	inventory inventory.Interface
@@ -39,7 +39,7 @@ type hub struct {
 // newIdentity loads the broker's SVID source, its ID
 // spiffe://<td>/broker unless SPIFFEID says otherwise, and the exchange
 // port's key pair.
-func (b *Broker) newIdentity(*hub) (err error) {
+func (b *Broker) newIdentity(*hubClients) (err error) {
 	cfg := b.cfg
 	if b.svid, err = cfg.NewSource(context.Background(), identity.DefaultBrokerID(cfg.TrustDomain), cfg.Log.WithName("svid")); err != nil {
 		return err
@@ -49,7 +49,7 @@ func (b *Broker) newIdentity(*hub) (err error) {
 }
 
 // newHubClients builds the hub clients, with HubQPS and HubBurst.
-func (b *Broker) newHubClients(h *hub) (err error) {
+func (b *Broker) newHubClients(h *hubClients) (err error) {
 	h.config = rest.CopyConfig(b.cfg.Hub)
 	h.config.QPS, h.config.Burst = b.cfg.HubQPS, b.cfg.HubBurst
 	h.config.UserAgent = "credbroker-broker"
@@ -63,7 +63,7 @@ func (b *Broker) newHubClients(h *hub) (err error) {
 }
 
 // newProfiles builds the ClusterProfile informer and its index.
-func (b *Broker) newProfiles(h *hub) (err error) {
+func (b *Broker) newProfiles(h *hubClients) (err error) {
 	b.informers = inventoryinformers.NewSharedInformerFactory(h.inventory, b.cfg.InformerResync)
 	b.profiles, err = clusterprofile.New(clusterprofile.Config{
 		Informer:    b.informers.Apis().V1alpha1().ClusterProfiles().Informer(),
@@ -75,7 +75,7 @@ func (b *Broker) newProfiles(h *hub) (err error) {
 
 // newMetrics builds the process's one registry, in which every part
 // registers its own metrics, and the hub reviews it times.
-func (b *Broker) newMetrics(h *hub) error {
+func (b *Broker) newMetrics(h *hubClients) error {
 	reg, reviews, err := newRegistry(b.svid, b.informers.Apis().V1alpha1().ClusterProfiles().Informer())
 	if err != nil {
 		return err
@@ -88,7 +88,7 @@ func (b *Broker) newMetrics(h *hub) error {
 
 // newGrants builds the store of pending revokes and the registry of grants,
 // which learns the revokes that other replicas record.
-func (b *Broker) newGrants(h *hub) (err error) {
+func (b *Broker) newGrants(h *hubClients) (err error) {
 	if b.pending, err = newPendingStore(b.cfg, h.client, b); err != nil {
 		return err
 	}
@@ -109,7 +109,7 @@ func (b *Broker) newGrants(h *hub) (err error) {
 
 // newTunnel builds the AgentTunnel server and hooks it to the ClusterProfile
 // index and the SVID source.
-func (b *Broker) newTunnel(*hub) (err error) {
+func (b *Broker) newTunnel(*hubClients) (err error) {
 	cfg := b.cfg
 	if b.tunnel, err = tunnel.NewServer(tunnel.ServerConfig{
 		Resolver:             agentResolver{b.profiles},
@@ -147,7 +147,7 @@ func (b *Broker) newTunnel(*hub) (err error) {
 // newPublishing builds the publisher of the access provider, with
 // PublishAccessProvider, and registers the gauge of its conflicts, which
 // every replica exposes.
-func (b *Broker) newPublishing(h *hub) (err error) {
+func (b *Broker) newPublishing(h *hubClients) (err error) {
 	if b.cfg.PublishAccessProvider {
 		b.hubClient = h.client
 		if b.publisher, err = newPublisher(b.cfg, b, h.inventory); err != nil {
@@ -158,7 +158,7 @@ func (b *Broker) newPublishing(h *hub) (err error) {
 }
 
 // newExchange builds the hub issuer's keys and the TokenExchange service.
-func (b *Broker) newExchange(h *hub) (err error) {
+func (b *Broker) newExchange(h *hubClients) (err error) {
 	cfg := b.cfg
 	if b.keys, err = newIssuerKeys(cfg, h.client, b.registry); err != nil {
 		return err
@@ -193,7 +193,7 @@ func (b *Broker) newExchange(h *hub) (err error) {
 
 // newGrantsAPI builds the Grants service and the revocation triggers that
 // check the live grants again.
-func (b *Broker) newGrantsAPI(h *hub) (err error) {
+func (b *Broker) newGrantsAPI(h *hubClients) (err error) {
 	if b.grantsAPI, err = grants.NewService(grants.ServiceConfig{
 		Authenticator: b.exchange,
 		AccessReviews: h.accessReviews,
@@ -209,7 +209,7 @@ func (b *Broker) newGrantsAPI(h *hub) (err error) {
 
 // newServing builds the data path, the health server (NOT_SERVING until
 // Run) and binds the listeners.
-func (b *Broker) newServing(*hub) (err error) {
+func (b *Broker) newServing(*hubClients) (err error) {
 	if err := b.newDataPath(); err != nil {
 		return err
 	}
