@@ -111,6 +111,9 @@ func TestRollingRestartUnderLoad(t *testing.T) {
 	name := unique("rolling")
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke1, framework.FleetNamespace, name))
 	require.NoError(t, err)
+	// Its CredentialBrokerConnected condition outlives the test, and would
+	// make every broker that starts later wait for its agent.
+	t.Cleanup(func() { deleteClusterProfile(t, name) })
 	lease := unique("rolling-lease")
 	replicas := make([]framework.BrokerProcessOptions, 2)
 	procs := make([]*framework.Process, 2)
