@@ -3,7 +3,6 @@
 package main
 
 import (
-	"context"
 	"os"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
@@ -13,13 +12,5 @@ import (
 func main() {
 	cfg, audit, err := parseFlags(os.Args[1:])
 	cmdflags.ExitOnParse("broker", err)
-	cmdflags.Run(cfg.Log, "broker stopped", func(ctx context.Context) error { return run(ctx, cfg) }, audit)
-}
-
-func run(ctx context.Context, cfg broker.Config) error {
-	b, err := broker.New(cfg)
-	if err != nil {
-		return err
-	}
-	return b.Run(ctx)
+	cmdflags.Serve(cfg.Log, "broker stopped", broker.New, cfg, audit)
 }

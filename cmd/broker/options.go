@@ -7,7 +7,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spf13/pflag"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
@@ -20,27 +20,92 @@ The hub side of credbroker: TokenExchange and Grants for consumers, and
 AgentTunnel for spoke agents. Operational logs go to standard error, audit
 lines to --audit-log-path.`
 
+// options are the broker's flags that parseFlags turns into broker.Config
+// fields once they are parsed.
+type options struct {
+	kubeconfig, proxyCA string
+	identity            cmdflags.IdentityFlags
+	audit               cmdflags.AuditFlags
+}
+
 // parseFlags turns the command line into a validated broker.Config, whose
 // Audit logger writes to the returned audit log; the caller closes it on
 // exit. It returns cmdflags.ErrVersion for --version and an error wrapping
 // pflag.ErrHelp for --help.
 func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	cfg := broker.Default()
-	var kubeconfig, trustDomain, spiffeID string
-	var audit cmdflags.AuditFlags
+	var o options
 	fs, common := cmdflags.New("broker", usage)
+	addListenerFlags(fs, &cfg, &o)
+	addExchangeFlags(fs, &cfg)
+	addPublishFlags(fs, &cfg)
+	addCheckFlags(fs, &cfg)
+	addCapacityFlags(fs, &cfg)
+	addProxyFlags(fs, &cfg, &o)
+	o.audit.AddFlags(fs)
+	common.AddLogFlags()
+	if err := common.Parse(args); err != nil {
+		return cfg, nil, err
+	}
+
+	cfg.Log = common.Logger(os.Stderr).WithName("broker")
+	if err := o.complete(&cfg); err != nil {
+		return cfg, nil, err
+	}
+	if err := cfg.Validate(); err != nil {
+		return cfg, nil, err
+	}
+	// Opened last: nothing above can fail and leave the file open.
+	sink, err := o.audit.Open()
+	if err != nil {
+		return cfg, nil, err
+	}
+	cfg.Audit = cmdflags.AuditLogger(sink)
+	return cfg, sink, nil
+}
+
+// complete sets the fields of cfg that the parsed options o stand for.
+func (o *options) complete(cfg *broker.Config) (err error) {
+	if err := o.identity.Apply(); err != nil {
+		return err
+	}
+	if o.proxyCA != "" {
+		if cfg.ProxyCAData, err = os.ReadFile(o.proxyCA); err != nil {
+			return fmt.Errorf("--proxy-ca-file: %w", err)
+		}
+	}
+	if cfg.PendingRevokesNamespace == "" {
+		cfg.PendingRevokesNamespace = ownNamespace()
+	}
+	if cfg.Hub, err = clientcmd.BuildConfigFromFlags("", o.kubeconfig); err != nil {
+		return fmt.Errorf("hub config: %w", err)
+	}
+	return nil
+}
+
+// addListenerFlags adds the flags of the broker's listeners, its
+// certificates and SPIFFE identity, and the hub it serves.
+func addListenerFlags(fs *pflag.FlagSet, cfg *broker.Config, o *options) {
 	fs.StringVar(&cfg.ExchangeAddress, "exchange-address", cfg.ExchangeAddress, "address of the TokenExchange gRPC server (TLS) for consumers")
 	fs.StringVar(&cfg.AgentAddress, "agent-address", cfg.AgentAddress, "address of the AgentTunnel gRPC server (SPIFFE mTLS) for spoke agents")
 	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
 	fs.StringVar(&cfg.TLSCertFile, "tls-cert-file", "", "PEM serving certificate of the exchange port; reloaded on change (required)")
 	fs.StringVar(&cfg.TLSKeyFile, "tls-key-file", "", "PEM key of --tls-cert-file (required)")
-	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the broker, leaf first; reloaded on change (this or --spiffe-endpoint-socket)")
-	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file")
-	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain that agents' SVIDs chain to; with --svid-cert-file")
-	fs.StringVar(&cfg.SPIFFEEndpointSocket, "spiffe-endpoint-socket", "", "SPIFFE Workload API address serving the broker's SVID and bundle, e.g. unix:///run/spire/agent-sockets/spire-agent.sock (instead of the --svid-* and --trust-bundle-file files)")
-	fs.StringVar(&spiffeID, "spiffe-id", "", "the broker's own SPIFFE ID, which the Workload API's SVID must have (default spiffe://<trust-domain>/broker)")
-	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of the broker and the agents, e.g. fleet.example (required)")
-	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the hub; empty means the in-cluster config")
+	o.identity = cmdflags.IdentityFlags{
+		Whose:                "broker",
+		SVIDCertFileUsage:    "PEM X.509-SVID of the broker, leaf first; reloaded on change (this or --spiffe-endpoint-socket)",
+		TrustBundleFileUsage: "PEM CA certificates of the trust domain that agents' SVIDs chain to; with --svid-cert-file",
+		SPIFFEIDUsage:        "the broker's own SPIFFE ID, which the Workload API's SVID must have (default spiffe://<trust-domain>/broker)",
+		TrustDomainUsage:     "SPIFFE trust domain of the broker and the agents, e.g. fleet.example (required)",
+	}
+	o.identity.AddFlags(fs, &cfg.Config)
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig of the hub; empty means the in-cluster config")
+}
+
+// addExchangeFlags adds the flags of the exchanges: the hub client, the
+// tokens minted, the agent connections that carry the mints, and the
+// decision caches and rate limits.
+func addExchangeFlags(fs *pflag.FlagSet, cfg *broker.Config) {
 	fs.Var(cmdflags.Float32(&cfg.HubQPS), "hub-qps", "QPS of the hub client")
 	fs.IntVar(&cfg.HubBurst, "hub-burst", cfg.HubBurst, "burst of the hub client")
 	fs.StringVar(&cfg.Audience, "audience", cfg.Audience, "audience that consumers' hub tokens must carry")
@@ -59,6 +124,11 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.IntVar(&cfg.RateBurst, "rate-burst", cfg.RateBurst, "burst of mints and hub reviews allowed per consumer: a consumer's start with N ClusterProfiles costs 2N (a SubjectAccessReview and a mint each)")
 	fs.Float64Var(&cfg.ReviewRateLimit, "review-rate-limit", cfg.ReviewRateLimit, "TokenReviews per second of tokens not in the cache, all callers together")
 	fs.IntVar(&cfg.ReviewBurst, "review-burst", cfg.ReviewBurst, "burst of TokenReviews of tokens not in the cache")
+}
+
+// addPublishFlags adds the flags of the publisher of the access provider,
+// and of the wait for the agents before readiness.
+func addPublishFlags(fs *pflag.FlagSet, cfg *broker.Config) {
 	fs.BoolVar(&cfg.PublishAccessProvider, "publish-access-provider", cfg.PublishAccessProvider, "keep the --access-provider entry (server and CA that the agent advertises, and the exec extension) and the CredentialBrokerConnected condition in the status of every ClusterProfile with a connected agent; needs patch on clusterprofiles/status and a Lease (deploy/components/publish-access-provider)")
 	fs.StringVar(&cfg.PublishLeaseNamespace, "publish-lease-namespace", cfg.PublishLeaseNamespace, "namespace of the Lease that picks the one replica that publishes (the broker's own namespace)")
 	fs.StringVar(&cfg.PublishLeaseName, "publish-lease-name", cfg.PublishLeaseName, "name of that Lease")
@@ -66,6 +136,12 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.DurationVar(&cfg.AgentReconnectWindow, "agent-reconnect-window", cfg.AgentReconnectWindow, "how long a starting replica waits, at most, for the agents to find it before /readyz reports ready; sooner once every ClusterProfile the publishing replica reports connected has a stream here; 0 does not wait")
 	fs.BoolVar(&cfg.PublishControlPlaneHealthy, "publish-control-plane-healthy", cfg.PublishControlPlaneHealthy, "with --publish-access-provider, also keep the ControlPlaneHealthy condition (which multicluster-runtime gates on) from the agents' reports of their spoke's /readyz, on every ClusterProfile where no other field manager owns it; turn it on only when no cluster manager writes that condition")
 	fs.DurationVar(&cfg.PublishDisconnectGrace, "publish-disconnect-grace", cfg.PublishDisconnectGrace, "how long a ClusterProfile has no agent before its CredentialBrokerConnected condition turns False")
+}
+
+// addCheckFlags adds the flags of gRPC reflection, of the limits on
+// TokenReviews per peer and per namespace, of the hub issuer's keys, and of
+// the checks of live grants against hub RBAC.
+func addCheckFlags(fs *pflag.FlagSet, cfg *broker.Config) {
 	fs.BoolVar(&cfg.EnableReflection, "enable-reflection", cfg.EnableReflection, "serve gRPC server reflection on the exchange port, for debugging")
 	fs.Float64Var(&cfg.PeerReviewRateLimit, "peer-review-rate-limit", cfg.PeerReviewRateLimit, "TokenReviews per second of tokens not in the cache, per caller IP address")
 	fs.IntVar(&cfg.PeerReviewBurst, "peer-review-burst", cfg.PeerReviewBurst, "burst of TokenReviews of tokens not in the cache, per caller IP address")
@@ -79,59 +155,28 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	fs.DurationVar(&cfg.RBACDebounceMax, "rbac-debounce-max", cfg.RBACDebounceMax, "longest wait from a hub RBAC change to the check of live grants, however many changes follow")
 	fs.Float64Var(&cfg.GrantReviewRateLimit, "grant-review-rate-limit", cfg.GrantReviewRateLimit, "SubjectAccessReviews per second when live grants are checked again")
 	fs.IntVar(&cfg.GrantReviewBurst, "grant-review-burst", cfg.GrantReviewBurst, "burst of SubjectAccessReviews when live grants are checked again")
+}
+
+// addCapacityFlags adds the flags of the shutdown, of the streams and
+// grants a replica holds, and of profiling.
+func addCapacityFlags(fs *pflag.FlagSet, cfg *broker.Config) {
 	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the broker may take to finish the exchanges in flight and close its agent streams; keep it under the pod's terminationGracePeriodSeconds")
 	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", cfg.ShutdownDelay, "on SIGTERM, how long the broker, already not ready, still serves new calls, for the Service to drop it first (part of --shutdown-grace)")
 	fs.IntVar(&cfg.MaxStreamsPerCluster, "max-streams-per-cluster", cfg.MaxStreamsPerCluster, "agent streams one ClusterProfile may hold to this replica: at least its agents' count (one per node for a DaemonSet)")
 	fs.IntVar(&cfg.MaxGrantBytesPerCluster, "max-grant-bytes-per-cluster", cfg.MaxGrantBytesPerCluster, "bytes of the grants one ClusterProfile's agents report that this replica holds (about 50,000 grants by default); a report past it closes the agent's stream")
 	fs.Var(&positiveUint32Value{&cfg.MaxConcurrentStreams}, "max-concurrent-streams", "concurrent calls (HTTP/2 streams) per connection on both gRPC ports")
 	fs.BoolVar(&cfg.Profiling, "profiling", cfg.Profiling, "serve net/http/pprof under /debug/pprof/ on --metrics-address, for profiling (CPU, heap, allocs, mutex, block, goroutines)")
-	var proxyCA string
+}
+
+// addProxyFlags adds the flags of the API proxy.
+func addProxyFlags(fs *pflag.FlagSet, cfg *broker.Config, o *options) {
 	fs.StringVar(&cfg.ProxyAddress, "proxy-address", "", "address of the API proxy (TLS, with --tls-cert-file), which carries consumers' requests to the spoke API servers that agents offer through their data path; empty disables it")
 	fs.StringVar(&cfg.ProxyURL, "proxy-url", "", "https base URL of --proxy-address as consumers reach it, such as https://credbroker.credbroker-system.svc:8445; with --publish-access-provider, published with /clusters/<namespace>/<name> for a ClusterProfile whose agents offer a data path and advertise no server")
-	fs.StringVar(&proxyCA, "proxy-ca-file", "", "PEM CA bundle that verifies --proxy-url, published with it")
+	fs.StringVar(&o.proxyCA, "proxy-ca-file", "", "PEM CA bundle that verifies --proxy-url, published with it")
 	fs.IntVar(&cfg.ProxyMaxRequestsPerCluster, "proxy-max-requests-per-cluster", cfg.ProxyMaxRequestsPerCluster, "proxied requests in flight to one ClusterProfile (watches and upgraded connections included)")
 	fs.IntVar(&cfg.ProxyMaxRequestsPerConsumer, "proxy-max-requests-per-consumer", cfg.ProxyMaxRequestsPerConsumer, "proxied requests in flight of one hub consumer")
 	fs.DurationVar(&cfg.ProxyResponseHeaderTimeout, "proxy-response-header-timeout", cfg.ProxyResponseHeaderTimeout, "how long the API proxy waits for a spoke API server's answer to start")
 	fs.DurationVar(&cfg.ProxyIdleTimeout, "proxy-idle-timeout", cfg.ProxyIdleTimeout, "how long the API proxy keeps a consumer's idle connection open")
-	audit.AddFlags(fs)
-	common.AddLogFlags()
-	if err := common.Parse(args); err != nil {
-		return cfg, nil, err
-	}
-
-	cfg.Log = common.Logger(os.Stderr).WithName("broker")
-	var err error
-	if trustDomain != "" {
-		if cfg.TrustDomain, err = spiffeid.TrustDomainFromString(trustDomain); err != nil {
-			return cfg, nil, fmt.Errorf("--trust-domain: %w", err)
-		}
-	}
-	if spiffeID != "" {
-		if cfg.SPIFFEID, err = spiffeid.FromString(spiffeID); err != nil {
-			return cfg, nil, fmt.Errorf("--spiffe-id: %w", err)
-		}
-	}
-	if proxyCA != "" {
-		if cfg.ProxyCAData, err = os.ReadFile(proxyCA); err != nil {
-			return cfg, nil, fmt.Errorf("--proxy-ca-file: %w", err)
-		}
-	}
-	if cfg.PendingRevokesNamespace == "" {
-		cfg.PendingRevokesNamespace = ownNamespace()
-	}
-	if cfg.Hub, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
-		return cfg, nil, fmt.Errorf("hub config: %w", err)
-	}
-	if err := cfg.Validate(); err != nil {
-		return cfg, nil, err
-	}
-	// Opened last: nothing above can fail and leave the file open.
-	sink, err := audit.Open()
-	if err != nil {
-		return cfg, nil, err
-	}
-	cfg.Audit = cmdflags.AuditLogger(sink)
-	return cfg, sink, nil
 }
 
 // positiveUint32Value is a flag of a positive uint32.

@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"time"
@@ -101,6 +102,19 @@ func newProvider(args []string) (*plugin.Provider, error) {
 		return nil, err
 	}
 	return plugin.New(cfg)
+}
+
+// exitOnParse ends the process when newProvider returned err rather than a
+// provider: it prints the help or the version and exits 0, or prints err
+// as the plugin prints its errors and exits 2. It returns when err is nil.
+func exitOnParse(err error) {
+	switch {
+	case cmdflags.IsHelpOrVersion(err):
+		cmdflags.ExitOnParse("credbroker-plugin", err)
+	case err != nil:
+		fmt.Fprintf(os.Stderr, "[%s] %v\n", plugin.Name, err)
+		os.Exit(2)
+	}
 }
 
 // parseArgs turns the command line into a validated plugin.Config.

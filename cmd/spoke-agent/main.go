@@ -4,7 +4,6 @@
 package main
 
 import (
-	"context"
 	"os"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
@@ -14,13 +13,5 @@ import (
 func main() {
 	cfg, err := parseFlags(os.Args[1:])
 	cmdflags.ExitOnParse("spoke-agent", err)
-	cmdflags.Run(cfg.Log, "agent stopped", func(ctx context.Context) error { return run(ctx, cfg) })
-}
-
-func run(ctx context.Context, cfg agent.Config) error {
-	a, err := agent.New(cfg)
-	if err != nil {
-		return err
-	}
-	return a.Run(ctx)
+	cmdflags.Serve(cfg.Log, "agent stopped", agent.New, cfg)
 }

@@ -5,6 +5,7 @@ import (
 	"os"
 	"strings"
 
+	"github.com/spf13/pflag"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/clientcmd"
@@ -21,26 +22,55 @@ The spoke side of credbroker: it holds a stream to every broker replica and
 mints ServiceAccount tokens under the spoke's policy. Logs go to standard
 error.`
 
+// options are the agent's flags that parseFlags turns into agent.Config
+// fields once they are parsed.
+type options struct {
+	kubeconfig, brokerID, brokers, cluster, advertiseCA string
+	allowEscalating                                     []string
+	identity                                            cmdflags.IdentityFlags
+}
+
 // parseFlags turns the command line into a validated agent.Config. It
 // returns cmdflags.ErrVersion for --version and an error wrapping
 // pflag.ErrHelp for --help.
 func parseFlags(args []string) (agent.Config, error) {
 	cfg := agent.Default()
-	var kubeconfig, trustDomain, brokerID, brokers, cluster, spiffeID, advertiseCA string
-	var allowEscalating []string
+	var o options
 	fs, common := cmdflags.New("spoke-agent", usage)
-	fs.StringVar(&brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
-	fs.StringVar(&brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
-	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", "PEM X.509-SVID of the agent, spiffe://<td>/clusterprofile/<ns>/<name>; reloaded on change (this or --spiffe-endpoint-socket)")
-	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file")
-	fs.StringVar(&cfg.TrustBundleFile, "trust-bundle-file", "", "PEM CA certificates of the trust domain; with --svid-cert-file")
-	fs.StringVar(&cfg.SPIFFEEndpointSocket, "spiffe-endpoint-socket", "", "SPIFFE Workload API address serving the agent's SVID and bundle, e.g. unix:///run/spire/agent-sockets/spire-agent.sock (instead of the --svid-* and --trust-bundle-file files)")
-	fs.StringVar(&spiffeID, "spiffe-id", "", "the agent's own SPIFFE ID, which the Workload API's SVID must have (default: that of --cluster, spiffe://<trust-domain>/clusterprofile/<namespace>/<name>; without --cluster, the first SVID of the trust domain)")
-	fs.StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain (required)")
-	fs.StringVar(&cluster, "cluster", "", "namespace/name of the hub ClusterProfile this agent serves; a broker that admits it for another is refused (recommended)")
-	fs.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig of the spoke; empty means the in-cluster config")
+	addFlags(fs, &cfg, &o)
+	common.AddLogFlags()
+	if err := common.Parse(args); err != nil {
+		return cfg, err
+	}
+	cfg.Log = common.Logger(os.Stderr).WithName("spoke-agent")
+	if err := o.complete(&cfg); err != nil {
+		return cfg, err
+	}
+	if !fs.Changed("data-path") {
+		// On by default for a spoke whose server the hub is not told of,
+		// when the spoke config names the CA to send to the brokers.
+		cfg.DataPath = cfg.AdvertiseServer == "" && agent.CheckDataPath(cfg.Spoke) == nil
+	}
+	return cfg, cfg.Validate()
+}
+
+// addFlags adds the agent's flags to fs, which set cfg and o.
+func addFlags(fs *pflag.FlagSet, cfg *agent.Config, o *options) {
+	fs.StringVar(&o.brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
+	fs.StringVar(&o.brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
+	o.identity = cmdflags.IdentityFlags{
+		Whose:                "agent",
+		SVIDCertFileUsage:    "PEM X.509-SVID of the agent, spiffe://<td>/clusterprofile/<ns>/<name>; reloaded on change (this or --spiffe-endpoint-socket)",
+		TrustBundleFileUsage: "PEM CA certificates of the trust domain; with --svid-cert-file",
+		SPIFFEIDUsage: "the agent's own SPIFFE ID, which the Workload API's SVID must have (default: that of --cluster, " +
+			"spiffe://<trust-domain>/clusterprofile/<namespace>/<name>; without --cluster, the first SVID of the trust domain)",
+		TrustDomainUsage: "SPIFFE trust domain (required)",
+	}
+	o.identity.AddFlags(fs, &cfg.Config)
+	fs.StringVar(&o.cluster, "cluster", "", "namespace/name of the hub ClusterProfile this agent serves; a broker that admits it for another is refused (recommended)")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig of the spoke; empty means the in-cluster config")
 	fs.StringVar(&cfg.Namespace, "namespace", "", "only mint for ServiceAccounts of this namespace; empty means all")
-	fs.StringSliceVar(&allowEscalating, "allow-escalating-service-accounts", nil, "ServiceAccounts that the agent mints for even though they may create ServiceAccount tokens or impersonate, with which their tokens can outlive every revoke: namespace/name or namespace/* (every one of the namespace), comma-separated or repeated; default: none")
+	fs.StringSliceVar(&o.allowEscalating, "allow-escalating-service-accounts", nil, "ServiceAccounts that the agent mints for even though they may create ServiceAccount tokens or impersonate, with which their tokens can outlive every revoke: namespace/name or namespace/* (every one of the namespace), comma-separated or repeated; default: none")
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
 	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "bound on one TokenRequest; keep it at least the broker's --mint-timeout")
 	fs.DurationVar(&cfg.CollectInterval, "grant-collect-interval", cfg.CollectInterval, "how often to delete the grant Secrets of expired tokens, including those a previous agent left")
@@ -54,62 +84,49 @@ func parseFlags(args []string) (agent.Config, error) {
 	fs.DurationVar(&cfg.SpokeHealthInterval, "spoke-health-interval", cfg.SpokeHealthInterval, "how often to ask the spoke API server's /readyz and report it to the brokers, which keep ControlPlaneHealthy from it with --publish-control-plane-healthy; 0 turns it off")
 	fs.IntVar(&cfg.SpokeHealthFailureThreshold, "spoke-health-failure-threshold", cfg.SpokeHealthFailureThreshold, "failures of /readyz in a row before the agent reports the spoke not ready")
 	fs.StringVar(&cfg.AdvertiseServer, "advertise-server", "", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
-	fs.StringVar(&advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
+	fs.StringVar(&o.advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
 	fs.BoolVar(&cfg.DataPath, "data-path", false, "carry the broker's API proxy connections to this spoke's API server (konnectivity), for a hub that cannot reach it; default: on when --advertise-server is not set and the spoke config names its CA")
-	common.AddLogFlags()
-	if err := common.Parse(args); err != nil {
-		return cfg, err
-	}
-	cfg.Log = common.Logger(os.Stderr).WithName("spoke-agent")
+}
 
-	for _, b := range strings.Split(brokers, ",") {
+// complete sets the fields of cfg that the parsed options o stand for.
+func (o *options) complete(cfg *agent.Config) (err error) {
+	for _, b := range strings.Split(o.brokers, ",") {
 		if b = strings.TrimSpace(b); b != "" {
 			cfg.BrokerAddresses = append(cfg.BrokerAddresses, b)
 		}
 	}
-	if cluster != "" {
-		ns, name, ok := strings.Cut(cluster, "/")
+	if o.cluster != "" {
+		ns, name, ok := strings.Cut(o.cluster, "/")
 		if !ok || ns == "" || name == "" || strings.Contains(name, "/") {
-			return cfg, fmt.Errorf("--cluster %q: want namespace/name", cluster)
+			return fmt.Errorf("--cluster %q: want namespace/name", o.cluster)
 		}
 		cfg.Cluster = types.NamespacedName{Namespace: ns, Name: name}
 	}
-	for _, a := range allowEscalating {
+	for _, a := range o.allowEscalating {
 		n, err := spoke.ParseAllowEscalating(strings.TrimSpace(a))
 		if err != nil {
-			return cfg, fmt.Errorf("--allow-escalating-service-accounts: %w", err)
+			return fmt.Errorf("--allow-escalating-service-accounts: %w", err)
 		}
 		cfg.AllowEscalatingServiceAccounts = append(cfg.AllowEscalatingServiceAccounts, n)
 	}
-	var err error
-	if trustDomain != "" {
-		if cfg.TrustDomain, err = spiffeid.TrustDomainFromString(trustDomain); err != nil {
-			return cfg, fmt.Errorf("--trust-domain: %w", err)
-		}
+	if err := o.identity.Apply(); err != nil {
+		return err
+	}
+	if !cfg.TrustDomain.IsZero() {
 		cfg.BrokerID = fleet.BrokerID(cfg.TrustDomain)
 	}
-	if brokerID != "" {
-		if cfg.BrokerID, err = spiffeid.FromString(brokerID); err != nil {
-			return cfg, fmt.Errorf("--broker-spiffe-id: %w", err)
+	if o.brokerID != "" {
+		if cfg.BrokerID, err = spiffeid.FromString(o.brokerID); err != nil {
+			return fmt.Errorf("--broker-spiffe-id: %w", err)
 		}
 	}
-	if spiffeID != "" {
-		if cfg.SPIFFEID, err = spiffeid.FromString(spiffeID); err != nil {
-			return cfg, fmt.Errorf("--spiffe-id: %w", err)
+	if o.advertiseCA != "" {
+		if cfg.AdvertiseCAData, err = os.ReadFile(o.advertiseCA); err != nil {
+			return fmt.Errorf("--advertise-ca-file: %w", err)
 		}
 	}
-	if advertiseCA != "" {
-		if cfg.AdvertiseCAData, err = os.ReadFile(advertiseCA); err != nil {
-			return cfg, fmt.Errorf("--advertise-ca-file: %w", err)
-		}
+	if cfg.Spoke, err = clientcmd.BuildConfigFromFlags("", o.kubeconfig); err != nil {
+		return fmt.Errorf("spoke config: %w", err)
 	}
-	if cfg.Spoke, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
-		return cfg, fmt.Errorf("spoke config: %w", err)
-	}
-	if !fs.Changed("data-path") {
-		// On by default for a spoke whose server the hub is not told of,
-		// when the spoke config names the CA to send to the brokers.
-		cfg.DataPath = cfg.AdvertiseServer == "" && agent.CheckDataPath(cfg.Spoke) == nil
-	}
-	return cfg, cfg.Validate()
+	return nil
 }

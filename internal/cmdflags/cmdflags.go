@@ -197,6 +197,18 @@ func Run(log logr.Logger, msg string, fn func(context.Context) error, closers ..
 	os.Exit(ExitOK)
 }
 
+// Serve builds a service with newService(cfg) and runs it until SIGINT or
+// SIGTERM, under Run: log, msg and closers are Run's.
+func Serve[C any, S interface{ Run(context.Context) error }](log logr.Logger, msg string, newService func(C) (S, error), cfg C, closers ...io.Closer) {
+	Run(log, msg, func(ctx context.Context) error {
+		s, err := newService(cfg)
+		if err != nil {
+			return err
+		}
+		return s.Run(ctx)
+	}, closers...)
+}
+
 // Float32 returns a flag value of a finite float32 stored in p; the whole
 // value must be the number.
 func Float32(p *float32) pflag.Value { return &float32Value{p} }

@@ -8,6 +8,12 @@
 // JSON lines of log/slog with --log-format=json. -v raises the verbosity
 // in both.
 //
+// IdentityFlags are the SPIFFE identity flags that the broker and the
+// spoke agent share (--svid-cert-file, --spiffe-endpoint-socket,
+// --trust-domain, ...), bound to the identity.Config both their Configs
+// embed. Serve builds a service with its New and runs it until SIGINT or
+// SIGTERM, which is all their mains do once the flags are parsed.
+//
 // The broker's audit log (AuditFlags, AuditLogger) is JSON lines apart
 // from the operational logs, every string a caller or an agent can
 // influence passed through token.Redact, written line by line

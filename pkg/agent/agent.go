@@ -18,25 +18,19 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
-	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/sync/errgroup"
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	corev1listers "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/clock"
 
-	"github.com/credbroker/credbroker/pkg/apiproxy"
-	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/spoke"
 	"github.com/credbroker/credbroker/pkg/token"
 	"github.com/credbroker/credbroker/pkg/tunnel"
-	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
 // The Minter answers the brokers' revoke requests and reports the grants.
@@ -60,21 +54,11 @@ type Config struct {
 	// has its stream closed and retried with backoff. Empty: serve whichever
 	// ClusterProfile the broker maps the agent's SPIFFE ID to.
 	Cluster types.NamespacedName
-	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the agent's
-	// X.509-SVID and the bundle of TrustDomain, reloaded when they change.
-	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
-	// SPIFFEEndpointSocket, instead of the three files, is the SPIFFE
-	// Workload API (a SPIRE agent's socket) that serves the agent's SVID and
-	// bundle, such as unix:///run/spire/agent-sockets/spire-agent.sock.
-	SPIFFEEndpointSocket string
-	// SPIFFEID is the agent's own ID: of the SVIDs the Workload API serves,
-	// the agent takes the one with this ID and refuses others. Zero means
+	// Config is the agent's SPIFFE identity: its X.509-SVID and the bundle
+	// of TrustDomain, from files or the Workload API. A zero SPIFFEID means
 	// the default ID of Cluster, spiffe://<TrustDomain>/clusterprofile/<ns>/<name>,
-	// when Cluster is set, and else the first SVID in TrustDomain. The SVID
-	// files are used as they are.
-	SPIFFEID          spiffeid.ID
-	TrustDomain       spiffeid.TrustDomain
-	FileCheckInterval time.Duration
+	// when Cluster is set, and else the first SVID in TrustDomain.
+	identity.Config
 
 	// Spoke is the spoke API server's client config; the agent needs
 	// create on serviceaccounts/token, list/watch on serviceaccounts,
@@ -159,21 +143,21 @@ type Config struct {
 // Default returns a Config with every default set.
 func Default() Config {
 	return Config{
-		MaxExpiration:     time.Hour,
-		SpokeQPS:          50,
-		SpokeBurst:        100,
-		ResolveInterval:   30 * time.Second,
-		MintTimeout:       30 * time.Second,
-		CollectInterval:   spoke.DefaultCollectInterval,
-		FileCheckInterval: 5 * time.Second,
-		InitialBackoff:    500 * time.Millisecond,
-		MaxBackoff:        30 * time.Second,
-		CacheSyncTimeout:  time.Minute,
-		MetricsAddress:    ":8080",
-		ShutdownGrace:     15 * time.Second,
-		MaxInFlight:       64,
-		KeepaliveTime:     10 * time.Second,
-		KeepaliveTimeout:  5 * time.Second,
+		Config:           identity.DefaultConfig(),
+		MaxExpiration:    spoke.DefaultMaxExpiration,
+		SpokeQPS:         50,
+		SpokeBurst:       100,
+		ResolveInterval:  30 * time.Second,
+		MintTimeout:      30 * time.Second,
+		CollectInterval:  spoke.DefaultCollectInterval,
+		InitialBackoff:   500 * time.Millisecond,
+		MaxBackoff:       30 * time.Second,
+		CacheSyncTimeout: time.Minute,
+		MetricsAddress:   ":8080",
+		ShutdownGrace:    15 * time.Second,
+		MaxInFlight:      64,
+		KeepaliveTime:    10 * time.Second,
+		KeepaliveTimeout: 5 * time.Second,
 
 		SpokeHealthInterval:         10 * time.Second,
 		SpokeHealthFailureThreshold: 3,
@@ -216,12 +200,8 @@ func (c *Config) Validate() error {
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
 	need(c.SpokeHealthInterval >= 0, "the spoke health interval must not be negative")
 	need(c.SpokeHealthInterval == 0 || c.SpokeHealthFailureThreshold > 0, "the spoke health failure threshold must be positive")
-	need(!c.TrustDomain.IsZero(), "the trust domain is required")
+	errs = append(errs, c.Config.Validate("agent"))
 	need(!c.BrokerID.IsZero() && c.BrokerID.MemberOf(c.TrustDomain), "the broker SPIFFE ID must be in trust domain %q", c.TrustDomain)
-	if err := identity.CheckSourceChoice(c.SPIFFEEndpointSocket, c.SVIDCertFile, c.SVIDKeyFile, c.TrustBundleFile); err != nil {
-		errs = append(errs, err)
-	}
-	need(c.SPIFFEID.IsZero() || c.SPIFFEID.MemberOf(c.TrustDomain), "the agent's SPIFFE ID %s is not in trust domain %q", c.SPIFFEID, c.TrustDomain)
 	need(c.Spoke != nil, "a spoke client config is required")
 	need(c.SpokeQPS > 0 && !math.IsInf(float64(c.SpokeQPS), 0) && !math.IsNaN(float64(c.SpokeQPS)) && c.SpokeBurst > 0,
 		"the spoke QPS and burst must be positive and finite")
@@ -278,20 +258,6 @@ func New(cfg Config) (_ *Agent, err error) {
 	if cfg.Clock != nil {
 		a.clock = cfg.Clock
 	}
-	id := cfg.SPIFFEID
-	if id.IsZero() && cfg.Cluster != (types.NamespacedName{}) {
-		// Validate checked Cluster: its ID is always valid.
-		if id, err = fleet.AgentID(cfg.TrustDomain, cfg.Cluster); err != nil {
-			return nil, fmt.Errorf("agent: %w", err)
-		}
-	}
-	if a.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
-		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
-		EndpointSocket: cfg.SPIFFEEndpointSocket, ID: id,
-		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
-	}); err != nil {
-		return nil, fmt.Errorf("agent: %w", err)
-	}
 	defer func() {
 		if err != nil {
 			if c, ok := a.svid.(io.Closer); ok {
@@ -299,152 +265,19 @@ func New(cfg Config) (_ *Agent, err error) {
 			}
 		}
 	}()
-
-	if a.registry, a.metrics, err = newAgentRegistry(a.svid, cfg.BrokerAddresses); err != nil {
-		return nil, fmt.Errorf("agent: %w", err)
-	}
-
-	spokeConfig := rest.CopyConfig(cfg.Spoke)
-	spokeConfig.UserAgent = "credbroker-spoke-agent/" + Version
-	spokeConfig.QPS, spokeConfig.Burst = cfg.SpokeQPS, cfg.SpokeBurst
-	client, err := kubernetes.NewForConfig(spokeConfig)
-	if err != nil {
-		return nil, fmt.Errorf("agent: spoke client: %w", err)
-	}
-	// The escalation reviews have a client-side budget of their own: a new
-	// ServiceAccount costs four of them besides its mint's three writes,
-	// and neither should wait on the other.
-	reviewClient, err := kubernetes.NewForConfig(spokeConfig)
-	if err != nil {
-		return nil, fmt.Errorf("agent: spoke client: %w", err)
-	}
-	if cfg.SpokeHealthInterval > 0 {
-		a.spoke, a.health = client.Discovery().RESTClient(), tunnel.NewSpokeHealth()
-	}
-	a.informers = informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(cfg.Namespace))
-	sas := a.informers.Core().V1().ServiceAccounts()
-	a.sas = sas.Lister()
-	// The agent reads its grants from a watch: restart collection,
-	// revocation by credential id and the hello's snapshot cost no list.
-	a.grants = spoke.NewGrantInformer(client, cfg.Namespace)
-	a.synced = []cache.InformerSynced{sas.Informer().HasSynced, a.grants.HasSynced}
-	minter, err := spoke.New(spoke.Config{
-		Tokens:          countedTokens{spoke.NewTokenCreator(client), a.metrics},
-		ServiceAccounts: sas.Lister(),
-		Grants:          spoke.NewGrantStore(client, cfg.Namespace),
-		GrantCache:      a.grants.GetIndexer(),
-		CollectInterval: cfg.CollectInterval,
-		MaxExpiration:   cfg.MaxExpiration,
-		Access:          spoke.NewAccessReviewer(reviewClient),
-		AllowEscalating: cfg.AllowEscalatingServiceAccounts,
-		Clock:           cfg.Clock,
-		Log:             cfg.Log.WithName("mint"),
-	})
-	if err != nil {
-		return nil, fmt.Errorf("agent: %w", err)
-	}
-	if _, err := a.grants.AddEventHandler(minter.GrantEvents()); err != nil {
-		return nil, fmt.Errorf("agent: watch grants: %w", err)
-	}
-
-	a.minter = minter
-	// Withdrawing an opt-in or an audience revokes the grants it allowed.
-	if _, err := sas.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		UpdateFunc: func(old, now any) {
-			o, ok1 := old.(*corev1.ServiceAccount)
-			n, ok2 := now.(*corev1.ServiceAccount)
-			if ok1 && ok2 {
-				minter.PolicyChanged(o, n)
-			}
-		},
-	}); err != nil {
-		return nil, fmt.Errorf("agent: watch ServiceAccount policy: %w", err)
-	}
-
-	creds := identity.ClientCredentials(a.svid, a.svid, cfg.BrokerID)
-	hello := &pb.Hello{AgentVersion: Version, Server: cfg.AdvertiseServer, CertificateAuthorityData: cfg.AdvertiseCAData}
-	var backend *apiproxy.Backend
-	if cfg.DataPath {
-		dp, err := dataPathOf(cfg.Spoke)
-		if err != nil {
+	p := &parts{}
+	for _, step := range []func(*parts) error{
+		a.newIdentity,
+		a.newMetrics,
+		a.newSpokeClients,
+		a.newInformers,
+		a.newMinter,
+		a.newHello,
+		a.newTargets,
+		a.newListener,
+	} {
+		if err := step(p); err != nil {
 			return nil, fmt.Errorf("agent: %w", err)
-		}
-		hello.DataPath = &pb.DataPath{ServerName: dp.serverName, CertificateAuthorityData: dp.caData}
-		if backend, err = apiproxy.NewBackend(apiproxy.BackendConfig{
-			Credentials: creds, APIServer: dp.address, AgentID: cfg.SPIFFEID.String(), Log: cfg.Log.WithName("datapath"),
-		}); err != nil {
-			return nil, fmt.Errorf("agent: %w", err)
-		}
-	}
-	fanouts := map[string]*fanout{} // by target, filled below
-	clientConfig := func(target, addr string) tunnel.ClientConfig {
-		return tunnel.ClientConfig{
-			Address:          addr,
-			Credentials:      creds,
-			Minter:           instrumented{minter, a.metrics},
-			Grants:           minter,
-			Hello:            hello,
-			SpokeHealth:      a.health,
-			Cluster:          clusterString(cfg.Cluster),
-			MintTimeout:      cfg.MintTimeout,
-			MaxInFlight:      cfg.MaxInFlight,
-			Keepalive:        cfg.KeepaliveTime,
-			KeepaliveTimeout: cfg.KeepaliveTimeout,
-			DrainTimeout:     cfg.ShutdownGrace,
-			Serving:          func(up bool) { a.countServing(target, up) },
-			OnBrokerDrain:    fanouts[target].resolveSoon,
-			InitialBackoff:   cfg.InitialBackoff,
-			MaxBackoff:       cfg.MaxBackoff,
-			Log:              cfg.Log.WithName("tunnel"),
-		}
-	}
-	a.clients = map[*tunnel.Client]struct{}{}
-	// A rotated SVID gets a stream of its own to every broker before the
-	// streams of the old one drain: the old streams end at its NotAfter.
-	identity.SVIDChanges(a.svid, func(svid *x509svid.SVID) {
-		cfg.Log.Info("SVID rotated; renewing the broker streams", "id", svid.ID.String(), "expires", svid.Certificates[0].NotAfter)
-		a.mu.Lock()
-		defer a.mu.Unlock()
-		for c := range a.clients {
-			c.Rotate()
-		}
-	})
-	serve := func(ctx context.Context, target, addr string, connected func()) error {
-		c, err := tunnel.NewClient(clientConfig(target, addr))
-		if err != nil {
-			return err
-		}
-		a.mu.Lock()
-		a.clients[c] = struct{}{}
-		a.mu.Unlock()
-		defer func() {
-			a.mu.Lock()
-			delete(a.clients, c)
-			a.mu.Unlock()
-		}()
-		go func() {
-			select {
-			case <-c.Connected():
-				connected()
-			case <-ctx.Done():
-			}
-		}()
-		if backend != nil {
-			go backend.Serve(ctx, addr)
-		}
-		return c.Run(ctx)
-	}
-	for _, target := range cfg.BrokerAddresses {
-		f := newFanout(target, cfg.ResolveInterval, net.DefaultResolver.LookupHost, func(ctx context.Context, addr string, connected func()) error {
-			return serve(ctx, target, addr, connected)
-		}, cfg.Log.WithName("brokers"))
-		f.onStreams = a.metrics.targetAddresses.WithLabelValues(target).Set
-		fanouts[target] = f
-		a.addTarget(f)
-	}
-	if cfg.MetricsAddress != "" {
-		if a.metricsLis, err = net.Listen("tcp", cfg.MetricsAddress); err != nil {
-			return nil, fmt.Errorf("agent: metrics listener: %w", err)
 		}
 	}
 	return a, nil

@@ -6,13 +6,11 @@ import (
 	"crypto/subtle"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"net/http/httputil"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -61,6 +59,13 @@ type Dialer interface {
 	Dial(ctx context.Context, cluster fleet.ClusterRef) (net.Conn, error)
 }
 
+// The defaults of ProxyConfig.
+const (
+	DefaultMaxRequestsPerCluster  = 1000
+	DefaultMaxRequestsPerConsumer = 100
+	DefaultResponseHeaderTimeout  = time.Minute
+)
+
 // ProxyConfig configures a Proxy.
 type ProxyConfig struct {
 	Dialer    Dialer
@@ -69,10 +74,11 @@ type ProxyConfig struct {
 	// MaxRequestsPerCluster and MaxRequestsPerConsumer bound the requests
 	// in flight (watches and upgraded connections included) to one
 	// ClusterProfile, and of one hub consumer to one ClusterProfile.
-	// Defaults 1000 and 100.
+	// Defaults DefaultMaxRequestsPerCluster (1000) and
+	// DefaultMaxRequestsPerConsumer (100).
 	MaxRequestsPerCluster, MaxRequestsPerConsumer int
 	// ResponseHeaderTimeout bounds the wait for the spoke's answer to
-	// start. Default 60s.
+	// start. Default DefaultResponseHeaderTimeout (60s).
 	ResponseHeaderTimeout time.Duration
 	// RecheckInterval is how often a request in flight checks that its
 	// grant is still live, and ends when it is not. Default 500ms.
@@ -109,13 +115,13 @@ func NewProxy(cfg ProxyConfig) (*Proxy, error) {
 		return nil, errors.New("apiproxy: Dialer, Grants and Upstreams are required")
 	}
 	if cfg.MaxRequestsPerCluster <= 0 {
-		cfg.MaxRequestsPerCluster = 1000
+		cfg.MaxRequestsPerCluster = DefaultMaxRequestsPerCluster
 	}
 	if cfg.MaxRequestsPerConsumer <= 0 {
-		cfg.MaxRequestsPerConsumer = 100
+		cfg.MaxRequestsPerConsumer = DefaultMaxRequestsPerConsumer
 	}
 	if cfg.ResponseHeaderTimeout <= 0 {
-		cfg.ResponseHeaderTimeout = time.Minute
+		cfg.ResponseHeaderTimeout = DefaultResponseHeaderTimeout
 	}
 	if cfg.RecheckInterval <= 0 {
 		cfg.RecheckInterval = 500 * time.Millisecond
@@ -152,54 +158,41 @@ func URL(base string, cluster types.NamespacedName) string {
 	return strings.TrimSuffix(base, "/") + PathPrefix + cluster.Namespace + "/" + cluster.Name
 }
 
+// request is what ServeHTTP learns of one request as it checks it, for
+// the forwarding and the audit line.
+type request struct {
+	cluster types.NamespacedName
+	// path is the spoke's path of the request.
+	path         string
+	bearer       string
+	credentialID string
+	user         string // set once the token is authorized
+	up           Upstream
+}
+
 // ServeHTTP forwards r to the spoke API server of the ClusterProfile its
 // path names, or refuses it.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := p.cfg.Clock.Now()
 	rw := &recorder{ResponseWriter: w}
 	var (
-		cluster      types.NamespacedName
-		credentialID string
-		user         string // set once the token is authorized
-		err          error
-		ctx          context.Context
+		req request
+		err error
+		ctx context.Context
 	)
 	defer func() {
 		if ctx != nil && err == nil {
 			// A revoke, or the consumer leaving, ended the request.
 			err = context.Cause(ctx)
 		}
-		p.done(rw, r, cluster, credentialID, user, err, p.cfg.Clock.Since(start))
+		p.done(rw, r, req.cluster, req.credentialID, req.user, err, p.cfg.Clock.Since(start))
 	}()
 
-	cluster, path, err := ParsePath(r.URL.Path)
-	if err != nil {
-		err = fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+	if err = p.check(r, &req); err != nil {
 		writeStatus(rw, err)
 		return
 	}
-	bearer, ok := bearerOf(r)
-	if !ok {
-		err = fmt.Errorf("no bearer token: send the spoke token that credbroker minted for ClusterProfile %s: %w", cluster, errdefs.ErrUnauthenticated)
-		writeStatus(rw, err)
-		return
-	}
-	credentialID = token.ID(bearer)
-	grant, err := p.authorize(bearer, credentialID, cluster)
-	if err != nil {
-		writeStatus(rw, err)
-		return
-	}
-	user = grant.GetSubject().GetUsername()
-	up, err := p.cfg.Upstreams.Upstream(cluster)
-	if err == nil && string(up.Cluster.UID) != grant.GetClusterUid() {
-		err = fmt.Errorf("the token was minted for an earlier ClusterProfile %s, deleted since: %w", cluster, errdefs.ErrUnauthenticated)
-	}
-	if err != nil {
-		writeStatus(rw, err)
-		return
-	}
-	release, err := p.admit(cluster, user)
+	release, err := p.admit(req.cluster, req.user)
 	if err != nil {
 		writeStatus(rw, err)
 		return
@@ -211,24 +204,15 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var cancel context.CancelCauseFunc
 	ctx, cancel = context.WithCancelCause(r.Context())
 	defer cancel(nil)
-	go p.watchGrant(ctx, cancel, credentialID)
+	go p.watchGrant(ctx, cancel, req.credentialID)
 
-	transport, err := p.transport(up)
+	transport, err := p.transport(req.up)
 	if err != nil {
 		writeStatus(rw, err)
 		return
 	}
 	rp := &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.Out.URL.Scheme, pr.Out.URL.Host = "https", up.ServerName
-			pr.Out.URL.Path, pr.Out.URL.RawPath = path, ""
-			pr.Out.Host = up.ServerName
-			// The spoke authenticates the token that was checked here and
-			// no other: a Connection header can name Authorization as
-			// hop-by-hop, and a WebSocket subprotocol can carry a bearer.
-			pr.Out.Header.Set("Authorization", "Bearer "+bearer)
-			dropBearerProtocols(pr.Out.Header)
-		},
+		Rewrite:       req.rewrite,
 		Transport:     transport,
 		FlushInterval: -1,
 		ErrorLog:      nil,
@@ -236,11 +220,49 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
 				e = cause
 			}
-			err = fmt.Errorf("proxy to the API server of ClusterProfile %s: %v: %w", cluster, redactError(e, bearer), errdefs.ErrUnavailable)
+			err = fmt.Errorf("proxy to the API server of ClusterProfile %s: %v: %w", req.cluster, redactError(e, req.bearer), errdefs.ErrUnavailable)
 			writeStatus(w, err)
 		},
 	}
 	rp.ServeHTTP(rw, r.WithContext(ctx))
+}
+
+// check fills req from r, or returns why r is refused: its path must name
+// a ClusterProfile, its bearer token must be a live token minted for it,
+// and that ClusterProfile's incarnation must have an Upstream.
+func (p *Proxy) check(r *http.Request, req *request) (err error) {
+	if req.cluster, req.path, err = ParsePath(r.URL.Path); err != nil {
+		return fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+	}
+	bearer, ok := bearerOf(r)
+	if !ok {
+		return fmt.Errorf("no bearer token: send the spoke token that credbroker minted for ClusterProfile %s: %w", req.cluster, errdefs.ErrUnauthenticated)
+	}
+	req.bearer, req.credentialID = bearer, token.ID(bearer)
+	grant, err := p.authorize(req.bearer, req.credentialID, req.cluster)
+	if err != nil {
+		return err
+	}
+	req.user = grant.GetSubject().GetUsername()
+	if req.up, err = p.cfg.Upstreams.Upstream(req.cluster); err != nil {
+		return err
+	}
+	if string(req.up.Cluster.UID) != grant.GetClusterUid() {
+		return fmt.Errorf("the token was minted for an earlier ClusterProfile %s, deleted since: %w", req.cluster, errdefs.ErrUnauthenticated)
+	}
+	return nil
+}
+
+// rewrite sends the request to the spoke API server that req names.
+func (req *request) rewrite(pr *httputil.ProxyRequest) {
+	pr.Out.URL.Scheme, pr.Out.URL.Host = "https", req.up.ServerName
+	pr.Out.URL.Path, pr.Out.URL.RawPath = req.path, ""
+	pr.Out.Host = req.up.ServerName
+	// The spoke authenticates the token that was checked here and no
+	// other: a Connection header can name Authorization as hop-by-hop, and
+	// a WebSocket subprotocol can carry a bearer.
+	pr.Out.Header.Set("Authorization", "Bearer "+req.bearer)
+	dropBearerProtocols(pr.Out.Header)
 }
 
 // authorize returns the live grant of the bearer, which must be for
@@ -343,154 +365,4 @@ func (p *Proxy) transport(up Upstream) (*http.Transport, error) {
 	}
 	p.transports[key] = t
 	return t, nil
-}
-
-// done writes the request's audit line and metrics.
-func (p *Proxy) done(rw *recorder, r *http.Request, cluster types.NamespacedName, credentialID, user string, err error, took time.Duration) {
-	code := rw.code
-	if code == 0 {
-		code = http.StatusOK
-	}
-	// Only a ClusterProfile that a live token was authorized for labels
-	// the metrics: anyone may send any path.
-	label := ""
-	if user != "" {
-		label = cluster.String()
-	}
-	p.metrics.requests.WithLabelValues(label, strconv.Itoa(code)).Inc()
-	p.metrics.bytes.WithLabelValues(label).Add(float64(rw.bytes))
-	kv := []any{"credentialID", credentialID, "cluster", cluster.String(), "user", user, "verb", r.Method,
-		"path", clip(r.URL.Path), "code", code, "bytes", rw.bytes, "durationSeconds", took.Seconds()}
-	if err != nil {
-		kv = append(kv, "reason", err.Error())
-	}
-	p.cfg.Audit.Info("apiproxy request", kv...)
-}
-
-// webSocketBearerPrefix starts a WebSocket subprotocol in which
-// kube-apiserver accepts a bearer token (base64url-encoded).
-const webSocketBearerPrefix = "base64url.bearer.authorization.k8s.io."
-
-// dropBearerProtocols removes from h's Sec-WebSocket-Protocol the
-// subprotocols that carry a bearer token.
-func dropBearerProtocols(h http.Header) {
-	values := h.Values("Sec-WebSocket-Protocol")
-	if len(values) == 0 {
-		return
-	}
-	var keep []string
-	for _, v := range values {
-		for p := range strings.SplitSeq(v, ",") {
-			if p = strings.TrimSpace(p); p != "" && !strings.HasPrefix(p, webSocketBearerPrefix) {
-				keep = append(keep, p)
-			}
-		}
-	}
-	h.Del("Sec-WebSocket-Protocol")
-	if len(keep) > 0 {
-		h.Set("Sec-WebSocket-Protocol", strings.Join(keep, ", "))
-	}
-}
-
-// bearerOf returns the request's bearer token.
-func bearerOf(r *http.Request) (string, bool) {
-	v := r.Header.Values("Authorization")
-	if len(v) != 1 {
-		return "", false
-	}
-	scheme, tok, ok := strings.Cut(v[0], " ")
-	if !ok || !strings.EqualFold(scheme, "Bearer") || tok == "" {
-		return "", false
-	}
-	return strings.TrimSpace(tok), true
-}
-
-// writeStatus answers err as the Kubernetes API does, with a Status whose
-// code and reason follow err's errdefs sentinel.
-func writeStatus(w http.ResponseWriter, err error) {
-	code, reason := http.StatusBadGateway, "ServiceUnavailable"
-	switch {
-	case errors.Is(err, errdefs.ErrUnauthenticated):
-		code, reason = http.StatusUnauthorized, "Unauthorized"
-	case errors.Is(err, errdefs.ErrNotFound):
-		code, reason = http.StatusNotFound, "NotFound"
-	case errors.Is(err, errdefs.ErrResourceExhausted):
-		code, reason = http.StatusTooManyRequests, "TooManyRequests"
-		w.Header().Set("Retry-After", "1")
-	case errors.Is(err, errdefs.ErrUnavailable):
-		code, reason = http.StatusServiceUnavailable, "ServiceUnavailable"
-	}
-	body, _ := json.Marshal(map[string]any{
-		"kind": "Status", "apiVersion": "v1", "metadata": map[string]any{},
-		"status": "Failure", "message": "credbroker: " + err.Error(), "reason": reason, "code": code,
-	})
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("X-Content-Type-Options", "nosniff")
-	w.WriteHeader(code)
-	_, _ = w.Write(body)
-}
-
-// redactError returns err's text without the bearer in it.
-func redactError(err error, bearer string) string {
-	return strings.ReplaceAll(err.Error(), bearer, "[redacted]")
-}
-
-func clip(s string) string {
-	const max = 256
-	if len(s) > max {
-		return s[:max] + "…"
-	}
-	return s
-}
-
-// recorder counts what is written to a response; Unwrap gives
-// http.ResponseController the writer beneath, to flush and to hijack.
-type recorder struct {
-	http.ResponseWriter
-	code  int
-	bytes int64
-}
-
-func (r *recorder) WriteHeader(code int) {
-	if r.code == 0 {
-		r.code = code
-	}
-	r.ResponseWriter.WriteHeader(code)
-}
-
-func (r *recorder) Write(b []byte) (int, error) {
-	if r.code == 0 {
-		r.code = http.StatusOK
-	}
-	n, err := r.ResponseWriter.Write(b)
-	r.bytes += int64(n)
-	return n, err
-}
-
-func (r *recorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
-
-type proxyMetrics struct {
-	requests *prometheus.CounterVec
-	bytes    *prometheus.CounterVec
-}
-
-func newProxyMetrics(reg prometheus.Registerer) (*proxyMetrics, error) {
-	m := &proxyMetrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "credbroker_apiproxy_requests_total",
-			Help: "Requests to the API proxy, by ClusterProfile (empty unless a live token of it was authorized) and HTTP code.",
-		}, []string{"cluster", "code"}),
-		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "credbroker_apiproxy_response_bytes_total",
-			Help: "Response body bytes the API proxy wrote, by ClusterProfile.",
-		}, []string{"cluster"}),
-	}
-	if reg != nil {
-		for _, c := range []prometheus.Collector{m.requests, m.bytes} {
-			if err := reg.Register(c); err != nil {
-				return nil, fmt.Errorf("apiproxy: register metrics: %w", err)
-			}
-		}
-	}
-	return m, nil
 }

@@ -37,7 +37,6 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/clock"
 	agentpb "sigs.k8s.io/apiserver-network-proxy/proto/agent"
-	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
 	inventoryinformers "sigs.k8s.io/cluster-inventory-api/client/informers/externalversions"
 
 	"github.com/credbroker/credbroker/internal/probe"
@@ -118,166 +117,21 @@ func New(cfg Config) (b *Broker, err error) {
 			}
 		}
 	}()
-
-	id := cfg.SPIFFEID
-	if id.IsZero() {
-		id = fleet.BrokerID(cfg.TrustDomain)
-	}
-	if b.svid, err = identity.NewSource(context.Background(), identity.SourceConfig{
-		CertFile: cfg.SVIDCertFile, KeyFile: cfg.SVIDKeyFile, BundleFile: cfg.TrustBundleFile,
-		EndpointSocket: cfg.SPIFFEEndpointSocket, ID: id,
-		TrustDomain: cfg.TrustDomain, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("svid"),
-	}); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-	if b.keyPair, err = identity.NewKeyPairFile(cfg.TLSCertFile, cfg.TLSKeyFile, cfg.FileCheckInterval, cfg.Log.WithName("tls")); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-
-	hub := rest.CopyConfig(cfg.Hub)
-	hub.QPS, hub.Burst = cfg.HubQPS, cfg.HubBurst
-	hub.UserAgent = "credbroker-broker"
-	hubClient, err := kubernetes.NewForConfig(hub)
-	if err != nil {
-		return nil, fmt.Errorf("broker: hub client: %w", err)
-	}
-	inventoryClient, err := inventory.NewForConfig(hub)
-	if err != nil {
-		return nil, fmt.Errorf("broker: hub inventory client: %w", err)
-	}
-	b.informers = inventoryinformers.NewSharedInformerFactory(inventoryClient, cfg.InformerResync)
-	if b.profiles, err = clusterprofile.New(clusterprofile.Config{
-		Informer:    b.informers.Apis().V1alpha1().ClusterProfiles().Informer(),
-		TrustDomain: cfg.TrustDomain,
-		Log:         cfg.Log.WithName("clusterprofiles"),
-	}); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-
-	// One registry per process: every part registers its own metrics in it.
-	var reviews *hubReviewMetrics
-	if b.registry, reviews, err = newRegistry(b.svid, b.informers.Apis().V1alpha1().ClusterProfiles().Informer()); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-	tokenReviews := timedTokenReviews{hubClient.AuthenticationV1().TokenReviews(), reviews}
-	accessReviews := timedAccessReviews{hubClient.AuthorizationV1().SubjectAccessReviews(), reviews}
-
-	if b.pending, err = newPendingStore(cfg, hubClient, b); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-	// The registry revokes through the tunnel server, which feeds it.
-	if b.grants, err = grants.NewRegistry(grants.RegistryConfig{
-		Revoker:                 tunnelRevoker{b},
-		Pending:                 b.pending,
-		MaxGrantBytesPerCluster: cfg.MaxGrantBytesPerCluster,
-		MaxGrantLifetime:        cfg.MaxExpiration,
-		RetryInterval:           cfg.MintTimeout,
-		Log:                     cfg.Log.WithName("grants"),
-	}); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-	b.pending.OnChange(func(revokes []grants.PendingRevoke) { b.grants.Learn(context.Background(), revokes) })
-	if b.tunnel, err = tunnel.NewServer(tunnel.ServerConfig{
-		Resolver:             agentResolver{b.profiles},
-		Peer:                 identity.PeerSVID,
-		Bundles:              b.svid,
-		MintTimeout:          cfg.MintTimeout,
-		MaxStreamsPerCluster: cfg.MaxStreamsPerCluster,
-		Log:                  cfg.Log.WithName("tunnel"),
-		Audit:                cfg.Audit,
-		Grants:               b.grants,
-		Registerer:           b.registry,
-		OnSessionsChange: func(key types.NamespacedName) {
-			if b.publisher != nil {
-				b.publisher.Enqueue(key)
-			}
-		},
-	}); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-	b.profiles.OnChange(func(key types.NamespacedName, _ types.UID) {
-		// The grants of a deleted or replaced ClusterProfile are revoked
-		// first, since the revoke travels on its agent's streams, which
-		// Revalidate then closes. Off the informer's goroutine: a revoke
-		// waits for the agent, for at most the triggers' RevokeTimeout.
-		go func() {
-			b.triggers.ClusterProfileChanged(context.Background(), key)
-			b.tunnel.Revalidate(key)
-		}()
-	})
-	// A new bundle may have dropped the CA of a connected agent.
-	b.svid.OnChange(b.tunnel.Reverify)
-
-	if cfg.PublishAccessProvider {
-		b.hubClient = hubClient
-		if b.publisher, err = newPublisher(cfg, b, inventoryClient); err != nil {
+	h := &hubClients{}
+	for _, step := range []func(*hubClients) error{
+		b.newIdentity,
+		b.newHubClients,
+		b.newProfiles,
+		b.newMetrics,
+		b.newGrants,
+		b.newTunnel,
+		b.newPublishing,
+		b.newExchange,
+		b.newGrantsAPI,
+		b.newServing,
+	} {
+		if err := step(h); err != nil {
 			return nil, fmt.Errorf("broker: %w", err)
-		}
-	}
-	if err := b.registry.Register(advertisedConflicts(b)); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-
-	if b.keys, err = newIssuerKeys(cfg, hubClient, b.registry); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-
-	if b.exchange, err = tokenexchange.New(tokenexchange.Config{
-		TokenReviews:    tokenReviews,
-		AccessReviews:   accessReviews,
-		Verifier:        b.keys,
-		Clusters:        clusterLookup{profiles: b.profiles, provider: cfg.AccessProviderName},
-		Minter:          b.tunnel,
-		Grants:          b.grants,
-		Audience:        cfg.Audience,
-		MaxExpiration:   cfg.MaxExpiration,
-		AuthnTTL:        cfg.AuthnTTL,
-		AllowTTL:        cfg.AllowTTL,
-		DenyTTL:         cfg.DenyTTL,
-		RateLimit:       rate.Limit(cfg.RateLimit),
-		RateBurst:       cfg.RateBurst,
-		ReviewRateLimit: rate.Limit(cfg.ReviewRateLimit),
-		ReviewBurst:     cfg.ReviewBurst,
-		Log:             cfg.Log.WithName("exchange"),
-		Audit:           cfg.Audit,
-		Registerer:      b.registry,
-
-		PeerReviewRateLimit:      rate.Limit(cfg.PeerReviewRateLimit),
-		PeerReviewBurst:          cfg.PeerReviewBurst,
-		NamespaceReviewRateLimit: rate.Limit(cfg.NamespaceReviewRateLimit),
-		NamespaceReviewBurst:     cfg.NamespaceReviewBurst,
-	}); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-
-	if b.grantsAPI, err = grants.NewService(grants.ServiceConfig{
-		Authenticator: b.exchange,
-		AccessReviews: accessReviews,
-		Grants:        b.grants,
-		Log:           cfg.Log.WithName("grants"),
-		Audit:         cfg.Audit,
-	}); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-	if b.triggers, err = newTriggers(cfg, hub, hubClient, accessReviews, b); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-	if err := b.newDataPath(); err != nil {
-		return nil, fmt.Errorf("broker: %w", err)
-	}
-
-	b.health = health.NewServer()
-	b.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
-
-	if b.exchangeLis, err = net.Listen("tcp", cfg.ExchangeAddress); err != nil {
-		return nil, fmt.Errorf("broker: exchange listener: %w", err)
-	}
-	if b.agentLis, err = net.Listen("tcp", cfg.AgentAddress); err != nil {
-		return nil, fmt.Errorf("broker: agent listener: %w", err)
-	}
-	if cfg.MetricsAddress != "" {
-		if b.metricsLis, err = net.Listen("tcp", cfg.MetricsAddress); err != nil {
-			return nil, fmt.Errorf("broker: metrics listener: %w", err)
 		}
 	}
 	return b, nil

@@ -7,13 +7,14 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/internal/serverurl"
+	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/grants"
+	"github.com/credbroker/credbroker/pkg/hubkeys"
 	"github.com/credbroker/credbroker/pkg/identity"
 	"github.com/credbroker/credbroker/pkg/token"
 	"github.com/credbroker/credbroker/pkg/tokenexchange"
@@ -32,28 +33,21 @@ type Config struct {
 	// TLSCertFile and TLSKeyFile are the exchange port's serving certificate,
 	// reloaded when they change.
 	TLSCertFile, TLSKeyFile string
-	// SVIDCertFile, SVIDKeyFile and TrustBundleFile are the broker's X.509-SVID
-	// and the bundle of TrustDomain, reloaded when they change.
-	SVIDCertFile, SVIDKeyFile, TrustBundleFile string
-	// SPIFFEEndpointSocket, instead of the three files, is the SPIFFE
-	// Workload API (a SPIRE agent's socket) that serves the broker's SVID and
-	// bundle, such as unix:///run/spire/agent-sockets/spire-agent.sock.
-	SPIFFEEndpointSocket string
-	// SPIFFEID is the broker's own ID: of the SVIDs the Workload API serves,
-	// the broker takes the one with this ID and refuses others. Zero means
-	// spiffe://<TrustDomain>/broker. The SVID files are used as they are.
-	SPIFFEID    spiffeid.ID
-	TrustDomain spiffeid.TrustDomain
+	// Config is the broker's SPIFFE identity: its X.509-SVID and the bundle
+	// of TrustDomain, from files or the Workload API. A zero SPIFFEID means
+	// spiffe://<TrustDomain>/broker (fleet.BrokerID).
+	// FileCheckInterval is also how often the broker reads TLSCertFile,
+	// TLSKeyFile and IssuerJWKSFile again.
+	identity.Config
 
 	// Hub is the hub API server's client config. Its QPS and Burst are
 	// raised to HubQPS and HubBurst: every exchange that misses the
 	// decision caches costs a TokenReview and a SubjectAccessReview.
-	Hub               *rest.Config
-	HubQPS            float32
-	HubBurst          int
-	InformerResync    time.Duration
-	CacheSyncTimeout  time.Duration
-	FileCheckInterval time.Duration
+	Hub              *rest.Config
+	HubQPS           float32
+	HubBurst         int
+	InformerResync   time.Duration
+	CacheSyncTimeout time.Duration
 	// ShutdownGrace bounds the drain when Run's context ends: the broker
 	// turns not ready, tells its agents, refuses new calls and streams,
 	// finishes the exchanges in flight (and their mints), then closes the
@@ -206,6 +200,7 @@ type Config struct {
 // chosen per installation (files, hub config, trust domain).
 func Default() Config {
 	return Config{
+		Config:                      identity.DefaultConfig(),
 		ExchangeAddress:             ":8443",
 		AgentAddress:                ":8444",
 		MetricsAddress:              ":8080",
@@ -218,7 +213,6 @@ func Default() Config {
 		MaxStreamsPerCluster:        512,
 		MaxConcurrentStreams:        1000,
 		MaxGrantBytesPerCluster:     grants.DefaultMaxGrantBytesPerCluster,
-		FileCheckInterval:           5 * time.Second,
 		Audience:                    "credbroker",
 		PendingRevokesNamespace:     "credbroker-system",
 		MaxExpiration:               time.Hour,
@@ -239,8 +233,8 @@ func Default() Config {
 		PeerReviewBurst:             20,
 		NamespaceReviewRateLimit:    tokenexchange.DefaultNamespaceReviewRateLimit,
 		NamespaceReviewBurst:        tokenexchange.DefaultNamespaceReviewBurst,
-		IssuerKeysRefresh:           5 * time.Minute,
-		IssuerKeysMinRefresh:        15 * time.Second,
+		IssuerKeysRefresh:           hubkeys.DefaultRefreshInterval,
+		IssuerKeysMinRefresh:        hubkeys.DefaultMinRefreshInterval,
 		GrantRecheckInterval:        5 * time.Minute,
 		RBACDebounce:                2 * time.Second,
 		RBACDebounceMax:             5 * time.Second,
@@ -248,9 +242,9 @@ func Default() Config {
 		GrantReviewBurst:            20,
 		PublishLeaseName:            "credbroker-publisher",
 		PublishDisconnectGrace:      30 * time.Second,
-		ProxyMaxRequestsPerCluster:  1000,
-		ProxyMaxRequestsPerConsumer: 100,
-		ProxyResponseHeaderTimeout:  time.Minute,
+		ProxyMaxRequestsPerCluster:  apiproxy.DefaultMaxRequestsPerCluster,
+		ProxyMaxRequestsPerConsumer: apiproxy.DefaultMaxRequestsPerConsumer,
+		ProxyResponseHeaderTimeout:  apiproxy.DefaultResponseHeaderTimeout,
 		ProxyIdleTimeout:            90 * time.Second,
 	}
 }
@@ -266,11 +260,7 @@ func (c *Config) Validate() error {
 	need(c.ExchangeAddress != "", "the exchange address is required")
 	need(c.AgentAddress != "", "the agent address is required")
 	need(c.TLSCertFile != "" && c.TLSKeyFile != "", "a TLS certificate and key for the exchange port are required")
-	if err := identity.CheckSourceChoice(c.SPIFFEEndpointSocket, c.SVIDCertFile, c.SVIDKeyFile, c.TrustBundleFile); err != nil {
-		errs = append(errs, err)
-	}
-	need(!c.TrustDomain.IsZero(), "the trust domain is required")
-	need(c.SPIFFEID.IsZero() || c.SPIFFEID.MemberOf(c.TrustDomain), "the broker's SPIFFE ID %s is not in trust domain %q", c.SPIFFEID, c.TrustDomain)
+	errs = append(errs, c.Config.Validate("broker"))
 	need(c.Hub != nil, "a hub client config is required")
 	// A rate of +Inf would switch its limiter off; NaN fails > 0.
 	finite := func(f float64) bool { return f > 0 && !math.IsInf(f, 1) }

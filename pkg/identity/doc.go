@@ -24,7 +24,9 @@
 //     A reload that fails is logged and the last good SVID stays in use.
 //
 // Both serve the bundle of one trust domain only. CheckSourceChoice is the
-// rule that exactly one of the two is configured. Nothing here writes a
+// rule that exactly one of the two is configured. Config is that choice as
+// the broker's and the agent's Configs embed it, with its own Validate and
+// a NewSource that supplies the process's default ID. Nothing here writes a
 // certificate or key to disk.
 //
 // On the broker:

@@ -153,11 +153,7 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 	// client-go sends the token to spec.cluster.server. Without it there
 	// is nothing to check the broker's answer against, so no token is
 	// asked for.
-	var execServer string
-	if in.Spec.Cluster != nil {
-		execServer = in.Spec.Cluster.Server
-	}
-	if execServer == "" {
+	if in.Spec.Cluster == nil || in.Spec.Cluster.Server == "" {
 		return none, fmt.Errorf("exchange for cluster %s: ExecCredential has no spec.cluster.server to check the cluster's "+
 			"server against; set provideClusterInfo: true in the exec config: %w", cluster, errdefs.ErrFailedPrecondition)
 	}
@@ -168,14 +164,23 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 	if err != nil {
 		return none, err
 	}
+	resp, err := p.exchange(ctx, cluster, hubToken)
+	if err != nil {
+		return none, err
+	}
+	return credential(cluster, in.Spec.Cluster, resp)
+}
 
+// exchange asks the broker for a token of cluster with the consumer's
+// hubToken, waiting out the refusals of its rate limit for MaxRetryWait.
+func (p *Provider) exchange(ctx context.Context, cluster Reference, hubToken string) (*credbrokerv1alpha1.ExchangeResponse, error) {
 	// Each exchange has Timeout; the waits a rate limit asks for add at
 	// most MaxRetryWait.
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout+max(p.cfg.MaxRetryWait, 0))
 	defer cancel()
 	conn, err := brokerclient.Dial(p.cfg.BrokerAddress, p.creds, "credbroker-plugin")
 	if err != nil {
-		return none, fmt.Errorf("exchange for cluster %s: %w", cluster, err)
+		return nil, fmt.Errorf("exchange for cluster %s: %w", cluster, err)
 	}
 	defer func() { _ = conn.Close() }()
 
@@ -188,7 +193,7 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 		req.ServiceAccount = &credbrokerv1alpha1.ObjectReference{Namespace: sa.Namespace, Name: sa.Name}
 	}
 	x := credbrokerv1alpha1.NewTokenExchangeClient(conn)
-	resp, err := brokerclient.WaitAndRetry(ctx, p.cfg.MaxRetryWait, p.sleep, func() (*credbrokerv1alpha1.ExchangeResponse, time.Duration, error) {
+	return brokerclient.WaitAndRetry(ctx, p.cfg.MaxRetryWait, p.sleep, func() (*credbrokerv1alpha1.ExchangeResponse, time.Duration, error) {
 		ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 		defer cancel()
 		var trailer metadata.MD
@@ -199,10 +204,13 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 		}
 		return resp, 0, nil
 	})
-	if err != nil {
-		return none, err
-	}
+}
 
+// credential returns the credential of the broker's answer resp for
+// cluster, once it has a token and a valid expiry and names the server and
+// CA of exec, where client-go sends the token.
+func credential(cluster Reference, exec *clientauthenticationv1.Cluster, resp *credbrokerv1alpha1.ExchangeResponse) (clientauthenticationv1.ExecCredentialStatus, error) {
+	var none clientauthenticationv1.ExecCredentialStatus
 	if resp.GetToken() == "" {
 		return none, fmt.Errorf("exchange for cluster %s: broker returned no token", cluster)
 	}
@@ -213,10 +221,10 @@ func (p *Provider) GetToken(ctx context.Context, in clientauthenticationv1.ExecC
 	if err := exp.CheckValid(); err != nil {
 		return none, fmt.Errorf("exchange for cluster %s: broker returned an invalid expiration time: %w", cluster, err)
 	}
-	if err := sameServer(cluster, execServer, resp.GetServer()); err != nil {
+	if err := sameServer(cluster, exec.Server, resp.GetServer()); err != nil {
 		return none, err
 	}
-	if err := sameCA(cluster, execServer, in.Spec.Cluster.CertificateAuthorityData, resp.GetCertificateAuthorityData()); err != nil {
+	if err := sameCA(cluster, exec.Server, exec.CertificateAuthorityData, resp.GetCertificateAuthorityData()); err != nil {
 		return none, err
 	}
 	expiry := metav1.NewTime(exp.AsTime().UTC())

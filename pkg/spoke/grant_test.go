@@ -521,8 +521,9 @@ func TestRunRetriesAfterDeleteFails(t *testing.T) {
 		ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
 	require.NoError(t, err)
 	startRun(t, m, grants, clk)
+	// The sweep hands the expired grant to the deleter, which tries once.
+	require.Eventually(t, func() bool { return grants.Deletes() == 1 }, 5*time.Second, time.Millisecond)
 	assert.Equal(t, []string{"apps/expired"}, grants.Keys())
-	assert.Equal(t, 1, grants.Deletes())
 
 	grants.setDeleteErr(nil)
 	clk.Step(DefaultCollectInterval)

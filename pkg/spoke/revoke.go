@@ -113,21 +113,6 @@ func grantAudiences(grant *corev1.Secret) []string {
 	return audiences
 }
 
-// disallowed returns why sa's policy no longer allows grant's token, or ""
-// when it does.
-func disallowed(sa *corev1.ServiceAccount, grant *corev1.Secret) string {
-	// The groups are those the hub's TokenReview reported when the token was
-	// minted, as the grant recorded them: a grant allowed only by a group
-	// entry is revoked once that entry goes.
-	if !allows(sa, grant.Annotations[GrantHubUserAnnotation], splitGroups(grant.Annotations[GrantHubGroupsAnnotation])) {
-		return "the ServiceAccount no longer allows the hub user"
-	}
-	if allowAudiences(sa, grantAudiences(grant)) != nil {
-		return "the ServiceAccount no longer allows an audience of the token"
-	}
-	return ""
-}
-
 // revokeDisallowed deletes grant, of ServiceAccount sa, if sa's policy no
 // longer allows it.
 func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount, grant *corev1.Secret) error {

@@ -97,17 +97,31 @@ func TestBombsAreRefusedWithoutBeingAllocated(t *testing.T) {
 			}
 			// A bomber that sends nothing measures what this process
 			// allocates meanwhile on its own (informers, agents, timers),
-			// which the machine's load stretches.
-			idle := cfg
-			idle.Times = 0
-			idleBefore, idleAfter, _ := bombFromAnotherProcess(t, idle)
-			background := int64(idleAfter.TotalAlloc - idleBefore.TotalAlloc)
-			before, after, seen := bombFromAnotherProcess(t, cfg)
-			allocated := int64(after.TotalAlloc-before.TotalAlloc) - background
-			kept := int64(after.HeapAlloc) - int64(before.HeapAlloc)
-			require.Len(t, seen, bombs)
-			t.Logf("%s ×%d: %q; the test process allocated %s meanwhile beyond the %s of an idle bomber (the bombs: %s), heap %s → %s",
-				tc.name, bombs, seen[0], mib(allocated), mib(background), mib(bombs*bombSize), mib(int64(before.HeapAlloc)), mib(int64(after.HeapAlloc)))
+			// which the machine's load stretches. Work of its own that
+			// starts during the bombs (such as the brokers' revocation
+			// triggers after another test's RBAC changes) only adds, so
+			// up to three rounds are measured and the least is judged: a
+			// broker that allocates the bombs does so in every round.
+			var (
+				allocated, kept int64
+				seen            []string
+			)
+			for round := range 3 {
+				idle := cfg
+				idle.Times = 0
+				idleBefore, idleAfter, _ := bombFromAnotherProcess(t, idle)
+				background := int64(idleAfter.TotalAlloc - idleBefore.TotalAlloc)
+				var before, after runtime.MemStats
+				before, after, seen = bombFromAnotherProcess(t, cfg)
+				allocated = int64(after.TotalAlloc-before.TotalAlloc) - background
+				kept = int64(after.HeapAlloc) - int64(before.HeapAlloc)
+				require.Len(t, seen, bombs)
+				t.Logf("%s ×%d, round %d: %q; the test process allocated %s meanwhile beyond the %s of an idle bomber (the bombs: %s), heap %s → %s",
+					tc.name, bombs, round+1, seen[0], mib(allocated), mib(background), mib(bombs*bombSize), mib(int64(before.HeapAlloc)), mib(int64(after.HeapAlloc)))
+				if allocated < int64(bombs*bombSize/4) && kept < int64(bombs*bombSize/8) {
+					break
+				}
+			}
 			for _, s := range seen {
 				require.True(t, strings.HasPrefix(s, tc.want), "got %q, want %q…", s, tc.want)
 			}

@@ -1,6 +1,7 @@
 package faults
 
 import (
+	"context"
 	"io"
 	"net/http"
 	"strings"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/credbroker/credbroker/pkg/publish"
@@ -27,6 +29,9 @@ func TestReadinessWaitsForTheAgents(t *testing.T) {
 	name := unique("arrival")
 	cp, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke1, framework.FleetNamespace, name))
 	require.NoError(t, err)
+	// Its CredentialBrokerConnected condition outlives the test, and would
+	// make every broker that starts later wait for its agent.
+	t.Cleanup(func() { deleteClusterProfile(t, name) })
 	// The publishing replica says an agent of it is connected.
 	cp.Status.Conditions = append(cp.Status.Conditions, metav1.Condition{
 		Type: publish.ConditionType, Status: metav1.ConditionTrue, Reason: publish.ReasonAgentConnected, LastTransitionTime: metav1.Now(),
@@ -89,4 +94,14 @@ func get(url string) (int, string, error) {
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	return resp.StatusCode, strings.TrimSpace(string(b)), err
+}
+
+// deleteClusterProfile deletes the ClusterProfile fleet/name, if it is
+// still there.
+func deleteClusterProfile(t *testing.T, name string) {
+	t.Helper()
+	err := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Delete(context.Background(), name, metav1.DeleteOptions{})
+	if !apierrors.IsNotFound(err) {
+		assert.NoError(t, err)
+	}
 }
