@@ -76,27 +76,46 @@ func (r *Registry) Update(ctx context.Context, cluster fleet.ClusterRef, u *pb.G
 // new one's.
 func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame string, u *pb.GrantUpdate) error {
 	now := r.cfg.Clock.Now()
-	// What each grant is, off the lock.
-	var (
-		adds  []*record
-		stale []string
-		at    = map[string]int{} // the last report of an id wins
-	)
-	latest := now.Add(r.cfg.MaxGrantLifetime + fleet.MaxClockSkew)
-	for _, g := range u.GetAdded() {
+	adds, stale, err := r.readAdded(cluster, frame, u.GetAdded(), now)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	r.expire(now)
+	retry := r.removeReported(cluster.NamespacedName, u.GetRemoved())
+	a := r.admit(cluster.NamespacedName, adds)
+	retry = append(retry, a.retry...)
+	if err = r.checkShare(cluster, frame, a.use); err == nil {
+		for _, rec := range a.take {
+			r.drop(rec.id)
+			r.put(rec)
+		}
+	}
+	r.mu.Unlock()
+	if len(a.taken) > 0 {
+		// One line per report, so that an agent cannot fill the log.
+		r.cfg.Log.Info("agent reported the credential id of another ClusterProfile's grant; ignored it",
+			"cluster", cluster.String(), "holder", a.taken[0].holder.String(), "credentialID", a.taken[0].id,
+			"state", a.taken[0].state, "frame", frame, "ignored", len(a.taken))
+	}
+	r.sendAgain(ctx, retry, false)
+	if len(stale) > 0 {
+		go r.revokeStale(context.WithoutCancel(ctx), cluster, stale)
+	}
+	return err
+}
+
+// readAdded reads what each grant of added, of an agent of cluster,
+// reported in frame, is, off the lock: the records of the live ones of
+// cluster, the last report of an id winning, and the ids of those minted
+// through another incarnation of cluster (stale). It refuses the report,
+// with an error, when a grant breaks a bound of RegistryConfig.
+func (r *Registry) readAdded(cluster fleet.ClusterRef, frame string, added []*pb.Grant, now time.Time) (adds []*record, stale []string, _ error) {
+	at := map[string]int{} // the last report of an id wins
+	for _, g := range added {
 		size := proto.Size(g)
-		switch {
-		case size > r.cfg.MaxGrantBytes:
-			return r.refuse(cluster, frame, "grantBytes", size, r.cfg.MaxGrantBytes,
-				fmt.Errorf("a grant of %d bytes, more than the %d bytes a grant may have: %w", size, r.cfg.MaxGrantBytes, errdefs.ErrInvalidArgument))
-		case len(g.GetCredentialId()) > MaxCredentialIDBytes:
-			return r.refuse(cluster, frame, "credentialIDBytes", len(g.GetCredentialId()), MaxCredentialIDBytes,
-				fmt.Errorf("a credential id of %d bytes, more than %d: %w", len(g.GetCredentialId()), MaxCredentialIDBytes, errdefs.ErrInvalidArgument))
-		case g.GetExpirationTime() != nil && g.GetExpirationTime().AsTime().After(latest):
-			return r.refuse(cluster, frame, "grantLifetime", int(g.GetExpirationTime().AsTime().Sub(now)/time.Second), int(latest.Sub(now)/time.Second),
-				fmt.Errorf("a grant that expires at %s, later than %s, the broker's maximum token lifetime (%s) and %s of clock skew from now: %w",
-					g.GetExpirationTime().AsTime().UTC().Format(time.RFC3339), latest.UTC().Format(time.RFC3339), r.cfg.MaxGrantLifetime,
-					fleet.MaxClockSkew, errdefs.ErrInvalidArgument))
+		if err := r.checkGrant(cluster, frame, g, size, now); err != nil {
+			return nil, nil, err
 		}
 		g, old := own(cluster, g)
 		if g == nil || !g.GetExpirationTime().AsTime().After(now) {
@@ -115,32 +134,70 @@ func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame s
 		at[rec.id] = len(adds)
 		adds = append(adds, rec)
 	}
+	return adds, stale, nil
+}
 
-	var retry []pendingRevoke
-	r.mu.Lock()
-	r.expire(now)
-	for _, id := range u.GetRemoved() {
-		if rec, ok := r.live[id]; ok && rec.cluster == cluster.NamespacedName {
+// checkGrant refuses g, of size bytes, reported by an agent of cluster in
+// frame, when it is larger than MaxGrantBytes, its credential id longer
+// than MaxCredentialIDBytes or its expiry past MaxGrantLifetime.
+func (r *Registry) checkGrant(cluster fleet.ClusterRef, frame string, g *pb.Grant, size int, now time.Time) error {
+	latest := now.Add(r.cfg.MaxGrantLifetime + fleet.MaxClockSkew)
+	switch {
+	case size > r.cfg.MaxGrantBytes:
+		return r.refuse(cluster, frame, "grantBytes", size, r.cfg.MaxGrantBytes,
+			fmt.Errorf("a grant of %d bytes, more than the %d bytes a grant may have: %w", size, r.cfg.MaxGrantBytes, errdefs.ErrInvalidArgument))
+	case len(g.GetCredentialId()) > MaxCredentialIDBytes:
+		return r.refuse(cluster, frame, "credentialIDBytes", len(g.GetCredentialId()), MaxCredentialIDBytes,
+			fmt.Errorf("a credential id of %d bytes, more than %d: %w", len(g.GetCredentialId()), MaxCredentialIDBytes, errdefs.ErrInvalidArgument))
+	case g.GetExpirationTime() != nil && g.GetExpirationTime().AsTime().After(latest):
+		return r.refuse(cluster, frame, "grantLifetime", int(g.GetExpirationTime().AsTime().Sub(now)/time.Second), int(latest.Sub(now)/time.Second),
+			fmt.Errorf("a grant that expires at %s, later than %s, the broker's maximum token lifetime (%s) and %s of clock skew from now: %w",
+				g.GetExpirationTime().AsTime().UTC().Format(time.RFC3339), latest.UTC().Format(time.RFC3339), r.cfg.MaxGrantLifetime,
+				fleet.MaxClockSkew, errdefs.ErrInvalidArgument))
+	}
+	return nil
+}
+
+// removeReported applies the removals of ids that an agent of cluster
+// reported, and returns the pending revokes among them, to send again.
+// r.mu is held.
+func (r *Registry) removeReported(cluster types.NamespacedName, ids []string) (retry []pendingRevoke) {
+	for _, id := range ids {
+		if rec, ok := r.live[id]; ok && rec.cluster == cluster {
 			r.drop(id)
 			r.markRevoked(id, rec.cluster, rec.expires, ReasonReportedDeleted, false)
 		}
-		if p, ok := r.pending[id]; ok && ClusterRef(p.grant).NamespacedName == cluster.NamespacedName {
+		if p, ok := r.pending[id]; ok && ClusterRef(p.grant).NamespacedName == cluster {
 			// A removal is one stream's word, and every stream of the
 			// cluster is sent the pending ids: the revoke stays pending,
 			// and recorded, until every agent instance confirms it.
 			retry = append(retry, p)
 		}
 	}
-	var take []*record
-	use := usage{}
-	if u := r.use[cluster.NamespacedName]; u != nil {
-		use = *u
+	return retry
+}
+
+// admission is what report makes of the grants an agent of a
+// ClusterProfile reported live.
+type admission struct {
+	take  []*record       // the grants to hold
+	use   usage           // the ClusterProfile's usage once they are held
+	retry []pendingRevoke // the revokes to send again
+	taken []heldElsewhere // the ids of other ClusterProfiles' grants, ignored
+}
+
+// admit sorts adds, reported by an agent of cluster: those of other
+// ClusterProfiles are ignored, those revoked or pending a revoke have it
+// sent again, and the rest are taken. r.mu is held.
+func (r *Registry) admit(cluster types.NamespacedName, adds []*record) admission {
+	var a admission
+	if u := r.use[cluster]; u != nil {
+		a.use = *u
 	}
-	var taken []heldElsewhere
 	for _, rec := range adds {
 		id := rec.id
-		if h, ok := r.heldElsewhere(id, cluster.NamespacedName); ok {
-			taken = append(taken, h)
+		if h, ok := r.heldElsewhere(id, cluster); ok {
+			a.taken = append(a.taken, h)
 			continue
 		}
 		if gone, ok := r.revoked[id]; ok {
@@ -154,48 +211,38 @@ func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame s
 			if !ok {
 				p = pendingRevoke{grant: rec.grant, reason: gone.reason}
 			}
-			retry = append(retry, p)
+			a.retry = append(a.retry, p)
 			continue
 		}
 		if p, ok := r.pending[id]; ok {
-			retry = append(retry, p)
+			a.retry = append(a.retry, p)
 		}
 		if old, ok := r.live[id]; ok {
-			use.bytes += rec.size - old.size
+			a.use.bytes += rec.size - old.size
 		} else {
-			use.grants++
-			use.bytes += rec.size
+			a.use.grants++
+			a.use.bytes += rec.size
 		}
-		take = append(take, rec)
+		a.take = append(a.take, rec)
 	}
-	var err error
+	return a
+}
+
+// checkShare refuses a report of an agent of cluster, in frame, whose
+// grants would make the ClusterProfile's usage pass MaxGrantsPerCluster or
+// MaxGrantBytesPerCluster.
+func (r *Registry) checkShare(cluster fleet.ClusterRef, frame string, use usage) error {
 	switch {
 	case use.grants > r.cfg.MaxGrantsPerCluster:
-		err = r.refuse(cluster, frame, "clusterGrants", use.grants, r.cfg.MaxGrantsPerCluster,
+		return r.refuse(cluster, frame, "clusterGrants", use.grants, r.cfg.MaxGrantsPerCluster,
 			fmt.Errorf("%d live grants for ClusterProfile %s, more than the %d it may have: %w",
 				use.grants, cluster, r.cfg.MaxGrantsPerCluster, errdefs.ErrResourceExhausted))
 	case use.bytes > r.cfg.MaxGrantBytesPerCluster:
-		err = r.refuse(cluster, frame, "clusterBytes", use.bytes, r.cfg.MaxGrantBytesPerCluster,
+		return r.refuse(cluster, frame, "clusterBytes", use.bytes, r.cfg.MaxGrantBytesPerCluster,
 			fmt.Errorf("%d bytes of grants for ClusterProfile %s, more than the %d it may have: %w",
 				use.bytes, cluster, r.cfg.MaxGrantBytesPerCluster, errdefs.ErrResourceExhausted))
-	default:
-		for _, rec := range take {
-			r.drop(rec.id)
-			r.put(rec)
-		}
 	}
-	r.mu.Unlock()
-	if len(taken) > 0 {
-		// One line per report, so that an agent cannot fill the log.
-		r.cfg.Log.Info("agent reported the credential id of another ClusterProfile's grant; ignored it",
-			"cluster", cluster.String(), "holder", taken[0].holder.String(), "credentialID", taken[0].id,
-			"state", taken[0].state, "frame", frame, "ignored", len(taken))
-	}
-	r.sendAgain(ctx, retry, false)
-	if len(stale) > 0 {
-		go r.revokeStale(context.WithoutCancel(ctx), cluster, stale)
-	}
-	return err
+	return nil
 }
 
 // heldElsewhere is a credential id that an agent reported for its own
