@@ -7,6 +7,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
+	"github.com/credbroker/credbroker/internal/probe"
 	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/publish"
 )
@@ -70,4 +71,26 @@ func (b *Broker) connectedSeen() bool {
 func (b *Broker) startedNow() {
 	now := b.cfg.Clock.Now()
 	b.started.Store(&now)
+}
+
+// Ready reports nil when the broker is ready to serve, or why not: the
+// ClusterProfile informer has synced, the hub issuer's keys are loaded, its
+// SVID is valid for more than probe.MinSVIDLifetime (a quarter of its
+// lifetime, if that is less), the agents have had their chance to find it
+// (agentsArrived), and it is not draining. /readyz answers it.
+func (b *Broker) Ready() error {
+	return probe.All(
+		probe.Synced("the ClusterProfile informer has not synced", b.profiles.HasSynced),
+		probe.Synced("the hub issuer's keys are not loaded", b.keys.Loaded),
+		probe.SVIDValid(b.svid, b.cfg.Clock, probe.MinSVIDLifetime),
+		b.agentsArrived,
+		probe.NotDraining(&b.draining),
+	)()
+}
+
+// alive answers /healthz. It takes the tunnel's session lock, which every
+// mint needs: a broker wedged there times the probe out and is restarted.
+func (b *Broker) alive() error {
+	b.tunnel.Connected(fleet.ClusterRef{})
+	return nil
 }

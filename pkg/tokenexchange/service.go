@@ -300,46 +300,8 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 		return nil, err
 	}
 
-	mintReq := &pb.MintRequest{
-		Subject:           &pb.Subject{Username: user.Username, Uid: user.UID, Groups: user.Groups},
-		ServiceAccount:    req.GetServiceAccount(),
-		Audiences:         r.audiences,
-		ExpirationSeconds: int64(r.expiration / time.Second),
-	}
 	key := tokenKey(cluster.Ref, user, r)
-	mint := func(ctx context.Context) (minted, time.Time, error) {
-		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
-			return minted{}, time.Time{}, err
-		}
-		issued := s.cfg.Clock.Now()
-		resp, err := s.cfg.Minter.Mint(ctx, cluster.Ref, mintReq)
-		if err != nil {
-			return minted{}, time.Time{}, err
-		}
-		// The agent may be compromised: nothing it says is cached, audited or
-		// answered before the token's own claims agree with the request.
-		m, err := checkAnswer(resp, r, s.cfg.Audience, s.cfg.Clock.Now(), s.cfg.MaxExpiration)
-		if err != nil {
-			s.cfg.Log.Error(err, "agent answer failed the broker's checks", "cluster", cluster.Ref.String(), "check", checkOf(err))
-			return minted{}, time.Time{}, fmt.Errorf("the agent of cluster %s answered with a token that failed the broker's checks: %w",
-				cluster.Ref, errdefs.ErrUnavailable)
-		}
-		s.record(ctx, cluster.Ref, user, m)
-		return m, store.Halfway(issued, m.expiry), nil
-	}
-	m, hit, err := s.tokens.Do(ctx, key, mint)
-	// A revoked token is never handed out: its cache entry goes, and a new
-	// token is minted in its place. A token the agent answers with that is
-	// known revoked already is the agent's failure.
-	for attempt := 0; err == nil && s.revoked(m); attempt++ {
-		s.tokens.Remove(key)
-		if attempt == maxRevokedRetries {
-			s.cfg.Log.Info("agent answered with a revoked token", "cluster", cluster.Ref.String(), "credentialID", m.credentialID)
-			err = fmt.Errorf("the agent of cluster %s answered with a token that was revoked: %w", cluster.Ref, errdefs.ErrUnavailable)
-			break
-		}
-		m, hit, err = s.tokens.Do(ctx, key, mint)
-	}
+	m, hit, err := s.unrevoked(ctx, key, cluster.Ref, s.minter(req, user, cluster.Ref, r))
 	rec.cacheHit = hit
 	if err != nil {
 		return nil, err
@@ -353,6 +315,58 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 		ServiceAccount:           &pb.ObjectReference{Namespace: m.serviceAccount.Namespace, Name: m.serviceAccount.Name},
 		CredentialId:             m.credentialID,
 	}, nil
+}
+
+// minter returns the mint, for user on cluster, of the token that req
+// (parsed as r) asks for, which the token cache calls when it holds none:
+// it spends the consumer's limit, asks the agent, checks its answer and
+// records the grant.
+func (s *Service) minter(req *pb.ExchangeRequest, user hubauth.User, cluster fleet.ClusterRef, r request) func(context.Context) (minted, time.Time, error) {
+	mintReq := &pb.MintRequest{
+		Subject:           &pb.Subject{Username: user.Username, Uid: user.UID, Groups: user.Groups},
+		ServiceAccount:    req.GetServiceAccount(),
+		Audiences:         r.audiences,
+		ExpirationSeconds: int64(r.expiration / time.Second),
+	}
+	return func(ctx context.Context) (minted, time.Time, error) {
+		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
+			return minted{}, time.Time{}, err
+		}
+		issued := s.cfg.Clock.Now()
+		resp, err := s.cfg.Minter.Mint(ctx, cluster, mintReq)
+		if err != nil {
+			return minted{}, time.Time{}, err
+		}
+		// The agent may be compromised: nothing it says is cached, audited or
+		// answered before the token's own claims agree with the request.
+		m, err := checkAnswer(resp, r, s.cfg.Audience, s.cfg.Clock.Now(), s.cfg.MaxExpiration)
+		if err != nil {
+			s.cfg.Log.Error(err, "agent answer failed the broker's checks", "cluster", cluster.String(), "check", checkOf(err))
+			return minted{}, time.Time{}, fmt.Errorf("the agent of cluster %s answered with a token that failed the broker's checks: %w",
+				cluster, errdefs.ErrUnavailable)
+		}
+		s.record(ctx, cluster, user, m)
+		return m, store.Halfway(issued, m.expiry), nil
+	}
+}
+
+// unrevoked returns the token of key from the cache, or one that mint
+// mints on cluster, and whether it came from the cache.
+func (s *Service) unrevoked(ctx context.Context, key string, cluster fleet.ClusterRef, mint func(context.Context) (minted, time.Time, error)) (minted, bool, error) {
+	m, hit, err := s.tokens.Do(ctx, key, mint)
+	// A revoked token is never handed out: its cache entry goes, and a new
+	// token is minted in its place. A token the agent answers with that is
+	// known revoked already is the agent's failure.
+	for attempt := 0; err == nil && s.revoked(m); attempt++ {
+		s.tokens.Remove(key)
+		if attempt == maxRevokedRetries {
+			s.cfg.Log.Info("agent answered with a revoked token", "cluster", cluster.String(), "credentialID", m.credentialID)
+			err = fmt.Errorf("the agent of cluster %s answered with a token that was revoked: %w", cluster, errdefs.ErrUnavailable)
+			break
+		}
+		m, hit, err = s.tokens.Do(ctx, key, mint)
+	}
+	return m, hit, err
 }
 
 // maxRevokedRetries bounds the mints that replace a revoked token in one
