@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -143,7 +144,7 @@ func proxyTo(server string) (*faultproxy.Proxy, error) {
 // slowTokenRequests delays every TokenRequest by slowSpoke.
 func slowTokenRequests(rt http.RoundTripper) http.RoundTripper {
 	return roundTripperFunc(func(r *http.Request) (*http.Response, error) {
-		if d := time.Duration(slowSpoke.Load()); d > 0 && r.Method == http.MethodPost {
+		if d := time.Duration(slowSpoke.Load()); d > 0 && r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/token") {
 			select {
 			case <-time.After(d):
 			case <-r.Context().Done():
