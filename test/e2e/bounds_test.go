@@ -338,14 +338,30 @@ func TestAgentReportsAreBounded(t *testing.T) {
 			return &pb.GrantUpdate{Added: []*pb.Grant{a.floodGrant(i, 30<<10, exp)}}
 		}
 		first := a.flood(t, 1200, grant)
-		before := heapMiB()
-		_, sizeBefore := a.held()
-		closes := a.flood(t, 1000, func(i int) *pb.GrantUpdate { return grant(1200 + i) })
-		n, size := a.held()
-		after := heapMiB()
-		t.Logf("1,000 grants of 30 KiB past 1,200: heap %.1f -> %.1f MiB (+%.1f), held %d grants of %d bytes (%d before), closes %v then %v",
-			before, after, after-before, n, size, sizeBefore, first, closes)
-		assert.Less(t, after-before, 16.0, "the broker's heap grew past the ClusterProfile's bound")
+		// The heap is this whole test process's, where other work (an
+		// earlier test's informers or triggers) may grow it meanwhile;
+		// that only adds, so up to three floods are measured and the
+		// least growth is judged: a broker that keeps what comes past the
+		// bound grows by it in every round.
+		var (
+			before, after, grew float64
+			n, size, sizeBefore int
+			closes              map[codes.Code]int
+		)
+		for round := range 3 {
+			before = heapMiB()
+			_, sizeBefore = a.held()
+			closes = a.flood(t, 1000, func(i int) *pb.GrantUpdate { return grant(1200 + 1000*round + i) })
+			n, size = a.held()
+			after = heapMiB()
+			grew = after - before
+			t.Logf("1,000 grants of 30 KiB past 1,200, round %d: heap %.1f -> %.1f MiB (+%.1f), held %d grants of %d bytes (%d before), closes %v then %v",
+				round+1, before, after, grew, n, size, sizeBefore, first, closes)
+			if grew < 16 {
+				break
+			}
+		}
+		assert.Less(t, grew, 16.0, "the broker's heap grew past the ClusterProfile's bound")
 		assert.LessOrEqual(t, size, grants.DefaultMaxGrantBytesPerCluster)
 		assert.Positive(t, closes[codes.ResourceExhausted], "the broker did not close the stream with ResourceExhausted")
 		logLine(t, `"msg"="agent grant report refused; closing the stream"`, `"cluster"="fleet/flood-budget"`, `"bound"="clusterBytes"`)
