@@ -37,7 +37,7 @@ import (
 	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
 	clusterinventoryv1alpha1 "sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 	"github.com/credbroker/credbroker/pkg/plugin"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )

@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 	"github.com/credbroker/credbroker/pkg/plugin"
 )
 

@@ -13,7 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
