@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -123,6 +124,19 @@ func buildPlugin(t *testing.T) string {
 	out, err := exec.Command(goBin, "build", "-o", bin, ".").CombinedOutput()
 	require.NoError(t, err, "go build: %s", out)
 	return bin
+}
+
+// -v/--v is taken, as on the other binaries, and --version prints the
+// version and exits 0 without asking the broker.
+func TestVersionAndVerbosity(t *testing.T) {
+	bin := buildPlugin(t)
+	for _, args := range [][]string{{"--version"}, {"-v=2", "--version"}, {"--v=2", "--version"}} {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			out, err := exec.CommandContext(t.Context(), bin, args...).Output()
+			require.NoError(t, err)
+			assert.Regexp(t, `^credbroker-plugin \S+ \(revision \S+, go\S+\)\n$`, string(out))
+		})
+	}
 }
 
 func execInfo(config string) string { return execInfoFor(spokeServer, config) }
