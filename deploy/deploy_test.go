@@ -1,10 +1,3 @@
-// Package deploy_test renders every kustomization under deploy/ with the
-// kubectl that `make testbin` builds, and hands every object to real API
-// servers (test/framework) with server-side dry-run: hub objects to a hub
-// with the ClusterProfile CRD, spoke objects to a spoke. It also checks the
-// rendered RBAC against the documented allow-lists, the images against
-// VERSION, and that the agent's admission policies name the agent's own
-// ServiceAccount whatever an overlay renames.
 package deploy_test
 
 import (

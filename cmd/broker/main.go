@@ -1,5 +1,3 @@
-// Command broker runs the hub side of credbroker: TokenExchange for
-// consumers and AgentTunnel for spoke agents.
 package main
 
 import (

@@ -207,7 +207,9 @@ func TestParseFlagsLogsAndAudit(t *testing.T) {
 		{name: "zero size", args: []string{"--audit-log-max-size=0"}, wantErr: "--audit-log-max-size 0 is not a positive number of MiB"},
 		{name: "negative backups", args: []string{"--audit-log-max-backups=-1"}, wantErr: "--audit-log-max-backups -1 is negative"},
 		{name: "unwritable audit path", args: []string{"--audit-log-path", filepath.Join(dir, "no", "such", "dir", "a.log")}, wantErr: "--audit-log-path:"},
+		{name: "short verbosity with =", args: []string{"-v=2"}},
 		{name: "version", args: []string{"--version"}, wantErr: "version requested"},
+		{name: "verbosity and version", args: []string{"-v=2", "--version"}, wantErr: "version requested"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -37,7 +38,7 @@ import (
 	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
 	clusterinventoryv1alpha1 "sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 	"github.com/credbroker/credbroker/pkg/plugin"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -123,6 +124,19 @@ func buildPlugin(t *testing.T) string {
 	out, err := exec.Command(goBin, "build", "-o", bin, ".").CombinedOutput()
 	require.NoError(t, err, "go build: %s", out)
 	return bin
+}
+
+// -v/--v is taken, as on the other binaries, and --version prints the
+// version and exits 0 without asking the broker.
+func TestVersionAndVerbosity(t *testing.T) {
+	bin := buildPlugin(t)
+	for _, args := range [][]string{{"--version"}, {"-v=2", "--version"}, {"--v=2", "--version"}} {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			out, err := exec.CommandContext(t.Context(), bin, args...).Output()
+			require.NoError(t, err)
+			assert.Regexp(t, `^credbroker-plugin \S+ \(revision \S+, go\S+\)\n$`, string(out))
+		})
+	}
 }
 
 func execInfo(config string) string { return execInfoFor(spokeServer, config) }

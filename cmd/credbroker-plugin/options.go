@@ -48,6 +48,7 @@ func newFlagSet(o *options) (*pflag.FlagSet, *cmdflags.Common) {
 	fs.Var(&o.audiences, audienceFlag, "`audience` of the spoke token; repeatable or comma-separated; default: the spoke API server's")
 	fs.Int64Var(&o.expirationSeconds, "expiration-seconds", 0, "requested token lifetime in seconds; 0 means the broker's maximum")
 	fs.DurationVar(&o.timeout, "timeout", plugin.DefaultTimeout, "bound on one token request, connection included")
+	common.AddVerbosityFlag(cmdflags.QuietVerbosityUsage)
 	fs.VisitAll(func(f *pflag.Flag) {
 		if f.Name != audienceFlag {
 			f.Value = &onceValue{Value: f.Value}

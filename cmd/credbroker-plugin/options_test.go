@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 	"github.com/credbroker/credbroker/pkg/plugin"
 )
 
@@ -63,7 +63,10 @@ func TestParseArgs(t *testing.T) {
 		},
 		{name: "single dash flags", args: []string{"-broker-address=b:1", "-ca-file=" + caFile}},
 		{name: "help", args: []string{"--help"}, wantErr: pflag.ErrHelp.Error()},
+		{name: "verbosity", args: []string{"--broker-address=b:1", "--ca-file=" + caFile, "-v=2", "--v=2"}},
+		{name: "negative verbosity", args: []string{"--broker-address=b:1", "--ca-file=" + caFile, "-v=-1"}, wantErr: "-v -1 is negative"},
 		{name: "version", args: []string{"--version"}, wantErr: "version requested"},
+		{name: "verbosity and version", args: []string{"-v=2", "--version"}, wantErr: "version requested"},
 		{name: "no broker address", args: []string{"--ca-file", caFile}, wantErr: "--broker-address is required"},
 		{name: "no CA file", args: []string{"--broker-address", "b:1"}, wantErr: "--ca-file is required"},
 		{name: "missing CA file", args: []string{"--broker-address", "b:1", "--ca-file", filepath.Join(dir, "nope.pem")}, wantErr: "nope.pem: no such file"},
@@ -150,6 +153,7 @@ func TestEveryFlagButAudienceTakesOneValue(t *testing.T) {
 		"service-account":    {"apps/a", "apps/b"},
 		"expiration-seconds": {"600", "3600"},
 		"timeout":            {"5s", "6s"},
+		"v":                  {"1", "2"},
 	}
 	var o options
 	fs, _ := newFlagSet(&o)
@@ -162,9 +166,13 @@ func TestEveryFlagButAudienceTakesOneValue(t *testing.T) {
 			return
 		}
 		base := []string{"--broker-address", values["broker-address"][0], "--ca-file", caFile}
+		named := "--" + f.Name // as pflag's errors name the flag
+		if f.Shorthand != "" {
+			named = "-" + f.Shorthand + ", " + named
+		}
 		t.Run(f.Name, func(t *testing.T) {
 			_, err := parseArgs(append(base, "--"+f.Name, v[0], "--"+f.Name, v[1]))
-			require.ErrorContains(t, err, `for "--`+f.Name+`" flag: given before as`)
+			require.ErrorContains(t, err, `for "`+named+`" flag: given before as`)
 			_, err = parseArgs(append(base, "--"+f.Name, v[0], "--"+f.Name, v[0]))
 			require.NoError(t, err, "the same value again is taken")
 		})

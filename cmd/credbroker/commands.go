@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 
+	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/internal/version"
 	"github.com/credbroker/credbroker/pkg/brokerclient"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -67,6 +68,16 @@ of their ClusterProfile: list to see them, delete to revoke them.`,
 		Version: version.Get().String(),
 	}
 	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
+	// -v/--v is the verbosity, as on the other binaries and kubectl, so
+	// --version has no shorthand.
+	var verbosity int
+	cmdflags.AddVerbosity(root.PersistentFlags(), &verbosity, cmdflags.QuietVerbosityUsage)
+	root.PersistentPreRunE = func(*cobra.Command, []string) error {
+		if err := cmdflags.CheckVerbosity(verbosity); err != nil {
+			return usageError{err}
+		}
+		return nil
+	}
 	root.SetIn(s.in)
 	root.SetOut(s.out)
 	root.SetErr(s.err)

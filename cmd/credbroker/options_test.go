@@ -13,7 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -87,7 +87,7 @@ func TestHelpExitsZero(t *testing.T) {
 }
 
 func TestVersion(t *testing.T) {
-	for _, args := range [][]string{{"version"}, {"--version"}} {
+	for _, args := range [][]string{{"version"}, {"--version"}, {"-v=2", "--version"}, {"--v=2", "version"}} {
 		t.Run(strings.Join(args, " "), func(t *testing.T) {
 			code, out, errOut := runCLI(t, "", args...)
 			assert.Equal(t, exitOK, code, errOut)
@@ -97,6 +97,20 @@ func TestVersion(t *testing.T) {
 	code, _, errOut := runCLI(t, "", "version", "extra")
 	assert.Equal(t, exitUsage, code)
 	assert.Contains(t, errOut, "unexpected arguments")
+}
+
+// -v/--v is the verbosity, as on the other binaries, not --version.
+func TestVerbosity(t *testing.T) {
+	code, out, errOut := runCLI(t, "", "grants", "list", "-v=2", "--help")
+	assert.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "-v, --v int")
+	code, out, errOut = runCLI(t, "", "-v")
+	assert.Equal(t, exitUsage, code)
+	assert.Empty(t, out)
+	assert.Contains(t, errOut, "flag needs an argument")
+	code, _, errOut = runCLI(t, "", "-v=-1", "version")
+	assert.Equal(t, exitUsage, code)
+	assert.Contains(t, errOut, "-v -1 is negative")
 }
 
 var now = time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)

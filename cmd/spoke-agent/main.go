@@ -1,6 +1,3 @@
-// Command spoke-agent runs the spoke side of credbroker: it holds a stream to
-// every broker replica and mints ServiceAccount tokens under the spoke's
-// policy.
 package main
 
 import (

@@ -181,7 +181,9 @@ func TestParseFlagsLogs(t *testing.T) {
 		{name: "single-dash long flags still work", args: []string{"-log-format=json", "-max-in-flight", "4"}},
 		{name: "bad format", args: []string{"--log-format=yaml"}, wantErr: `--log-format "yaml": want "text" or "json"`},
 		{name: "no audit log on the agent", args: []string{"--audit-log-path=-"}, wantErr: "unknown flag: --audit-log-path"},
+		{name: "short verbosity with =", args: []string{"-v=2"}},
 		{name: "version", args: []string{"--version"}, wantErr: "version requested"},
+		{name: "verbosity and version", args: []string{"-v=2", "--version"}, wantErr: "version requested"},
 		{name: "positional", args: []string{"extra"}, wantErr: `unexpected arguments ["extra"]`},
 	}
 	for _, tt := range tests {

@@ -1,5 +1,3 @@
-// Package examples_test checks the example manifests against the formats of
-// the programs that read them.
 package examples_test
 
 import (

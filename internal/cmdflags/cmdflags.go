@@ -63,9 +63,37 @@ func New(name, header string) (*pflag.FlagSet, *Common) {
 	return fs, &Common{name: name, header: header, fs: fs, LogFormat: FormatText}
 }
 
+// Usages of -v/--v: VerbosityUsage on the binaries that log, QuietVerbosityUsage
+// on those that take it only to be like the others.
+const (
+	VerbosityUsage      = "log verbosity: 0 logs what an operator acts on, higher values more detail"
+	QuietVerbosityUsage = "log verbosity, taken as by the other credbroker binaries and kubectl; this one writes no log, so it changes nothing"
+)
+
+// AddVerbosity adds -v/--v to fs, bound to v. Every binary takes it, as
+// kubectl does, whether it logs or not; --version has no shorthand.
+// CheckVerbosity checks the value after parsing.
+func AddVerbosity(fs *pflag.FlagSet, v *int, usage string) {
+	fs.IntVarP(v, "v", "v", 0, usage)
+}
+
+// CheckVerbosity refuses a negative -v.
+func CheckVerbosity(v int) error {
+	if v < 0 {
+		return fmt.Errorf("-v %d is negative", v)
+	}
+	return nil
+}
+
+// AddVerbosityFlag adds -v/--v with usage, for a binary without
+// --log-format.
+func (c *Common) AddVerbosityFlag(usage string) {
+	AddVerbosity(c.fs, &c.Verbosity, usage)
+}
+
 // AddLogFlags adds -v/--v and --log-format, for the long-running binaries.
 func (c *Common) AddLogFlags() {
-	c.fs.IntVarP(&c.Verbosity, "v", "v", 0, "log verbosity: 0 logs what an operator acts on, higher values more detail")
+	c.AddVerbosityFlag(VerbosityUsage)
 	c.fs.StringVar(&c.LogFormat, "log-format", FormatText, `format of the operational logs on standard error: "text" (klog) or "json" (JSON lines)`)
 }
 
@@ -88,10 +116,7 @@ func (c *Common) Parse(args []string) error {
 	if c.LogFormat != FormatText && c.LogFormat != FormatJSON {
 		return fmt.Errorf("--log-format %q: want %q or %q", c.LogFormat, FormatText, FormatJSON)
 	}
-	if c.Verbosity < 0 {
-		return fmt.Errorf("-v %d is negative", c.Verbosity)
-	}
-	return nil
+	return CheckVerbosity(c.Verbosity)
 }
 
 func (c *Common) addVersion() {

@@ -39,6 +39,7 @@ func TestParse(t *testing.T) {
 		{name: "help", args: []string{"--help"}, wantHelp: true},
 		{name: "short help", args: []string{"-h"}, wantHelp: true},
 		{name: "version", args: []string{"--version"}, wantVersion: true},
+		{name: "verbosity and version", args: []string{"-v=2", "--version"}, wantVersion: true},
 		{name: "positional", args: []string{"x"}, wantErr: `unexpected arguments ["x"]`},
 	}
 	for _, tt := range tests {

@@ -6,7 +6,9 @@
 //
 // Operational logs go to standard error: klog's text format by default, or
 // JSON lines of log/slog with --log-format=json. -v raises the verbosity
-// in both.
+// in both. Every binary takes -v/--v, as kubectl does (AddVerbosity, also
+// for the credbroker CLI's cobra flags), and --version without a shorthand;
+// the plugin and the CLI write no log, so -v changes nothing there.
 //
 // IdentityFlags are the SPIFFE identity flags that the broker and the
 // spoke agent share (--svid-cert-file, --spiffe-endpoint-socket,

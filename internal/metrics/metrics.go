@@ -1,7 +1,3 @@
-// Package metrics holds the Prometheus collectors the broker and the agent
-// both expose: their build and the expiry of their X.509-SVID. Every
-// collector is made per call, for the caller's per-process registry; nothing
-// here is a package global.
 package metrics
 
 import (

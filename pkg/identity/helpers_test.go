@@ -13,7 +13,7 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/stretchr/testify/require"
 
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 )
 
 // pollInterval keeps reload tests quick; they wait with require.Eventually.

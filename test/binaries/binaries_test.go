@@ -143,15 +143,18 @@ func sample(t *testing.T, addr, name string, labels ...string) float64 {
 }
 
 // --version of each binary prints the VERSION file's version and the
-// revision it was built with, as `make build` links them.
+// revision it was built with, as `make build` links them; -v=2 before it is
+// taken as the verbosity.
 func TestVersion(t *testing.T) {
 	for _, b := range []struct{ name, bin string }{{"broker", brokerBin}, {"spoke-agent", agentBin}} {
-		t.Run(b.name, func(t *testing.T) {
-			out, err := exec.CommandContext(t.Context(), b.bin, "--version").CombinedOutput()
-			require.NoError(t, err, string(out))
-			want := regexp.MustCompile(`^` + b.name + ` ` + regexp.QuoteMeta(version) + ` \(revision ` + revision + `, go1\.\d+[^)]*\)\n$`)
-			assert.Regexp(t, want, string(out))
-		})
+		for _, args := range [][]string{{"--version"}, {"-v=2", "--version"}} {
+			t.Run(b.name+" "+strings.Join(args, " "), func(t *testing.T) {
+				out, err := exec.CommandContext(t.Context(), b.bin, args...).CombinedOutput()
+				require.NoError(t, err, string(out))
+				want := regexp.MustCompile(`^` + b.name + ` ` + regexp.QuoteMeta(version) + ` \(revision ` + revision + `, go1\.\d+[^)]*\)\n$`)
+				assert.Regexp(t, want, string(out))
+			})
+		}
 	}
 }
 

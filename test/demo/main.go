@@ -42,7 +42,7 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 	"sigs.k8s.io/cluster-inventory-api/pkg/access"
 
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 	"github.com/credbroker/credbroker/pkg/client"
 	"github.com/credbroker/credbroker/pkg/plugin"
 	"github.com/credbroker/credbroker/pkg/spoke"

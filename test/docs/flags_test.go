@@ -1,4 +1,3 @@
-// Package docs checks the documentation against the binaries.
 package docs
 
 import (

@@ -21,7 +21,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
-	"github.com/credbroker/credbroker/internal/fakeworkload"
+	"github.com/credbroker/credbroker/internal/testing/fakeworkload"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )

@@ -8,7 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/credbroker/credbroker/internal/faultproxy"
+	"github.com/credbroker/credbroker/internal/testing/faultproxy"
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/grants"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"

@@ -16,7 +16,7 @@ import (
 	"github.com/go-logr/logr/funcr"
 	"k8s.io/client-go/rest"
 
-	"github.com/credbroker/credbroker/internal/faultproxy"
+	"github.com/credbroker/credbroker/internal/testing/faultproxy"
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/broker"
 	"github.com/credbroker/credbroker/test/framework"

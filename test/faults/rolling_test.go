@@ -22,7 +22,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
-	"github.com/credbroker/credbroker/internal/faultproxy"
+	"github.com/credbroker/credbroker/internal/testing/faultproxy"
 	"github.com/credbroker/credbroker/pkg/brokerclient"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"

@@ -27,7 +27,7 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
-	"github.com/credbroker/credbroker/internal/testpki"
+	"github.com/credbroker/credbroker/internal/testing/testpki"
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/apiproxy"
 	"github.com/credbroker/credbroker/pkg/broker"

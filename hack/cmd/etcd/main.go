@@ -1,4 +1,3 @@
-// Command etcd is etcd built from go.etcd.io/etcd/server/v3 for the tests.
 package main
 
 import (

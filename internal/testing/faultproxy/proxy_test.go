@@ -8,7 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/credbroker/credbroker/internal/faultproxy"
+	"github.com/credbroker/credbroker/internal/testing/faultproxy"
 )
 
 // echoServer answers every line with the same line.

@@ -1,8 +1,3 @@
-// Package fakeworkload is a SPIFFE Workload API server for tests: it serves
-// on a unix socket the X.509-SVIDs and bundle that the test sets, and pushes
-// every change to the watching clients, as a SPIRE agent does when it
-// rotates an SVID. It serves only FetchX509SVID, which go-spiffe's
-// X509Source uses.
 package fakeworkload
 
 import (
