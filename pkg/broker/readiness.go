@@ -33,10 +33,20 @@ func (b *Broker) agentsArrived() error {
 		b.arrived.Store(true)
 		return nil
 	}
-	var waiting []types.NamespacedName
+	// The condition, which a publishing replica keeps, tells which agents
+	// to wait for; with no ClusterProfile carrying it, True or False, only
+	// the window does.
+	var (
+		waiting []types.NamespacedName
+		seen    bool
+	)
 	for _, obj := range b.informers.Apis().V1alpha1().ClusterProfiles().Informer().GetStore().List() {
 		cp, ok := obj.(*v1alpha1.ClusterProfile)
-		if !ok || cp.DeletionTimestamp != nil || !meta.IsStatusConditionTrue(cp.Status.Conditions, publish.ConditionType) {
+		if !ok {
+			continue
+		}
+		seen = seen || meta.FindStatusCondition(cp.Status.Conditions, publish.ConditionType) != nil
+		if cp.DeletionTimestamp != nil || !meta.IsStatusConditionTrue(cp.Status.Conditions, publish.ConditionType) {
 			continue
 		}
 		key := types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name}
@@ -44,27 +54,15 @@ func (b *Broker) agentsArrived() error {
 			waiting = append(waiting, key)
 		}
 	}
-	if len(waiting) > 0 {
+	switch {
+	case len(waiting) > 0:
 		return fmt.Errorf("waiting for the agents of %d connected ClusterProfiles, such as %s, to find this replica (at most --agent-reconnect-window, %s, from the start)",
 			len(waiting), waiting[0], window)
+	case !seen:
+		return fmt.Errorf("waiting --agent-reconnect-window (%s) from the start for the agents to find this replica: no ClusterProfile is reported connected", window)
 	}
-	if b.connectedSeen() {
-		b.arrived.Store(true)
-		return nil
-	}
-	return fmt.Errorf("waiting --agent-reconnect-window (%s) from the start for the agents to find this replica: no ClusterProfile is reported connected", window)
-}
-
-// connectedSeen reports whether any ClusterProfile carries the
-// CredentialBrokerConnected condition, True or False: a replica publishes
-// it, so the condition, not the window, tells which agents to wait for.
-func (b *Broker) connectedSeen() bool {
-	for _, obj := range b.informers.Apis().V1alpha1().ClusterProfiles().Informer().GetStore().List() {
-		if cp, ok := obj.(*v1alpha1.ClusterProfile); ok && meta.FindStatusCondition(cp.Status.Conditions, publish.ConditionType) != nil {
-			return true
-		}
-	}
-	return false
+	b.arrived.Store(true)
+	return nil
 }
 
 // startedNow records when the agent port started serving.

@@ -71,12 +71,8 @@ func startProcFleet(t *testing.T) *procFleet {
 }
 
 func ready(addr string) bool {
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get("http://" + addr + "/readyz")
-	if err != nil {
-		return false
-	}
-	resp.Body.Close()
-	return resp.StatusCode == http.StatusOK
+	code, _, err := get("http://" + addr + "/readyz")
+	return err == nil && code == http.StatusOK
 }
 
 func (f *procFleet) brokerMetric(t *testing.T, name string) float64 {
