@@ -99,7 +99,7 @@ bench: testbin build ## Benchmark the shipped binaries on real API servers again
 	  CREDBROKER_BENCH_DOC=$(CURDIR)/docs/benchmarks.md $(GO) test -count 1 -timeout 10m -run '^TestBench$$' -v ./test/bench/
 
 .PHONY: bench-fleet
-bench-fleet: testbin build ## Benchmark scenario f apart from make bench: one broker process with 5,000 ClusterProfiles and 2,000 simulated agent streams; writes its table to docs/benchmarks.md.
+bench-fleet: testbin build ## Benchmark scenario f apart from make bench: one broker process with 10,000 ClusterProfiles and 10,000 simulated agent streams; writes its table to docs/benchmarks.md.
 	$(ASSETS) CREDBROKER_BENCH=1 CREDBROKER_BENCH_BIN=$(CURDIR)/$(BIN) CREDBROKER_BENCH_OUT=$(CURDIR)/$(BIN)/bench \
 	  CREDBROKER_BENCH_DOC=$(CURDIR)/docs/benchmarks.md $(GO) test -count 1 -timeout 20m -run '^TestBenchFleet$$' -v ./test/bench/
 

@@ -42,6 +42,9 @@ type Broker struct {
 	proxyServer *http.Server
 	proxyLis    net.Listener
 
+	// handshakes take turns on the exchange and agent ports.
+	handshakes *handshakeMetrics
+
 	svid      identity.Source
 	keyPair   *identity.KeyPairFile
 	informers inventoryinformers.SharedInformerFactory

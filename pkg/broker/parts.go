@@ -82,6 +82,9 @@ func (b *Broker) newMetrics(h *hubClients) error {
 		return err
 	}
 	b.registry = reg
+	if b.handshakes, err = newHandshakeMetrics(reg); err != nil {
+		return err
+	}
 	h.tokenReviews = timedTokenReviews{h.client.AuthenticationV1().TokenReviews(), reviews}
 	h.accessReviews = timedAccessReviews{h.client.AuthorizationV1().SubjectAccessReviews(), reviews}
 	return nil

@@ -102,10 +102,10 @@ func (b *Broker) waitSynced(ctx context.Context, cancel context.CancelFunc, g *e
 // Grants, under the broker's serving certificate.
 func (b *Broker) exchangeServer() *grpc.Server {
 	keepaliveParams := keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}
-	exchange := b.grpcServer(credentials.NewTLS(&tls.Config{
+	exchange := b.grpcServer(b.handshakes.limitHandshakes("exchange", credentials.NewTLS(&tls.Config{
 		GetCertificate: b.keyPair.GetCertificate,
 		MinVersion:     tls.VersionTLS12,
-	}), keepaliveParams)
+	})), keepaliveParams)
 	pb.RegisterTokenExchangeServer(exchange, b.exchange)
 	pb.RegisterGrantsServer(exchange, b.grantsAPI)
 	if b.cfg.EnableReflection {
@@ -132,8 +132,9 @@ func (b *Broker) agentServer() *grpc.Server {
 	// An agent stream is idle most of the time and carries small frames;
 	// a connection's 32 KiB read buffer was most of its memory. TLS reads
 	// whole records into a buffer of its own, so the framer reads from it
-	// directly.
-	agents := b.grpcServer(identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain), agentKeepalive, grpc.ReadBufferSize(0))
+	// directly. (gRPC already shares write buffers between connections.)
+	agents := b.grpcServer(b.handshakes.limitHandshakes("agent", identity.ServerCredentials(b.svid, b.svid, b.cfg.TrustDomain)), agentKeepalive,
+		grpc.ReadBufferSize(0))
 	pb.RegisterAgentTunnelServer(agents, b.tunnel)
 	agentpb.RegisterAgentServiceServer(agents, b.router)
 	return agents

@@ -167,7 +167,7 @@ func (b *bench) dataPathIdle(t *testing.T, bp brokerProc, agentMetrics string, p
 		require.NoError(t, err)
 		return v
 	}
-	before, agentBefore := sample(t, bp), agentRSS()
+	before, agentBefore := sample(t, bp, "datapath-heap-before.pb.gz"), agentRSS()
 	watchCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	for range idleWatches {
@@ -176,7 +176,7 @@ func (b *bench) dataPathIdle(t *testing.T, bp brokerProc, agentMetrics string, p
 		require.NoError(t, err)
 	}
 	time.Sleep(2 * time.Second)
-	after, agentAfter := sample(t, bp), agentRSS()
+	after, agentAfter := sample(t, bp, "datapath-heap-after.pb.gz"), agentRSS()
 	per := func(a, b float64) string { return fmt.Sprintf("%.1f KiB", (a-b)/idleWatches/1024) }
 	addRow(row{"h. data path, idle connection", "memory each (broker heap / broker RSS / agent RSS)",
 		fmt.Sprintf("%s / %s / %s", per(after.heap, before.heap), per(after.rss, before.rss), per(agentAfter, agentBefore)),

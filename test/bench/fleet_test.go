@@ -160,11 +160,7 @@ func (b *bench) agentQPS(t *testing.T) {
 // the work directory), and logs their tops.
 func (b *bench) profile(t *testing.T) {
 	ctx := t.Context()
-	out := os.Getenv("CREDBROKER_BENCH_OUT")
-	if out == "" {
-		out = workDir
-	}
-	require.NoError(t, os.MkdirAll(out, 0o755))
+	out := benchOut()
 	req := exchangeRequest(spoke.Name, "cached")
 	fetch := func(path, file string) {
 		hreq, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+b.broker.metrics+path, nil)

@@ -81,6 +81,11 @@ func run() error {
 	// Handshakes at most 64 at a time, as a fleet's agents would not all
 	// start in one millisecond either.
 	sem := make(chan struct{}, 64)
+	// Reconnects after a broker restart come all at once, as a fleet's
+	// would; up to 512 at a time, more than the broker handshakes at once
+	// (it makes the rest take turns), few enough that this process still
+	// answers the pings of its streams in time.
+	reconnects := make(chan struct{}, 512)
 	for _, certFile := range certs {
 		certPEM, err := os.ReadFile(certFile)
 		if err != nil {
@@ -111,7 +116,7 @@ func run() error {
 				return
 			}
 			serve(stream, &mints)
-			reconnect(ctx, address, creds, &mints)
+			reconnect(ctx, address, creds, reconnects, &mints)
 		})
 	}
 	deadline := time.After(timeout)
@@ -150,8 +155,10 @@ func admitWithin(ctx context.Context, client pb.AgentTunnelClient, timeout time.
 
 // reconnect keeps an agent connected after its first stream ended, until
 // ctx ends: each attempt over a new connection, after a jittered,
-// doubling backoff, as pkg/tunnel's client does.
-func reconnect(ctx context.Context, address string, creds credentials.TransportCredentials, mints *atomic.Int64) {
+// doubling backoff, as pkg/tunnel's client does. Attempts take turns in
+// sem: a fleet's agents, each on a machine of its own, do not compete for
+// one process's cores.
+func reconnect(ctx context.Context, address string, creds credentials.TransportCredentials, sem chan struct{}, mints *atomic.Int64) {
 	const initial, most = 500 * time.Millisecond, 30 * time.Second
 	backoff := initial
 	for {
@@ -165,7 +172,9 @@ func reconnect(ctx context.Context, address string, creds credentials.TransportC
 		if err != nil {
 			return
 		}
+		sem <- struct{}{}
 		stream, err := framework.AdmitFakeAgent(ctx, pb.NewAgentTunnelClient(conn), "fleetagents")
+		<-sem
 		if err != nil {
 			_ = conn.Close()
 			backoff = min(2*backoff, most)
