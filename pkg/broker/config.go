@@ -161,6 +161,13 @@ type Config struct {
 	// name). PublishDisconnectGrace is how long a ClusterProfile has no
 	// agent before its condition turns False.
 	PublishAccessProvider                   bool
+	// TriggerLeaseName is the Lease, in PendingRevokesNamespace, that
+	// picks the one replica that runs the revocation triggers (their
+	// SubjectAccessReviews are the same on every replica); its holder
+	// checks every live grant when it takes over. PublishIdentity names
+	// this replica in it too. Empty: this replica runs them, with no
+	// Lease, as a single replica that may not write Leases must.
+	TriggerLeaseName string
 	PublishLeaseNamespace, PublishLeaseName string
 	PublishIdentity                         string
 	PublishDisconnectGrace                  time.Duration
@@ -241,6 +248,7 @@ func Default() Config {
 		GrantReviewRateLimit:        20,
 		GrantReviewBurst:            20,
 		PublishLeaseName:            "credbroker-publisher",
+		TriggerLeaseName:            "credbroker-triggers",
 		PublishDisconnectGrace:      30 * time.Second,
 		ProxyMaxRequestsPerCluster:  apiproxy.DefaultMaxRequestsPerCluster,
 		ProxyMaxRequestsPerConsumer: apiproxy.DefaultMaxRequestsPerConsumer,
@@ -292,6 +300,8 @@ func (c *Config) Validate() error {
 	need(finite(c.NamespaceReviewRateLimit) && c.NamespaceReviewBurst > 0, "the per-namespace review rate limit and burst must be positive and finite")
 	need(c.IssuerKeysMinRefresh > 0 && c.IssuerKeysMinRefresh <= c.IssuerKeysRefresh,
 		"the issuer keys' minimum refresh interval must be positive and at most their refresh interval (%s, %s)", c.IssuerKeysMinRefresh, c.IssuerKeysRefresh)
+	need(c.TriggerLeaseName == "" || len(validation.IsDNS1123Subdomain(c.TriggerLeaseName)) == 0,
+		"the triggers' Lease name must be an object name, got %q", c.TriggerLeaseName)
 	need(c.GrantRecheckInterval > 0, "the grant recheck interval must be positive")
 	need(c.RBACDebounce > 0 && c.RBACDebounceMax >= c.RBACDebounce,
 		"the RBAC debounce must be positive and at most its maximum (%s, %s)", c.RBACDebounce, c.RBACDebounceMax)
