@@ -71,8 +71,8 @@ type Broker struct {
 	leadsTriggers atomic.Bool
 	identityOnce  sync.Once
 	leaseIdentity string
-	health    *health.Server
-	registry  *prometheus.Registry
+	health        *health.Server
+	registry      *prometheus.Registry
 	// draining is set when Run's context ends; the broker is not ready
 	// from then on.
 	draining atomic.Bool

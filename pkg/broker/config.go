@@ -160,14 +160,14 @@ type Config struct {
 	// PublishIdentity names this replica in the Lease (default: a random
 	// name). PublishDisconnectGrace is how long a ClusterProfile has no
 	// agent before its condition turns False.
-	PublishAccessProvider                   bool
+	PublishAccessProvider bool
 	// TriggerLeaseName is the Lease, in PendingRevokesNamespace, that
 	// picks the one replica that runs the revocation triggers (their
 	// SubjectAccessReviews are the same on every replica); its holder
 	// checks every live grant when it takes over. PublishIdentity names
 	// this replica in it too. Empty: this replica runs them, with no
 	// Lease, as a single replica that may not write Leases must.
-	TriggerLeaseName string
+	TriggerLeaseName                        string
 	PublishLeaseNamespace, PublishLeaseName string
 	PublishIdentity                         string
 	PublishDisconnectGrace                  time.Duration

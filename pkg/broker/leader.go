@@ -90,7 +90,9 @@ func (b *Broker) campaign(ctx context.Context, hub kubernetes.Interface, l lease
 				l.lead(ctx)
 			},
 			OnStoppedLeading: func() { b.log.Info("stopped leading", "work", l.what, "lease", l.namespace+"/"+l.name, "identity", id) },
-			OnNewLeader:      func(holder string) { b.log.V(1).Info("new leader", "work", l.what, "lease", l.namespace+"/"+l.name, "holder", holder) },
+			OnNewLeader: func(holder string) {
+				b.log.V(1).Info("new leader", "work", l.what, "lease", l.namespace+"/"+l.name, "holder", holder)
+			},
 		},
 	})
 	if err != nil {

@@ -597,7 +597,7 @@ func TestLeadChecksWhatChangedWhileNoReplicaLed(t *testing.T) {
 			require.Eventually(t, func() bool {
 				return len(f.revoker.revokedIDs()) == len(tc.revoked) && len(f.reviewer.questions()) >= tc.reviews
 			}, 10*time.Second, time.Millisecond)
-			f.clock.Step(10 * time.Second) // past any debounce
+			f.clock.Step(10 * time.Second)    // past any debounce
 			time.Sleep(50 * time.Millisecond) // a second check would be under way: no synchronization to wait for one that must not come
 			cancel()
 			require.NoError(t, <-done)
