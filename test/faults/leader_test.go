@@ -4,14 +4,17 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/credbroker/credbroker/pkg/broker"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
@@ -27,17 +30,34 @@ import (
 // loses its RBAC before the other replica can take the Lease over: that
 // replica checks every live grant when it does, and revokes; a change after
 // the takeover revokes too.
+//
+// The attack on the Lease: someone who may write Leases in the broker's
+// namespace holds the triggers' Lease under a name of their own, and keeps
+// renewing it. No replica runs the triggers (the sum of their
+// credbroker_revocation_triggers_leader is 0, which an alert watches), and
+// an RBAC change revokes nothing; once the intruder stops renewing, a
+// replica takes the Lease over and its sweep revokes.
 func TestRevocationTriggersLedByOneReplica(t *testing.T) {
 	for _, tc := range []struct {
-		name   string
-		shared bool
+		name string
+		mode leaseMode
 	}{
-		{"a Lease each, as every replica ran the triggers before", false},
-		{"one Lease", true},
+		{"a Lease each, as every replica ran the triggers before", leaseEach},
+		{"one Lease", leaseShared},
+		{"one Lease that an intruder holds", leaseHeld},
 	} {
-		t.Run(tc.name, func(t *testing.T) { testTriggersLeader(t, tc.shared) })
+		t.Run(tc.name, func(t *testing.T) { testTriggersLeader(t, tc.mode) })
 	}
 }
+
+// leaseMode is how the replicas of testTriggersLeader campaign.
+type leaseMode int
+
+const (
+	leaseEach   leaseMode = iota // a Lease of its own each
+	leaseShared                  // one Lease
+	leaseHeld                    // one Lease, which an intruder holds
+)
 
 // triggerConsumer is a consumer that holds a spoke token, and can lose
 // its hub RBAC.
@@ -46,13 +66,17 @@ type triggerConsumer struct {
 	token string
 }
 
-func testTriggersLeader(t *testing.T, shared bool) {
+func testTriggersLeader(t *testing.T, mode leaseMode) {
 	ctx := t.Context()
 	name := unique("leader")
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke1, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	t.Cleanup(func() { deleteClusterProfile(t, name) })
 	lease := unique("triggers")
+	var stopIntruder func()
+	if mode == leaseHeld {
+		stopIntruder = holdLease(t, lease)
+	}
 	replicas := make([]framework.BrokerProcessOptions, 2)
 	procs := make([]*framework.Process, 2)
 	var agentAddrs []string
@@ -64,7 +88,7 @@ func testTriggersLeader(t *testing.T, shared bool) {
 			fmt.Sprintf("--publish-identity=replica-%d", i),
 			"--audit-log-path=" + filepath.Join(t.TempDir(), "audit.log"),
 		}}
-		if shared {
+		if mode != leaseEach {
 			r.TriggerLeaseName = lease
 		}
 		for _, p := range []*string{&r.ExchangeAddress, &r.AgentAddress, &r.MetricsAddress} {
@@ -76,9 +100,22 @@ func testTriggersLeader(t *testing.T, shared bool) {
 		require.NoError(t, err)
 		t.Cleanup(procs[i].Stop)
 	}
+	// Ready first, so that the agent's first dial finds them serving,
+	// rather than backing off towards 30 s on a loaded machine.
+	for _, r := range replicas {
+		waitFor(t, time.Minute, "both replicas to be ready", func() bool { return ready(r.MetricsAddress) })
+	}
 	agent, err := deployment.StartAgentProcess(ctx, spoke1, framework.AgentProcessOptions{Bin: agentBin, ClusterProfile: name, BrokerAddresses: agentAddrs})
 	require.NoError(t, err)
 	t.Cleanup(agent.Stop)
+	t.Cleanup(func() {
+		if t.Failed() {
+			for i, p := range procs {
+				t.Logf("replica %d:\n%s", i, p.Output())
+			}
+			t.Logf("agent:\n%s", agent.Output())
+		}
+	})
 	metric := func(i int, name string, labels ...string) float64 {
 		m, err := framework.ScrapeMetrics(ctx, replicas[i].MetricsAddress)
 		if err != nil {
@@ -87,7 +124,7 @@ func testTriggersLeader(t *testing.T, shared bool) {
 		return m.Sum(name, labels...)
 	}
 	for i := range replicas {
-		waitFor(t, time.Minute, "the agent to connect to both replicas", func() bool { return metric(i, "credbroker_connected_clusters") >= 1 })
+		waitFor(t, 2*time.Minute, "the agent to connect to both replicas", func() bool { return metric(i, "credbroker_connected_clusters") >= 1 })
 	}
 
 	// Three consumers hold a spoke token each, through replica 0; both
@@ -135,11 +172,12 @@ func testTriggersLeader(t *testing.T, shared bool) {
 		}
 		return out
 	}
-	wantLeaders := 2
-	if shared {
-		wantLeaders = 1
-	}
+	wantLeaders := map[leaseMode]int{leaseEach: 2, leaseShared: 1, leaseHeld: 0}[mode]
 	waitFor(t, 30*time.Second, "the triggers' leaders", func() bool { return len(leading()) == wantLeaders })
+	if mode == leaseHeld {
+		intruded(t, consumers[0], stopIntruder, func() int { return len(leading()) })
+		return
+	}
 
 	// Consumer 0 loses its RBAC: the leaders review the three consumers'
 	// grants, and revoke consumer 0's.
@@ -158,7 +196,7 @@ func testTriggersLeader(t *testing.T, shared bool) {
 	t.Logf("one hub RBAC change, %d leaders: SubjectAccessReviews by replica %v, %v in all, for %d consumers' live grants",
 		wantLeaders, after, after[0]+after[1], len(consumers))
 	assert.Equal(t, float64(wantLeaders*len(consumers)), after[0]+after[1], "the replicas' reviews of one RBAC change")
-	if !shared {
+	if mode == leaseEach {
 		return
 	}
 
@@ -178,6 +216,61 @@ func testTriggersLeader(t *testing.T, shared bool) {
 	// And after the takeover.
 	ungrant(t, consumers[2].Consumer)
 	waitRefused(t, consumers[2].token)
+}
+
+// holdLease creates the Lease name in the brokers' namespace under a
+// holder of its own, and renews it every 2 s until the returned func is
+// called, or the test ends.
+func holdLease(t *testing.T, name string) (stop func()) {
+	t.Helper()
+	leases := env.Hub.Client.CoordinationV1().Leases(broker.Default().PendingRevokesNamespace)
+	holder, seconds := "intruder", int32(15)
+	now := metav1.NewMicroTime(time.Now())
+	_, err := leases.Create(t.Context(), &coordinationv1.Lease{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec:       coordinationv1.LeaseSpec{HolderIdentity: &holder, LeaseDurationSeconds: &seconds, AcquireTime: &now, RenewTime: &now},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	done := make(chan struct{})
+	var once sync.Once
+	stop = func() { once.Do(func() { close(done) }) }
+	t.Cleanup(stop)
+	go func() {
+		for {
+			select {
+			case <-done:
+				return
+			case <-time.After(2 * time.Second):
+			}
+			l, err := leases.Get(context.Background(), name, metav1.GetOptions{})
+			if err != nil {
+				continue
+			}
+			now := metav1.NewMicroTime(time.Now())
+			l.Spec.HolderIdentity, l.Spec.RenewTime = &holder, &now
+			_, _ = leases.Update(context.Background(), l, metav1.UpdateOptions{})
+		}
+	}()
+	return stop
+}
+
+// intruded is the end of testTriggersLeader while an intruder holds the
+// Lease: c loses its RBAC and keeps its token; once the intruder stops,
+// a replica leads and revokes it.
+func intruded(t *testing.T, c triggerConsumer, stopIntruder func(), leaders func() int) {
+	t.Helper()
+	ungrant(t, c.Consumer)
+	time.Sleep(15 * time.Second) // past the spoke's token cache (10 s) and a trigger's debounce; not synchronization
+	review, err := spoke1.ReviewToken(t.Context(), c.token, nil)
+	require.NoError(t, err)
+	assert.True(t, review.Authenticated, "revoked while an intruder held the Lease")
+	assert.Zero(t, leaders(), "a replica led while an intruder held the Lease")
+	stopIntruder()
+	stopped := time.Now()
+	waitFor(t, time.Minute, "a replica to take the Lease over", func() bool { return leaders() == 1 })
+	waitRefused(t, c.token)
+	t.Logf("intruder held the Lease: no replica led, the RBAC change revoked nothing; %s after it stopped renewing, a replica led and revoked",
+		time.Since(stopped).Round(100*time.Millisecond))
 }
 
 // grpcClients are a replica's TokenExchange and Grants clients.
