@@ -157,17 +157,10 @@ type Config struct {
 	// PublishLeaseNamespace/PublishLeaseName keep the AccessProviderName
 	// entry and the CredentialBrokerConnected condition in the status of
 	// every ClusterProfile with a connected agent (package publish).
-	// PublishIdentity names this replica in the Lease (default: a random
-	// name). PublishDisconnectGrace is how long a ClusterProfile has no
+	// PublishIdentity names this replica in the Leases, the publisher's
+	// and the triggers' (default: a random name). PublishDisconnectGrace is how long a ClusterProfile has no
 	// agent before its condition turns False.
-	PublishAccessProvider bool
-	// TriggerLeaseName is the Lease, in PendingRevokesNamespace, that
-	// picks the one replica that runs the revocation triggers (their
-	// SubjectAccessReviews are the same on every replica); its holder
-	// checks every live grant when it takes over. PublishIdentity names
-	// this replica in it too. Empty: this replica runs them, with no
-	// Lease, as a single replica that may not write Leases must.
-	TriggerLeaseName                        string
+	PublishAccessProvider                   bool
 	PublishLeaseNamespace, PublishLeaseName string
 	PublishIdentity                         string
 	PublishDisconnectGrace                  time.Duration
@@ -176,6 +169,13 @@ type Config struct {
 	// spoke's /readyz, where no other field manager owns it. It needs
 	// PublishAccessProvider.
 	PublishControlPlaneHealthy bool
+	// TriggerLeaseName is the Lease, in PendingRevokesNamespace, that
+	// picks the one replica that runs the revocation triggers (their
+	// SubjectAccessReviews are the same on every replica); its holder
+	// checks every live grant when it takes over. PublishIdentity names
+	// this replica in it too. Empty: this replica runs them, with no
+	// Lease, as a single replica that may not write Leases must.
+	TriggerLeaseName string
 
 	// ProxyAddress, when set, serves the API proxy over TLS (with the
 	// exchange port's certificate): the spoke API servers that agents carry

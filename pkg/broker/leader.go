@@ -13,7 +13,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 )
@@ -56,16 +55,16 @@ func (b *Broker) identity() string {
 
 // campaign runs l.lead while this replica holds the Lease, and campaigns
 // again when it loses it, until ctx ends; it returns nil then. The lead of
-// a lost term has returned before the next term starts. When the hub
+// a lost term returns before the next term's starts. When the hub
 // refuses the broker the Lease (403), campaign returns an error: a replica
 // that can never lead must not look like a follower.
-func (b *Broker) campaign(ctx context.Context, hub kubernetes.Interface, l lease) error {
+func (b *Broker) campaign(ctx context.Context, l lease) error {
 	id := b.identity()
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	lock := &forbiddenLock{Interface: &resourcelock.LeaseLock{
 		LeaseMeta:  metav1.ObjectMeta{Namespace: l.namespace, Name: l.name},
-		Client:     hub.CoordinationV1(),
+		Client:     b.hubClient.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: id},
 	}, cancel: cancel}
 	// One term's lead at a time: client-go starts a term's in a goroutine
@@ -147,7 +146,7 @@ func (b *Broker) runTriggers(ctx context.Context) error {
 		lead(ctx)
 		return nil
 	}
-	return b.campaign(ctx, b.hubClient, lease{
+	return b.campaign(ctx, lease{
 		namespace: b.cfg.PendingRevokesNamespace, name: b.cfg.TriggerLeaseName,
 		what: "revocation triggers", grant: "deploy/hub/rbac.yaml, or run one replica with --trigger-lease-name=\"\"",
 		lead: lead, leading: &b.leadsTriggers,

@@ -124,7 +124,7 @@ func enqueueProfile(p *publish.Publisher, obj any) {
 // runPublisher publishes while this replica holds the Lease, and campaigns
 // again when it loses it, until ctx ends.
 func (b *Broker) runPublisher(ctx context.Context) error {
-	return b.campaign(ctx, b.hubClient, lease{
+	return b.campaign(ctx, lease{
 		namespace: b.cfg.PublishLeaseNamespace, name: b.cfg.PublishLeaseName,
 		what: "publisher of access providers", grant: "deploy/components/publish-access-provider",
 		lead: func(ctx context.Context) {
