@@ -44,7 +44,7 @@ func TestAuditLineRedactsEveryControlledField(t *testing.T) {
 		},
 	}
 	err := fmt.Errorf("the agent refused %q: %w", field("reason"), errors.New("denied"))
-	f.svc.audit(rec, req, err, time.Millisecond)
+	f.svc.audit(t0, rec, req, err, time.Millisecond)
 
 	out := buf.String()
 	assert.NotContains(t, out, seg[:24], "a token segment reached the audit line: %s", out)
