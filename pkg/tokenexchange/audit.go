@@ -25,7 +25,7 @@ func (s *Service) audit(now time.Time, rec *auditRecord, req *pb.ExchangeRequest
 	code := errdefs.Code(err)
 	if s.cfg.AuditLog != nil {
 		s.writeAuditLine(now, rec, req, code, err, latency)
-	} else {
+	} else if s.cfg.Audit.Enabled() {
 		s.cfg.Audit.Info("exchange", auditValues(rec, req, code, err, latency)...)
 	}
 	s.metrics.exchanges.WithLabelValues(code.String(), cacheLabel(rec.cacheHit)).Inc()

@@ -105,6 +105,28 @@ func TestAuditLineRedactsEveryControlledField(t *testing.T) {
 	}
 }
 
+// Each exchange writes its line whole, with one Write, from whatever
+// goroutine: --audit-log-mode=blocking makes it one write(2), and batch
+// never splits a Write.
+func TestAuditLineIsOneWrite(t *testing.T) {
+	var audit lockedBuffer
+	f := newFixture(t, func(c *Config) { c.AuditLog = &audit })
+	var wg sync.WaitGroup
+	for range 20 {
+		wg.Go(func() {
+			_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
+			assert.NoError(t, err)
+		})
+	}
+	wg.Wait()
+	require.Len(t, audit.writes, 20)
+	for _, w := range audit.writes {
+		assert.True(t, json.Valid([]byte(w)), w)
+		assert.Equal(t, 1, strings.Count(w, "\n"), w)
+		assert.True(t, strings.HasSuffix(w, "}\n"), w)
+	}
+}
+
 // The encoder writes what the broker binary's slog audit logger wrote for
 // the same exchange, byte for byte but the time: same keys, same order,
 // same value formats and escapes, same redaction.
@@ -214,23 +236,23 @@ func withoutTime(line string) string {
 	return rest
 }
 
-// lockedBuffer is an audit log for tests: concurrent Writes, one line
-// each.
+// lockedBuffer is an audit log for tests that keeps each Write apart.
 type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
+	mu     sync.Mutex
+	writes []string
 }
 
 func (b *lockedBuffer) Write(p []byte) (int, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.buf.Write(p)
+	b.writes = append(b.writes, string(p))
+	return len(p), nil
 }
 
 func (b *lockedBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.buf.String()
+	return strings.Join(b.writes, "")
 }
 
 // reviewsAs authenticates as the fake hub does, but as user and uid.
