@@ -18,9 +18,9 @@ import (
 // order, the same value formats, the same escapes. Redaction is by
 // construction: the values the service formats (the time, the code, the
 // latency, the expiry, cacheHit) are appended as they are, and every string
-// a caller, the hub's TokenReview or an agent chose is appended through
-// token.AppendRedacted, so a new string field needs appendString, which
-// scans, or it does not compile into the line.
+// a caller, the hub's TokenReview or an agent chose only through
+// appendString, appendPair, appendRef or appendStrings, which pass it
+// through token.AppendRedacted while they escape it.
 
 // auditBuffers holds the buffers of audit lines. One larger than
 // maxPooledAudit (a refusal's long reason) is left to the collector.
