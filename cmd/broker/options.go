@@ -60,7 +60,7 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	if err != nil {
 		return cfg, nil, err
 	}
-	cfg.Audit = cmdflags.AuditLogger(sink)
+	cfg.Audit, cfg.AuditLog = cmdflags.AuditLogger(sink), sink
 	return cfg, sink, nil
 }
 

@@ -3,6 +3,7 @@ package broker
 import (
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"time"
 
@@ -201,6 +202,12 @@ type Config struct {
 	// refused (the broker binary writes it to --audit-log-path as JSON
 	// lines).
 	Log, Audit logr.Logger
+	// AuditLog, when set, receives the exchanges' audit lines in place of
+	// Audit, as JSON lines that the exchange encodes itself
+	// (tokenexchange.Config.AuditLog); it must be safe for concurrent
+	// Writes. The broker binary passes the writer of --audit-log-path
+	// beneath Audit.
+	AuditLog io.Writer
 }
 
 // Default returns a Config with every default set and nothing that must be

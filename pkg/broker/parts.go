@@ -183,6 +183,7 @@ func (b *Broker) newExchange(h *hubClients) (err error) {
 		ReviewBurst:     cfg.ReviewBurst,
 		Log:             cfg.Log.WithName("exchange"),
 		Audit:           cfg.Audit,
+		AuditLog:        cfg.AuditLog,
 		Registerer:      b.registry,
 
 		PeerReviewRateLimit:      rate.Limit(cfg.PeerReviewRateLimit),
