@@ -432,6 +432,16 @@ var allowed = map[string][]rule{
 			{resource: "configmaps", name: "credbroker-pending-revokes", verb: "update"},
 		},
 	),
+	// The Lease of the revocation triggers in the broker's namespace
+	// (pkg/broker runTriggers): created once, then read and renewed by
+	// name.
+	"Role credbroker-broker-triggers-lease": slices.Concat(
+		verbs("coordination.k8s.io", "leases", "create"),
+		[]rule{
+			{group: "coordination.k8s.io", resource: "leases", name: "credbroker-triggers", verb: "get"},
+			{group: "coordination.k8s.io", resource: "leases", name: "credbroker-triggers", verb: "update"},
+		},
+	),
 	// Only with components/publish-access-provider.
 	"ClusterRole credbroker-broker-publish": verbs("multicluster.x-k8s.io", "clusterprofiles/status", "patch"),
 	"Role credbroker-broker-publish-lease": slices.Concat(

@@ -60,7 +60,7 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	if err != nil {
 		return cfg, nil, err
 	}
-	cfg.Audit = cmdflags.AuditLogger(sink)
+	cfg.Audit, cfg.AuditLog = cmdflags.AuditLogger(sink), sink
 	return cfg, sink, nil
 }
 
@@ -132,7 +132,7 @@ func addPublishFlags(fs *pflag.FlagSet, cfg *broker.Config) {
 	fs.BoolVar(&cfg.PublishAccessProvider, "publish-access-provider", cfg.PublishAccessProvider, "keep the --access-provider entry (server and CA that the agent advertises, and the exec extension) and the CredentialBrokerConnected condition in the status of every ClusterProfile with a connected agent; needs patch on clusterprofiles/status and a Lease (deploy/components/publish-access-provider)")
 	fs.StringVar(&cfg.PublishLeaseNamespace, "publish-lease-namespace", cfg.PublishLeaseNamespace, "namespace of the Lease that picks the one replica that publishes (the broker's own namespace)")
 	fs.StringVar(&cfg.PublishLeaseName, "publish-lease-name", cfg.PublishLeaseName, "name of that Lease")
-	fs.StringVar(&cfg.PublishIdentity, "publish-identity", cfg.PublishIdentity, "this replica's name in the Lease, such as the pod name (default: random)")
+	fs.StringVar(&cfg.PublishIdentity, "publish-identity", cfg.PublishIdentity, "this replica's name in the Leases of the publisher and of the revocation triggers, such as the pod name (default: random)")
 	fs.DurationVar(&cfg.AgentReconnectWindow, "agent-reconnect-window", cfg.AgentReconnectWindow, "how long a starting replica waits, at most, for the agents to find it before /readyz reports ready; sooner once every ClusterProfile the publishing replica reports connected has a stream here; 0 does not wait")
 	fs.BoolVar(&cfg.PublishControlPlaneHealthy, "publish-control-plane-healthy", cfg.PublishControlPlaneHealthy, "with --publish-access-provider, also keep the ControlPlaneHealthy condition (which multicluster-runtime gates on) from the agents' reports of their spoke's /readyz, on every ClusterProfile where no other field manager owns it; turn it on only when no cluster manager writes that condition")
 	fs.DurationVar(&cfg.PublishDisconnectGrace, "publish-disconnect-grace", cfg.PublishDisconnectGrace, "how long a ClusterProfile has no agent before its CredentialBrokerConnected condition turns False")
@@ -150,6 +150,7 @@ func addCheckFlags(fs *pflag.FlagSet, cfg *broker.Config) {
 	fs.StringVar(&cfg.IssuerJWKSFile, "issuer-jwks-file", "", "JWKS (JSON) file of the hub service-account issuer's public keys, reloaded on change; empty means the hub's /openid/v1/jwks")
 	fs.DurationVar(&cfg.IssuerKeysRefresh, "issuer-keys-refresh", cfg.IssuerKeysRefresh, "how often the hub issuer's public keys are fetched from the hub")
 	fs.DurationVar(&cfg.IssuerKeysMinRefresh, "issuer-keys-min-refresh", cfg.IssuerKeysMinRefresh, "least time between two fetches of the hub issuer's keys, which a token naming an unknown key also triggers")
+	fs.StringVar(&cfg.TriggerLeaseName, "trigger-lease-name", cfg.TriggerLeaseName, "Lease, in --pending-revokes-namespace, that picks the one replica that runs the revocation triggers; it checks every live grant when it takes over; empty runs them on this replica with no Lease (one replica only)")
 	fs.DurationVar(&cfg.GrantRecheckInterval, "grant-recheck-interval", cfg.GrantRecheckInterval, "how often every live grant is checked against hub RBAC, its ClusterProfile and its consumer's hub ServiceAccount")
 	fs.DurationVar(&cfg.RBACDebounce, "rbac-debounce", cfg.RBACDebounce, "quiet time after a hub RBAC change before live grants are checked again")
 	fs.DurationVar(&cfg.RBACDebounceMax, "rbac-debounce-max", cfg.RBACDebounceMax, "longest wait from a hub RBAC change to the check of live grants, however many changes follow")

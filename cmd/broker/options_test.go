@@ -224,7 +224,9 @@ func TestParseFlagsLogsAndAudit(t *testing.T) {
 				require.NoError(t, closer.Close())
 				return
 			}
-			// Audit lines are JSON whatever --log-format is.
+			// Audit lines are JSON whatever --log-format is; the exchange
+			// encodes its own into the same file.
+			assert.Equal(t, closer, cfg.AuditLog)
 			cfg.Audit.Info("exchange", "code", "OK")
 			require.NoError(t, closer.Close())
 			data, err := os.ReadFile(tt.wantFile)

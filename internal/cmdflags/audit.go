@@ -35,9 +35,10 @@ func (a *AuditFlags) AddFlags(fs *pflag.FlagSet) {
 }
 
 // Open validates the flags and opens the audit log, batched for
-// --audit-log-mode=batch. The caller closes the returned writer on exit,
-// which writes the lines a batch holds; closing standard output's does
-// nothing else.
+// --audit-log-mode=batch. The writer is safe for concurrent Writes, and
+// writes each whole (blocking) or never splits it (batch). The caller
+// closes it on exit, which writes the lines a batch holds; closing
+// standard output's does nothing else.
 func (a *AuditFlags) Open() (io.WriteCloser, error) {
 	switch {
 	case a.Path == "":

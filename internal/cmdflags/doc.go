@@ -20,7 +20,9 @@
 // from the operational logs, every string a caller or an agent can
 // influence passed through token.Redact, written line by line
 // (--audit-log-mode=blocking) or in batches every BatchInterval
-// (--audit-log-mode=batch, NewBatchWriter).
+// (--audit-log-mode=batch, NewBatchWriter). The exchange writes its own
+// lines, in the same JSON, to the writer that Open returns (which is safe
+// for concurrent Writes); AuditLogger writes the grants and agent lines.
 //
 // The FlagSet also accepts a long flag written with a single dash
 // (-broker-address=x), as Go's flag package did before the mains moved to

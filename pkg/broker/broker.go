@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -64,11 +65,17 @@ type Broker struct {
 	keys             *hubkeys.Keys
 	exchange         *tokenexchange.Service
 	// publisher keeps the access provider in ClusterProfiles' status; nil
-	// unless PublishAccessProvider. hubClient serves its Lease.
-	publisher *publish.Publisher
-	hubClient kubernetes.Interface
-	health    *health.Server
-	registry  *prometheus.Registry
+	// unless PublishAccessProvider. hubClient serves the Leases of the
+	// publisher and the triggers; leadsTriggers tells whether this replica
+	// runs the triggers (runTriggers), and leaseIdentity, drawn once, is
+	// its name in the Leases.
+	publisher     *publish.Publisher
+	hubClient     kubernetes.Interface
+	leadsTriggers atomic.Bool
+	identityOnce  sync.Once
+	leaseIdentity string
+	health        *health.Server
+	registry      *prometheus.Registry
 	// draining is set when Run's context ends; the broker is not ready
 	// from then on.
 	draining atomic.Bool

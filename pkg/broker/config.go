@@ -3,6 +3,7 @@ package broker
 import (
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"time"
 
@@ -157,8 +158,8 @@ type Config struct {
 	// PublishLeaseNamespace/PublishLeaseName keep the AccessProviderName
 	// entry and the CredentialBrokerConnected condition in the status of
 	// every ClusterProfile with a connected agent (package publish).
-	// PublishIdentity names this replica in the Lease (default: a random
-	// name). PublishDisconnectGrace is how long a ClusterProfile has no
+	// PublishIdentity names this replica in the Leases, the publisher's
+	// and the triggers' (default: a random name). PublishDisconnectGrace is how long a ClusterProfile has no
 	// agent before its condition turns False.
 	PublishAccessProvider                   bool
 	PublishLeaseNamespace, PublishLeaseName string
@@ -169,6 +170,13 @@ type Config struct {
 	// spoke's /readyz, where no other field manager owns it. It needs
 	// PublishAccessProvider.
 	PublishControlPlaneHealthy bool
+	// TriggerLeaseName is the Lease, in PendingRevokesNamespace, that
+	// picks the one replica that runs the revocation triggers (their
+	// SubjectAccessReviews are the same on every replica); its holder
+	// checks every live grant when it takes over. PublishIdentity names
+	// this replica in it too. Empty: this replica runs them, with no
+	// Lease, as a single replica that may not write Leases must.
+	TriggerLeaseName string
 
 	// ProxyAddress, when set, serves the API proxy over TLS (with the
 	// exchange port's certificate): the spoke API servers that agents carry
@@ -194,6 +202,12 @@ type Config struct {
 	// refused (the broker binary writes it to --audit-log-path as JSON
 	// lines).
 	Log, Audit logr.Logger
+	// AuditLog, when set, receives the exchanges' audit lines in place of
+	// Audit, as JSON lines that the exchange encodes itself
+	// (tokenexchange.Config.AuditLog); it must be safe for concurrent
+	// Writes. The broker binary passes the writer of --audit-log-path
+	// beneath Audit.
+	AuditLog io.Writer
 }
 
 // Default returns a Config with every default set and nothing that must be
@@ -241,6 +255,7 @@ func Default() Config {
 		GrantReviewRateLimit:        20,
 		GrantReviewBurst:            20,
 		PublishLeaseName:            "credbroker-publisher",
+		TriggerLeaseName:            "credbroker-triggers",
 		PublishDisconnectGrace:      30 * time.Second,
 		ProxyMaxRequestsPerCluster:  apiproxy.DefaultMaxRequestsPerCluster,
 		ProxyMaxRequestsPerConsumer: apiproxy.DefaultMaxRequestsPerConsumer,
@@ -292,6 +307,8 @@ func (c *Config) Validate() error {
 	need(finite(c.NamespaceReviewRateLimit) && c.NamespaceReviewBurst > 0, "the per-namespace review rate limit and burst must be positive and finite")
 	need(c.IssuerKeysMinRefresh > 0 && c.IssuerKeysMinRefresh <= c.IssuerKeysRefresh,
 		"the issuer keys' minimum refresh interval must be positive and at most their refresh interval (%s, %s)", c.IssuerKeysMinRefresh, c.IssuerKeysRefresh)
+	need(c.TriggerLeaseName == "" || len(validation.IsDNS1123Subdomain(c.TriggerLeaseName)) == 0,
+		"the triggers' Lease name must be an object name, got %q", c.TriggerLeaseName)
 	need(c.GrantRecheckInterval > 0, "the grant recheck interval must be positive")
 	need(c.RBACDebounce > 0 && c.RBACDebounceMax >= c.RBACDebounce,
 		"the RBAC debounce must be positive and at most its maximum (%s, %s)", c.RBACDebounce, c.RBACDebounceMax)

@@ -14,6 +14,7 @@ import (
 	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
 	inventoryinformers "sigs.k8s.io/cluster-inventory-api/client/informers/externalversions"
 
+	"github.com/credbroker/credbroker/internal/metrics"
 	"github.com/credbroker/credbroker/pkg/clusterprofile"
 	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/grants"
@@ -26,7 +27,7 @@ import (
 // order, and returns an error that New wraps with "broker: ".
 
 // hubClients holds the hub clients that New's steps build the parts with; the
-// Broker keeps none of them but hubClient, for the publisher's Lease.
+// Broker keeps none of them but hubClient, for its Leases.
 type hubClients struct {
 	config    *rest.Config
 	client    kubernetes.Interface
@@ -57,6 +58,7 @@ func (b *Broker) newHubClients(h *hubClients) (err error) {
 	if h.client, err = kubernetes.NewForConfig(h.config); err != nil {
 		return fmt.Errorf("hub client: %w", err)
 	}
+	b.hubClient = h.client
 	if h.inventory, err = inventory.NewForConfig(h.config); err != nil {
 		return fmt.Errorf("hub inventory client: %w", err)
 	}
@@ -149,16 +151,15 @@ func (b *Broker) newTunnel(*hubClients) (err error) {
 }
 
 // newPublishing builds the publisher of the access provider, with
-// PublishAccessProvider, and registers the gauge of its conflicts, which
-// every replica exposes.
+// PublishAccessProvider, and registers the gauges of its conflicts and of
+// the triggers' leadership, which every replica exposes.
 func (b *Broker) newPublishing(h *hubClients) (err error) {
 	if b.cfg.PublishAccessProvider {
-		b.hubClient = h.client
 		if b.publisher, err = newPublisher(b.cfg, b, h.inventory); err != nil {
 			return err
 		}
 	}
-	return b.registry.Register(advertisedConflicts(b))
+	return metrics.Register(b.registry, advertisedConflicts(b), triggersLeader(b))
 }
 
 // newExchange builds the hub issuer's keys and the TokenExchange service.
@@ -185,6 +186,7 @@ func (b *Broker) newExchange(h *hubClients) (err error) {
 		ReviewBurst:     cfg.ReviewBurst,
 		Log:             cfg.Log.WithName("exchange"),
 		Audit:           cfg.Audit,
+		AuditLog:        cfg.AuditLog,
 		Registerer:      b.registry,
 
 		PeerReviewRateLimit:      rate.Limit(cfg.PeerReviewRateLimit),

@@ -2,20 +2,13 @@ package broker
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
-	"fmt"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
-	"k8s.io/client-go/tools/leaderelection"
-	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 	inventory "sigs.k8s.io/cluster-inventory-api/client/clientset/versioned"
 
@@ -130,44 +123,18 @@ func enqueueProfile(p *publish.Publisher, obj any) {
 
 // runPublisher publishes while this replica holds the Lease, and campaigns
 // again when it loses it, until ctx ends.
-func (b *Broker) runPublisher(ctx context.Context, hub kubernetes.Interface) error {
-	id := b.cfg.PublishIdentity
-	if id == "" {
-		var r [8]byte
-		_, _ = rand.Read(r[:])
-		id = "credbroker-broker-" + hex.EncodeToString(r[:])
-	}
-	lock := &resourcelock.LeaseLock{
-		LeaseMeta:  metav1.ObjectMeta{Namespace: b.cfg.PublishLeaseNamespace, Name: b.cfg.PublishLeaseName},
-		Client:     hub.CoordinationV1(),
-		LockConfig: resourcelock.ResourceLockConfig{Identity: id},
-	}
-	elector, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
-		Lock:            lock,
-		LeaseDuration:   15 * time.Second,
-		RenewDeadline:   10 * time.Second,
-		RetryPeriod:     2 * time.Second,
-		ReleaseOnCancel: true,
-		Name:            b.cfg.PublishLeaseName,
-		Callbacks: leaderelection.LeaderCallbacks{
-			OnStartedLeading: func(ctx context.Context) {
-				b.log.Info("publishing access providers", "identity", id)
-				var all []types.NamespacedName
-				for _, obj := range b.informers.Apis().V1alpha1().ClusterProfiles().Informer().GetStore().List() {
-					if cp, ok := obj.(*v1alpha1.ClusterProfile); ok {
-						all = append(all, types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name})
-					}
+func (b *Broker) runPublisher(ctx context.Context) error {
+	return b.campaign(ctx, lease{
+		namespace: b.cfg.PublishLeaseNamespace, name: b.cfg.PublishLeaseName,
+		what: "publisher of access providers", grant: "deploy/components/publish-access-provider",
+		lead: func(ctx context.Context) {
+			var all []types.NamespacedName
+			for _, obj := range b.informers.Apis().V1alpha1().ClusterProfiles().Informer().GetStore().List() {
+				if cp, ok := obj.(*v1alpha1.ClusterProfile); ok {
+					all = append(all, types.NamespacedName{Namespace: cp.Namespace, Name: cp.Name})
 				}
-				b.publisher.Run(ctx, all)
-			},
-			OnStoppedLeading: func() { b.log.Info("stopped publishing access providers", "identity", id) },
+			}
+			b.publisher.Run(ctx, all)
 		},
 	})
-	if err != nil {
-		return fmt.Errorf("broker: publisher lease: %w", err)
-	}
-	for ctx.Err() == nil {
-		elector.Run(ctx)
-	}
-	return nil
 }

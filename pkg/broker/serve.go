@@ -44,7 +44,7 @@ func (b *Broker) Run(ctx context.Context) error {
 	}
 
 	if b.publisher != nil {
-		g.Go(func() error { return b.runPublisher(ctx, b.hubClient) })
+		g.Go(func() error { return b.runPublisher(ctx) })
 	}
 
 	exchange, agents := b.exchangeServer(), b.agentServer()
@@ -67,7 +67,7 @@ func (b *Broker) startInformers(ctx context.Context, g *errgroup.Group) (shutdow
 	b.accountInformers.Start(ctx.Done())
 	b.pendingInformers.Start(ctx.Done())
 	g.Go(func() error { return b.pending.Run(ctx) })
-	g.Go(func() error { return b.triggers.Run(ctx) })
+	g.Go(func() error { return b.runTriggers(ctx) })
 	return func() {
 		b.pendingInformers.Shutdown()
 		b.accountInformers.Shutdown()

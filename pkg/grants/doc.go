@@ -56,5 +56,7 @@
 //
 // A slow sweep checks every live grant in all three ways, for what no event
 // told of. A review the hub fails revokes nothing; the next change or sweep
-// asks again.
+// asks again. The reviews are the same on every broker replica, so one
+// replica runs the triggers, with Lead when it takes them over: that
+// sweeps first, for what changed while no replica ran them.
 package grants

@@ -251,6 +251,29 @@ func (t *Triggers) Run(ctx context.Context) error {
 	}
 }
 
+// Lead is Run for the replica that takes the triggers over, from another
+// replica or at its start: it forgets the changes it saw while it did not
+// lead, waits for its informers to sync, and checks every live grant once
+// (Sweep), which covers those changes and whatever changed while no
+// replica led, before it runs Run. Only one replica of a broker needs to
+// lead: the SubjectAccessReviews of the checks are the same on every
+// replica, since every replica holds the whole fleet's live grants.
+func (t *Triggers) Lead(ctx context.Context) error {
+	t.mu.Lock()
+	t.rbacFirst, t.rbacLast = time.Time{}, time.Time{}
+	t.accounts = map[string]struct{}{}
+	t.mu.Unlock()
+	synced := []cache.InformerSynced{t.cfg.ServiceAccounts.HasSynced}
+	for _, inf := range t.cfg.RBAC {
+		synced = append(synced, inf.HasSynced)
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
+		return nil // ctx ended
+	}
+	t.Sweep(ctx)
+	return t.Run(ctx)
+}
+
 // Sweep checks every live grant: its ClusterProfile, its consumer's hub
 // ServiceAccount, and hub RBAC. Run calls it every Interval.
 func (t *Triggers) Sweep(ctx context.Context) {

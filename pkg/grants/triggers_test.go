@@ -560,3 +560,49 @@ func TestNewTriggersNeedsItsParts(t *testing.T) {
 	_, err := NewTriggers(TriggersConfig{})
 	require.ErrorIs(t, err, errdefs.ErrInvalidArgument)
 }
+
+// The attack: a revocation trigger fires while no replica leads the
+// triggers (the leader died and its Lease has not expired yet, or it died
+// between an RBAC change and its debounced check), and the consumer keeps
+// its spoke tokens. The replica that takes over checks every live grant
+// before anything else, with no wait and no clock step, whether its own
+// informers told it of the change or not; what they told it while it
+// followed costs no second check.
+func TestLeadChecksWhatChangedWhileNoReplicaLed(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		change  func(*fixture)
+		revoked []string
+		// reviews is the sweep's: one per subject and ClusterProfile of
+		// the grants left once those of gone ServiceAccounts are revoked.
+		reviews int
+	}{
+		{"hub RBAC changed, seen while following", func(f *fixture) {
+			f.reviewer.set(alice+" fleet/spoke-1", false)
+			f.rbac.remove(role("1"))
+		}, []string{"JTI=a1", "JTI=a2"}, 5},
+		{"hub RBAC changed, its event gone with the old leader", func(f *fixture) {
+			f.reviewer.set(alice+" fleet/spoke-1", false)
+		}, []string{"JTI=a1", "JTI=a2"}, 5},
+		{"hub ServiceAccount deleted", func(f *fixture) {
+			f.accounts.remove(serviceAccount("team-b", "bob", "bob-uid"))
+		}, []string{"JTI=b1", "JTI=b2"}, 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			tc.change(f)
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan error, 1)
+			go func() { done <- f.triggers.Lead(ctx) }()
+			require.Eventually(t, func() bool {
+				return len(f.revoker.revokedIDs()) == len(tc.revoked) && len(f.reviewer.questions()) >= tc.reviews
+			}, 10*time.Second, time.Millisecond)
+			f.clock.Step(10 * time.Second)    // past any debounce
+			time.Sleep(50 * time.Millisecond) // a second check would be under way: no synchronization to wait for one that must not come
+			cancel()
+			require.NoError(t, <-done)
+			assert.Equal(t, tc.revoked, f.revoker.revokedIDs())
+			assert.Len(t, f.reviewer.questions(), tc.reviews, "the sweep's reviews, and no second check")
+		})
+	}
+}

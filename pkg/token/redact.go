@@ -11,9 +11,40 @@ import "strings"
 // Names, DNS names, SPIFFE IDs, UIDs and JTI credential ids are left alone.
 // Writers of audit and log lines use it on text a caller or an agent chose.
 func Redact(s string) string {
+	i, j := nextToken(s, 0)
+	if i < 0 {
+		return s
+	}
 	var b strings.Builder
-	last, changed := 0, false
-	for i := 0; i < len(s); {
+	b.Grow(len(s))
+	last := 0
+	for ; i >= 0; i, j = nextToken(s, j) {
+		b.WriteString(s[last:i])
+		b.WriteString("[redacted " + Fingerprint(s[i:j]) + "]")
+		last = j
+	}
+	b.WriteString(s[last:])
+	return b.String()
+}
+
+// AppendRedacted appends s to dst as Redact would return it, without
+// building that string: the text between the token-like runs goes through
+// appendText (a JSON string escaper, say), and each run is replaced by
+// "[redacted sha256:…]", appended as is (it holds nothing to escape).
+func AppendRedacted(dst []byte, s string, appendText func(dst []byte, text string) []byte) []byte {
+	last := 0
+	for i, j := nextToken(s, 0); i >= 0; i, j = nextToken(s, j) {
+		dst = appendText(dst, s[last:i])
+		dst = append(appendFingerprint(append(dst, "[redacted "...), s[i:j]), ']')
+		last = j
+	}
+	return appendText(dst, s[last:])
+}
+
+// nextToken returns the bounds of the first token-like run of s that
+// starts at or after from, or -1, -1.
+func nextToken(s string, from int) (start, end int) {
+	for i := from; i < len(s); {
 		if !isRunByte(s[i]) {
 			i++
 			continue
@@ -22,22 +53,12 @@ func Redact(s string) string {
 		for j < len(s) && isRunByte(s[j]) {
 			j++
 		}
-		if run := s[i:j]; tokenLike(run) {
-			if !changed {
-				b.Grow(len(s))
-				changed = true
-			}
-			b.WriteString(s[last:i])
-			b.WriteString("[redacted " + Fingerprint(run) + "]")
-			last = j
+		if tokenLike(s[i:j]) {
+			return i, j
 		}
 		i = j
 	}
-	if !changed {
-		return s
-	}
-	b.WriteString(s[last:])
-	return b.String()
+	return -1, -1
 }
 
 func isRunByte(c byte) bool {

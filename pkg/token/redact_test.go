@@ -39,6 +39,7 @@ func TestRedact(t *testing.T) {
 			}
 			got := Redact(tt.in)
 			assert.Equal(t, want, got)
+			assert.Equal(t, want, string(AppendRedacted([]byte("x"), tt.in, appendAsIs))[1:], "AppendRedacted")
 			for seg := range strings.SplitSeq(jwt, ".") {
 				assert.NotContains(t, got, seg)
 			}
@@ -52,6 +53,7 @@ func FuzzRedact(f *testing.F) {
 	f.Add("fleet/spoke-1")
 	f.Fuzz(func(t *testing.T, s string) {
 		got := Redact(s)
+		assert.Equal(t, got, string(AppendRedacted(nil, s, appendAsIs)), "AppendRedacted")
 		// Idempotent, and nothing token-like survives.
 		assert.Equal(t, got, Redact(got))
 		for i := 0; i < len(got); {
@@ -68,3 +70,5 @@ func FuzzRedact(f *testing.F) {
 		}
 	})
 }
+
+func appendAsIs(dst []byte, s string) []byte { return append(dst, s...) }

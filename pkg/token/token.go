@@ -53,8 +53,13 @@ func notBase64URL(r rune) bool {
 
 // Fingerprint is a short, stable, non-reversible name for a token, for logs.
 func Fingerprint(s string) string {
+	return string(appendFingerprint(make([]byte, 0, len("sha256:")+16), s))
+}
+
+// appendFingerprint appends the Fingerprint of s to dst.
+func appendFingerprint(dst []byte, s string) []byte {
 	sum := sha256.Sum256([]byte(s))
-	return "sha256:" + hex.EncodeToString(sum[:8])
+	return hex.AppendEncode(append(dst, "sha256:"...), sum[:8])
 }
 
 // payload returns the decoded payload segment of a JWT-shaped token.

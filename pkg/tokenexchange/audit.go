@@ -3,6 +3,8 @@ package tokenexchange
 import (
 	"time"
 
+	"google.golang.org/grpc/codes"
+
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/hubauth"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -15,11 +17,25 @@ type auditRecord struct {
 	minted   *minted // the checked claims of the token answered
 }
 
-// audit writes the exchange's one audit line and records its metrics. It
-// never writes a token; the minted token appears as its credential id, and
-// its ServiceAccount, audiences and expiry are those of its checked claims.
-func (s *Service) audit(rec *auditRecord, req *pb.ExchangeRequest, err error, latency time.Duration) {
+// audit writes the exchange's one audit line, which ended at now, and
+// records its metrics. It never writes a token; the minted token appears as
+// its credential id, and its ServiceAccount, audiences and expiry are those
+// of its checked claims.
+func (s *Service) audit(now time.Time, rec *auditRecord, req *pb.ExchangeRequest, err error, latency time.Duration) {
 	code := errdefs.Code(err)
+	if s.cfg.AuditLog != nil {
+		s.writeAuditLine(now, rec, req, code, err, latency)
+	} else if s.cfg.Audit.Enabled() {
+		s.cfg.Audit.Info("exchange", auditValues(rec, req, code, err, latency)...)
+	}
+	s.metrics.exchanges.WithLabelValues(code.String(), cacheLabel(rec.cacheHit)).Inc()
+	s.metrics.exchangeDuration.WithLabelValues(code.String()).Observe(latency.Seconds())
+}
+
+// auditValues are the audit line's keys and values for a logr Audit, which
+// redacts them (the broker binary's does) or not. appendAuditLine writes
+// the same line as JSON.
+func auditValues(rec *auditRecord, req *pb.ExchangeRequest, code codes.Code, err error, latency time.Duration) []any {
 	// The request is logged as received, before validation: clip it.
 	kv := []any{
 		"cluster", clip(refString(req.GetCluster())),
@@ -43,9 +59,7 @@ func (s *Service) audit(rec *auditRecord, req *pb.ExchangeRequest, err error, la
 	if err != nil {
 		kv = append(kv, "reason", err.Error())
 	}
-	s.cfg.Audit.Info("exchange", kv...)
-	s.metrics.exchanges.WithLabelValues(code.String(), cacheLabel(rec.cacheHit)).Inc()
-	s.metrics.exchangeDuration.WithLabelValues(code.String()).Observe(latency.Seconds())
+	return kv
 }
 
 func refString(r *pb.ObjectReference) string {

@@ -30,10 +30,10 @@ func BenchmarkTokenKey(b *testing.B) {
 	}
 }
 
-// BenchmarkAudit is the audit line of one cached exchange, written by the
-// broker binary's JSON audit logger to a discarding writer.
+// BenchmarkAudit is the audit line of one cached exchange, encoded as the
+// broker binary writes it (Config.AuditLog) to a discarding writer.
 func BenchmarkAudit(b *testing.B) {
-	f := newFixture(b, func(c *Config) { c.Audit = cmdflags.AuditLogger(io.Discard) })
+	f := newFixture(b, func(c *Config) { c.AuditLog = io.Discard })
 	ctx := withBearer(consumerToken)
 	req := fleetA()
 	rec := &auditRecord{}
@@ -43,37 +43,37 @@ func BenchmarkAudit(b *testing.B) {
 	}
 	b.ReportAllocs()
 	for b.Loop() {
-		f.svc.audit(rec, req, nil, time.Millisecond)
+		f.svc.audit(t0, rec, req, nil, time.Millisecond)
 	}
 }
 
 // BenchmarkExchangeCached is a whole cached exchange, without gRPC: with
-// the audit line discarded, formatted as the broker binary does and
+// the audit line discarded, encoded as the broker binary does and
 // discarded, and written to a file in each --audit-log-mode.
 func BenchmarkExchangeCached(b *testing.B) {
-	file := func(mode string) func(b *testing.B) logr.Logger {
-		return func(b *testing.B) logr.Logger {
+	file := func(mode string) func(b *testing.B) io.Writer {
+		return func(b *testing.B) io.Writer {
 			a := cmdflags.AuditFlags{Path: filepath.Join(b.TempDir(), "audit.log"), MaxSize: 100, Mode: mode}
 			w, err := a.Open()
 			if err != nil {
 				b.Fatal(err)
 			}
 			b.Cleanup(func() { _ = w.Close() })
-			return cmdflags.AuditLogger(w)
+			return w
 		}
 	}
 	for _, bc := range []struct {
 		name  string
-		audit func(b *testing.B) logr.Logger
+		audit func(b *testing.B) io.Writer
 	}{
-		{"audit=discard", func(*testing.B) logr.Logger { return logr.Discard() }},
-		{"audit=json", func(*testing.B) logr.Logger { return cmdflags.AuditLogger(io.Discard) }},
+		{"audit=discard", func(*testing.B) io.Writer { return nil }},
+		{"audit=json", func(*testing.B) io.Writer { return io.Discard }},
 		{"audit=file-blocking", file(cmdflags.AuditBlocking)},
 		{"audit=file-batch", file(cmdflags.AuditBatch)},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			audit := bc.audit(b)
-			f := newFixture(b, func(c *Config) { c.Audit = audit })
+			f := newFixture(b, func(c *Config) { c.Audit, c.AuditLog = logr.Discard(), audit })
 			ctx := withBearer(consumerToken)
 			if _, err := f.svc.Exchange(ctx, fleetA()); err != nil {
 				b.Fatal(err)

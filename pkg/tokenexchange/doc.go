@@ -53,7 +53,11 @@
 //
 // Every call writes one audit line. Tokens never reach a log, an error or a
 // metric; the audit line names the minted token by its credential id, and
-// records its checked claims, not what the agent said beside it.
+// records its checked claims, not what the agent said beside it. With
+// Config.AuditLog, the service encodes the line itself as one JSON line,
+// without logr or reflection, scanning every string a caller, the hub or
+// an agent chose for tokens while it appends it (token.AppendRedacted);
+// without, the line's key/values go to Config.Audit.
 //
 //	svc, err := tokenexchange.New(tokenexchange.Config{
 //		TokenReviews: hub.AuthenticationV1().TokenReviews(),

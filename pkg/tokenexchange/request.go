@@ -79,10 +79,13 @@ func parseRef(field string, ref *pb.ObjectReference, isName func(string) []strin
 	return types.NamespacedName{Namespace: ref.GetNamespace(), Name: ref.GetName()}, nil
 }
 
+// maxClip is how many bytes of a caller's string clip keeps.
+const maxClip = 64
+
 // clip keeps error messages short when a caller sends a huge name.
 func clip(s string) string {
-	if len(s) > 64 {
-		return s[:64] + "..."
+	if len(s) > maxClip {
+		return s[:maxClip] + "..."
 	}
 	return s
 }

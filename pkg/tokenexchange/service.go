@@ -7,6 +7,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"sync"
 	"time"
@@ -144,8 +145,15 @@ type Config struct {
 	// Clock is injected for tests. Default: the real clock.
 	Clock clock.PassiveClock
 	// Log receives operational errors, such as hub reviews that failed;
-	// Audit receives one line per exchange. Default: discard.
+	// Audit receives one line per exchange, unless AuditLog is set.
+	// Default: discard.
 	Log, Audit logr.Logger
+	// AuditLog, when set, receives the exchange's audit lines in place of
+	// Audit, encoded by the service itself as JSON lines (the object that
+	// the broker binary's slog audit logger writes, tokens redacted), one
+	// Write per line. It must be safe for concurrent Writes. The broker
+	// binary passes its --audit-log-path writer.
+	AuditLog io.Writer
 	// Registerer receives the Service's metrics (credbroker_exchanges_total,
 	// credbroker_exchange_duration_seconds,
 	// credbroker_decision_cache_lookups_total). Nil registers them in a
@@ -265,7 +273,8 @@ func (s *Service) Exchange(ctx context.Context, req *pb.ExchangeRequest) (*pb.Ex
 	start := s.cfg.Clock.Now()
 	rec := &auditRecord{}
 	resp, err := s.exchange(ctx, req, rec)
-	s.audit(rec, req, err, s.cfg.Clock.Since(start))
+	end := s.cfg.Clock.Now()
+	s.audit(end, rec, req, err, end.Sub(start))
 	if wait, ok := errdefs.RetryAfter(err); ok {
 		// Only a gRPC server has a stream to carry the trailer; the
 		// message says the wait too.

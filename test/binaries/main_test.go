@@ -364,7 +364,9 @@ func launchBroker(ctx context.Context, dir string, args ...string) (brokerProces
 	if p.Process, err = deployment.StartBrokerProcess(framework.BrokerProcessOptions{
 		Bin: brokerBin, Kubeconfig: kubeconfig,
 		ExchangeAddress: p.exchange, AgentAddress: p.agent, MetricsAddress: p.metrics,
-		Args: args,
+		// deploy/hub's, which its RBAC grants.
+		TriggerLeaseName: "credbroker-triggers",
+		Args:             args,
 	}); err != nil {
 		return p, err
 	}

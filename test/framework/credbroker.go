@@ -266,6 +266,9 @@ func (d *Deployment) replicaConfig(i int) (broker.Config, error) {
 	}
 	d.auditClosers = append(d.auditClosers, w)
 	d.mu.Unlock()
+	// The exchange lines are encoded by the exchange, into the file and,
+	// decoded again, the test log.
+	cfg.AuditLog = io.MultiWriter(w, auditLines{cfg.Audit})
 	cfg.Audit = logr.New(teeSink{cfg.Audit.GetSink(), cmdflags.AuditLogger(w).GetSink()})
 	return cfg, nil
 }

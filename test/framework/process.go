@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -157,7 +158,16 @@ type BrokerProcessOptions struct {
 	// Cluster.WriteServiceAccountKubeconfig for the ServiceAccount that
 	// deploy/hub creates. Default: an admin kubeconfig.
 	Kubeconfig string
+	// TriggerLeaseName is the broker's --trigger-lease-name, such as one
+	// that two processes share as replicas. Default: a Lease of its own,
+	// so that the process runs the revocation triggers of the agents it
+	// alone serves, whatever other broker of the hub holds another.
+	TriggerLeaseName string
 }
+
+// brokerProcesses counts the broker processes started, to name their
+// Leases.
+var brokerProcesses atomic.Int64
 
 // StartBrokerProcess runs the broker binary against the deployment's hub,
 // with the deployment's serving certificate, SVID and trust bundle, and the
@@ -172,6 +182,10 @@ func (d *Deployment) StartBrokerProcess(opts BrokerProcessOptions) (*Process, er
 		}
 	}
 	cfg := d.brokerCfg
+	leaseName := opts.TriggerLeaseName
+	if leaseName == "" {
+		leaseName = fmt.Sprintf("credbroker-triggers-%d-%d", os.Getpid(), brokerProcesses.Add(1))
+	}
 	args := append([]string{
 		"--kubeconfig=" + kubeconfig,
 		"--exchange-address=" + opts.ExchangeAddress,
@@ -186,6 +200,7 @@ func (d *Deployment) StartBrokerProcess(opts BrokerProcessOptions) (*Process, er
 		// The tests start a broker before its agents and wait until it is
 		// ready; opts.Args may set a window again.
 		"--agent-reconnect-window=0s",
+		"--trigger-lease-name=" + leaseName,
 	}, opts.Args...)
 	return StartProcess(opts.Bin, args...)
 }

@@ -1,0 +1,52 @@
+package broker
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+)
+
+// A replica that the hub refuses the triggers' Lease (a single replica
+// installed without the Lease's RBAC) fails with an error that names the
+// Lease and what to grant, instead of following forever while no replica
+// runs the triggers. Other errors are campaigned through.
+func TestTriggersLeaseRefusedFails(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		err     error
+		wantErr string
+	}{
+		{"forbidden", apierrors.NewForbidden(schema.GroupResource{Group: "coordination.k8s.io", Resource: "leases"}, "credbroker-triggers", errors.New("no RBAC")),
+			`the revocation triggers: the hub refused this replica the Lease credbroker-system/credbroker-triggers: forbidden: ` +
+				`leases.coordination.k8s.io "credbroker-triggers" is forbidden: no RBAC; grant get, create and update on it (deploy/hub/rbac.yaml, or run one replica with --trigger-lease-name="")`},
+		{"hub down", apierrors.NewServiceUnavailable("etcd"), ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hub := fake.NewClientset()
+			hub.PrependReactor("*", "leases", func(k8stesting.Action) (bool, runtime.Object, error) { return true, nil, tc.err })
+			cfg := Default()
+			b := &Broker{cfg: cfg, log: logr.Discard(), hubClient: hub}
+			ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+			defer cancel()
+			err := b.runTriggers(ctx)
+			assert.False(t, b.leadsTriggers.Load())
+			if tc.wantErr == "" {
+				require.NoError(t, err)
+				assert.Error(t, ctx.Err(), "returned before its context ended")
+				return
+			}
+			require.EqualError(t, err, "broker: "+tc.wantErr)
+			assert.NoError(t, ctx.Err(), "failed only when its context ended")
+		})
+	}
+}
