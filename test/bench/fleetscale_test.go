@@ -36,6 +36,9 @@ const (
 	// fleetConsumers each cache tokensPerConsumer tokens, of as many
 	// clusters: fleetConsumers × tokensPerConsumer cached tokens.
 	fleetConsumers, tokensPerConsumer = 64, 125
+	// memLimit is the broker's GOMEMLIMIT, under the 1 GiB the scenario
+	// must fit in.
+	memLimit = "900MiB"
 )
 
 // memSample is what the broker's /metrics said, right after a garbage
@@ -69,6 +72,8 @@ func TestBenchFleet(t *testing.T) {
 	start := func() {
 		bp.Process, err = deployment.StartBrokerProcess(framework.BrokerProcessOptions{
 			Bin: brokerBin, ExchangeAddress: bp.exchange, AgentAddress: bp.agent, MetricsAddress: bp.metrics, Args: args,
+			// As deploy/hub sets it from the container's memory limit.
+			Env: []string{"GOMEMLIMIT=" + memLimit},
 		})
 		require.NoError(t, err)
 	}
@@ -210,7 +215,7 @@ func TestBenchFleet(t *testing.T) {
 	type reviews struct{ missed, hub float64 }
 	countReviews := func() reviews {
 		return reviews{metric("credbroker_decision_cache_lookups_total", `cache="authz"`, `result="miss"`),
-			metric("credbroker_hub_review_duration_seconds_count", `kind="SubjectAccessReview"`)}
+			metric("credbroker_hub_review_duration_seconds", `kind="SubjectAccessReview"`)}
 	}
 	cycle := func(keys int, measure time.Duration) (loadResult, reviews) {
 		next := make([]int, fleetConsumers)

@@ -56,8 +56,16 @@ func (p *Process) Stop() {
 
 // StartProcess runs bin with args, collecting its output.
 func StartProcess(bin string, args ...string) (*Process, error) {
+	return startProcess(bin, nil, args)
+}
+
+// startProcess is StartProcess with env added to the test's environment.
+func startProcess(bin string, env, args []string) (*Process, error) {
 	p := &Process{done: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
+	if len(env) > 0 {
+		p.cmd.Env = append(os.Environ(), env...)
+	}
 	p.cmd.Stdout, p.cmd.Stderr = p, p
 	if err := p.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("framework: start %s: %w", filepath.Base(bin), err)
@@ -154,6 +162,8 @@ type BrokerProcessOptions struct {
 	ExchangeAddress, AgentAddress, MetricsAddress string
 	// Args are more flags.
 	Args []string
+	// Env is added to the broker's environment, such as GOMEMLIMIT.
+	Env []string
 	// Kubeconfig, when set, is the broker's --kubeconfig, such as one of
 	// Cluster.WriteServiceAccountKubeconfig for the ServiceAccount that
 	// deploy/hub creates. Default: an admin kubeconfig.
@@ -202,7 +212,7 @@ func (d *Deployment) StartBrokerProcess(opts BrokerProcessOptions) (*Process, er
 		"--agent-reconnect-window=0s",
 		"--trigger-lease-name=" + leaseName,
 	}, opts.Args...)
-	return StartProcess(opts.Bin, args...)
+	return startProcess(opts.Bin, opts.Env, args)
 }
 
 // ServingCertFiles are the PEM certificate and key files of the brokers'
