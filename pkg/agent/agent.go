@@ -104,7 +104,8 @@ type Config struct {
 	// means spoke.DefaultCollectInterval. No grant outlives its token by
 	// more than this while an agent runs.
 	CollectInterval time.Duration
-	// Clock times grant expiry and the spoke health probes; nil means the
+	// Clock times grant expiry, the spoke health probes and the SVID validity
+	// that readiness checks; nil means the
 	// real clock.
 	Clock clock.WithTickerAndDelayedExecution
 
