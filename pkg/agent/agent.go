@@ -104,9 +104,8 @@ type Config struct {
 	// means spoke.DefaultCollectInterval. No grant outlives its token by
 	// more than this while an agent runs.
 	CollectInterval time.Duration
-	// Clock times grant expiry, the spoke health probes and the SVID validity
-	// that readiness checks; nil means the
-	// real clock.
+	// Clock times grant expiry, the spoke health probes and the SVID
+	// validity that readiness checks; nil means the real clock.
 	Clock clock.WithTickerAndDelayedExecution
 
 	// SpokeHealthInterval is how often the agent asks the spoke API
