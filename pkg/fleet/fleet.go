@@ -18,6 +18,19 @@ type ClusterRef struct {
 
 func (c ClusterRef) String() string { return c.NamespacedName.String() }
 
+// Cluster is what the exchange answers of a ClusterProfile, as the
+// ClusterProfile index finds it.
+type Cluster struct {
+	// Ref names the ClusterProfile incarnation; its UID is part of the
+	// exchange's token cache key.
+	Ref ClusterRef
+	// Server and CAData tell the consumer how to reach the spoke. Server
+	// is never empty: the consumer's plugin hands the token only to it, so
+	// a lookup refuses a ClusterProfile without one.
+	Server string
+	CAData []byte
+}
+
 // agentIDSegment is the first path segment of every ClusterProfile's
 // default agent ID.
 const agentIDSegment = "clusterprofile"

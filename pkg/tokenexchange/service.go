@@ -28,24 +28,12 @@ import (
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// Cluster is what the exchange needs to know of a ClusterProfile.
-type Cluster struct {
-	// Ref names the ClusterProfile incarnation; its UID is part of the token
-	// cache key.
-	Ref fleet.ClusterRef
-	// Server and CAData tell the consumer how to reach the spoke. Server
-	// is never empty: the consumer's plugin hands the token only to it, so
-	// Clusters refuses a ClusterProfile without one.
-	Server string
-	CAData []byte
-}
-
 // Clusters looks up ClusterProfiles. Errors wrap errdefs.ErrNotFound when
 // the profile is absent or being deleted, and errdefs.ErrFailedPrecondition
 // when no agent can serve it or it names no server; Exchange then mints
 // nothing.
 type Clusters interface {
-	Cluster(namespace, name string) (Cluster, error)
+	Cluster(namespace, name string) (fleet.Cluster, error)
 }
 
 // Minter mints a token on a cluster; the broker passes the tunnel server.
