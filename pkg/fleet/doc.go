@@ -1,6 +1,7 @@
 // Package fleet holds the names that the hub and the spokes of a fleet
 // share: ClusterRef, the incarnation of a ClusterProfile that an agent
-// serves; the default SPIFFE IDs of an agent (AgentID) and of the broker
+// serves; Cluster, what the exchange answers of one, as the ClusterProfile
+// index finds it; the default SPIFFE IDs of an agent (AgentID) and of the broker
 // (BrokerID); ErrNoAgent, for a cluster whose agent is not connected; and
 // MaxClockSkew, how far a spoke's clock may run ahead of the broker's.
 //
