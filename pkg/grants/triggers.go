@@ -91,6 +91,17 @@ type Triggers struct {
 	accounts map[string]struct{}
 }
 
+// Defaults of TriggersConfig.
+const (
+	DefaultTriggerDebounce      = 2 * time.Second
+	DefaultTriggerMaxDelay      = 5 * time.Second
+	DefaultTriggerInterval      = 5 * time.Minute
+	DefaultTriggerReviewRate    = 20
+	DefaultTriggerReviewBurst   = 20
+	DefaultTriggerReviewTimeout = 5 * time.Second
+	DefaultTriggerRevokeTimeout = 10 * time.Second
+)
+
 // NewTriggers validates cfg, fills in its defaults and adds event handlers
 // to its informers.
 func NewTriggers(cfg TriggersConfig) (*Triggers, error) {
@@ -105,17 +116,17 @@ func NewTriggers(cfg TriggersConfig) (*Triggers, error) {
 			*d = v
 		}
 	}
-	def(&cfg.Debounce, 2*time.Second)
-	def(&cfg.MaxDelay, 5*time.Second)
-	def(&cfg.Interval, 5*time.Minute)
-	def(&cfg.ReviewTimeout, 5*time.Second)
-	def(&cfg.RevokeTimeout, 10*time.Second)
+	def(&cfg.Debounce, DefaultTriggerDebounce)
+	def(&cfg.MaxDelay, DefaultTriggerMaxDelay)
+	def(&cfg.Interval, DefaultTriggerInterval)
+	def(&cfg.ReviewTimeout, DefaultTriggerReviewTimeout)
+	def(&cfg.RevokeTimeout, DefaultTriggerRevokeTimeout)
 	cfg.MaxDelay = max(cfg.MaxDelay, cfg.Debounce)
 	if cfg.ReviewRate <= 0 {
-		cfg.ReviewRate = 20
+		cfg.ReviewRate = DefaultTriggerReviewRate
 	}
 	if cfg.ReviewBurst <= 0 {
-		cfg.ReviewBurst = 20
+		cfg.ReviewBurst = DefaultTriggerReviewBurst
 	}
 	t := &Triggers{
 		cfg:      cfg,

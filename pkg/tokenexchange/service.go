@@ -77,7 +77,8 @@ type Config struct {
 	// being served from the token cache. Default: none.
 	Grants Grants
 
-	// Audience a consumer's hub token must carry. Default "credbroker".
+	// Audience a consumer's hub token must carry. Default "credbroker"
+	// (DefaultAudience; every default below has a Default constant).
 	Audience string
 	// MaxExpiration caps the lifetime of minted tokens; requests are clamped
 	// to [MinExpiration, MaxExpiration]. Defaults 1h and 10m.
@@ -169,22 +170,22 @@ func New(cfg Config) (*Service, error) {
 	if cfg.TokenReviews == nil || cfg.AccessReviews == nil || cfg.Verifier == nil || cfg.Clusters == nil || cfg.Minter == nil {
 		return nil, errors.New("tokenexchange: TokenReviews, AccessReviews, Verifier, Clusters and Minter are required")
 	}
-	setDefault(&cfg.Audience, "credbroker")
-	setDefault(&cfg.MaxExpiration, time.Hour)
+	setDefault(&cfg.Audience, DefaultAudience)
+	setDefault(&cfg.MaxExpiration, DefaultMaxExpiration)
 	setDefault(&cfg.MinExpiration, token.MinExpiration)
-	setDefault(&cfg.AuthnTTL, 10*time.Second)
-	setDefault(&cfg.AllowTTL, 10*time.Second)
-	setDefault(&cfg.DenyTTL, 2*time.Second)
-	setDefault(&cfg.ReviewTimeout, 5*time.Second)
-	setDefault(&cfg.ReviewRateLimit, 100)
-	setDefault(&cfg.ReviewBurst, 200)
-	setDefault(&cfg.PeerReviewRateLimit, 10)
-	setDefault(&cfg.PeerReviewBurst, 20)
+	setDefault(&cfg.AuthnTTL, DefaultAuthnTTL)
+	setDefault(&cfg.AllowTTL, DefaultAllowTTL)
+	setDefault(&cfg.DenyTTL, DefaultDenyTTL)
+	setDefault(&cfg.ReviewTimeout, DefaultReviewTimeout)
+	setDefault(&cfg.ReviewRateLimit, DefaultReviewRateLimit)
+	setDefault(&cfg.ReviewBurst, DefaultReviewBurst)
+	setDefault(&cfg.PeerReviewRateLimit, DefaultPeerReviewRateLimit)
+	setDefault(&cfg.PeerReviewBurst, DefaultPeerReviewBurst)
 	setDefault(&cfg.NamespaceReviewRateLimit, DefaultNamespaceReviewRateLimit)
 	setDefault(&cfg.NamespaceReviewBurst, DefaultNamespaceReviewBurst)
-	setDefault(&cfg.CacheSize, 10000)
-	setDefault(&cfg.RateLimit, 20)
-	setDefault(&cfg.RateBurst, 2000)
+	setDefault(&cfg.CacheSize, DefaultCacheSize)
+	setDefault(&cfg.RateLimit, DefaultRateLimit)
+	setDefault(&cfg.RateBurst, DefaultRateBurst)
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}

@@ -117,6 +117,17 @@ type Client struct {
 	once      sync.Once
 }
 
+// Defaults of ClientConfig; its MintTimeout defaults to DefaultMintTimeout.
+const (
+	DefaultMaxInFlight           = 64
+	DefaultMaxQueuedGrantUpdates = 1024
+	DefaultInitialBackoff        = 500 * time.Millisecond
+	DefaultMaxBackoff            = 30 * time.Second
+	DefaultKeepalive             = 10 * time.Second
+	DefaultKeepaliveTimeout      = 5 * time.Second
+	DefaultDrainTimeout          = 15 * time.Second
+)
+
 // NewClient validates cfg and returns a Client; Run connects it.
 func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.Address == "" || cfg.Credentials == nil || cfg.Minter == nil {
@@ -126,28 +137,28 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 		cfg.Hello = &pb.Hello{}
 	}
 	if cfg.MintTimeout <= 0 {
-		cfg.MintTimeout = 10 * time.Second
+		cfg.MintTimeout = DefaultMintTimeout
 	}
 	if cfg.MaxInFlight <= 0 {
-		cfg.MaxInFlight = 64
+		cfg.MaxInFlight = DefaultMaxInFlight
 	}
 	if cfg.MaxQueuedGrantUpdates <= 0 {
-		cfg.MaxQueuedGrantUpdates = 1024
+		cfg.MaxQueuedGrantUpdates = DefaultMaxQueuedGrantUpdates
 	}
 	if cfg.InitialBackoff <= 0 {
-		cfg.InitialBackoff = 500 * time.Millisecond
+		cfg.InitialBackoff = DefaultInitialBackoff
 	}
 	if cfg.MaxBackoff < cfg.InitialBackoff {
-		cfg.MaxBackoff = max(30*time.Second, cfg.InitialBackoff)
+		cfg.MaxBackoff = max(DefaultMaxBackoff, cfg.InitialBackoff)
 	}
 	if cfg.Keepalive <= 0 {
-		cfg.Keepalive = 10 * time.Second
+		cfg.Keepalive = DefaultKeepalive
 	}
 	if cfg.KeepaliveTimeout <= 0 {
-		cfg.KeepaliveTimeout = 5 * time.Second
+		cfg.KeepaliveTimeout = DefaultKeepaliveTimeout
 	}
 	if cfg.DrainTimeout <= 0 {
-		cfg.DrainTimeout = 15 * time.Second
+		cfg.DrainTimeout = DefaultDrainTimeout
 	}
 	return &Client{cfg: cfg, instance: newCorrelationID(), rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
 }

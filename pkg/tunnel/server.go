@@ -62,9 +62,8 @@ type ServerConfig struct {
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
 	// MaxStreamsPerCluster bounds the streams one cluster's agents may hold
-	// to this broker; more are refused with ResourceExhausted. Default 512:
-	// a DaemonSet of agents holds one stream per node to every replica, and
-	// two while an agent rotates its SVID, so 200 nodes fit.
+	// to this broker; more are refused with ResourceExhausted. Default
+	// DefaultMaxStreamsPerCluster.
 	MaxStreamsPerCluster int
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
@@ -133,6 +132,16 @@ type Server struct {
 
 var _ pb.AgentTunnelServer = (*Server)(nil)
 
+// Defaults of ServerConfig.
+const (
+	DefaultMintTimeout  = 10 * time.Second
+	DefaultHelloTimeout = 10 * time.Second
+	// DefaultMaxStreamsPerCluster is 512: a DaemonSet of agents holds one
+	// stream per node to every replica, and two while an agent rotates its
+	// SVID, so 200 nodes fit.
+	DefaultMaxStreamsPerCluster = 512
+)
+
 // NewServer returns a Server with no sessions.
 func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Resolver == nil || cfg.Peer == nil || cfg.Bundles == nil {
@@ -142,13 +151,13 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.Clock = clock.RealClock{}
 	}
 	if cfg.MintTimeout <= 0 {
-		cfg.MintTimeout = 10 * time.Second
+		cfg.MintTimeout = DefaultMintTimeout
 	}
 	if cfg.HelloTimeout <= 0 {
-		cfg.HelloTimeout = 10 * time.Second
+		cfg.HelloTimeout = DefaultHelloTimeout
 	}
 	if cfg.MaxStreamsPerCluster <= 0 {
-		cfg.MaxStreamsPerCluster = 512
+		cfg.MaxStreamsPerCluster = DefaultMaxStreamsPerCluster
 	}
 	if cfg.Grants == nil {
 		cfg.Grants = noGrants{}
