@@ -111,23 +111,14 @@ func NewTriggers(cfg TriggersConfig) (*Triggers, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	def := func(d *time.Duration, v time.Duration) {
-		if *d <= 0 {
-			*d = v
-		}
-	}
-	def(&cfg.Debounce, DefaultTriggerDebounce)
-	def(&cfg.MaxDelay, DefaultTriggerMaxDelay)
-	def(&cfg.Interval, DefaultTriggerInterval)
-	def(&cfg.ReviewTimeout, DefaultTriggerReviewTimeout)
-	def(&cfg.RevokeTimeout, DefaultTriggerRevokeTimeout)
+	cfg.Debounce = orDefault(cfg.Debounce, DefaultTriggerDebounce)
+	cfg.MaxDelay = orDefault(cfg.MaxDelay, DefaultTriggerMaxDelay)
+	cfg.Interval = orDefault(cfg.Interval, DefaultTriggerInterval)
+	cfg.ReviewTimeout = orDefault(cfg.ReviewTimeout, DefaultTriggerReviewTimeout)
+	cfg.RevokeTimeout = orDefault(cfg.RevokeTimeout, DefaultTriggerRevokeTimeout)
 	cfg.MaxDelay = max(cfg.MaxDelay, cfg.Debounce)
-	if cfg.ReviewRate <= 0 {
-		cfg.ReviewRate = DefaultTriggerReviewRate
-	}
-	if cfg.ReviewBurst <= 0 {
-		cfg.ReviewBurst = DefaultTriggerReviewBurst
-	}
+	cfg.ReviewRate = orDefault(cfg.ReviewRate, DefaultTriggerReviewRate)
+	cfg.ReviewBurst = orDefault(cfg.ReviewBurst, DefaultTriggerReviewBurst)
 	t := &Triggers{
 		cfg:      cfg,
 		limiter:  rate.NewLimiter(cfg.ReviewRate, cfg.ReviewBurst),

@@ -136,30 +136,16 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.Hello == nil {
 		cfg.Hello = &pb.Hello{}
 	}
-	if cfg.MintTimeout <= 0 {
-		cfg.MintTimeout = DefaultMintTimeout
-	}
-	if cfg.MaxInFlight <= 0 {
-		cfg.MaxInFlight = DefaultMaxInFlight
-	}
-	if cfg.MaxQueuedGrantUpdates <= 0 {
-		cfg.MaxQueuedGrantUpdates = DefaultMaxQueuedGrantUpdates
-	}
-	if cfg.InitialBackoff <= 0 {
-		cfg.InitialBackoff = DefaultInitialBackoff
-	}
+	cfg.MintTimeout = orDefault(cfg.MintTimeout, DefaultMintTimeout)
+	cfg.MaxInFlight = orDefault(cfg.MaxInFlight, DefaultMaxInFlight)
+	cfg.MaxQueuedGrantUpdates = orDefault(cfg.MaxQueuedGrantUpdates, DefaultMaxQueuedGrantUpdates)
+	cfg.InitialBackoff = orDefault(cfg.InitialBackoff, DefaultInitialBackoff)
 	if cfg.MaxBackoff < cfg.InitialBackoff {
 		cfg.MaxBackoff = max(DefaultMaxBackoff, cfg.InitialBackoff)
 	}
-	if cfg.Keepalive <= 0 {
-		cfg.Keepalive = DefaultKeepalive
-	}
-	if cfg.KeepaliveTimeout <= 0 {
-		cfg.KeepaliveTimeout = DefaultKeepaliveTimeout
-	}
-	if cfg.DrainTimeout <= 0 {
-		cfg.DrainTimeout = DefaultDrainTimeout
-	}
+	cfg.Keepalive = orDefault(cfg.Keepalive, DefaultKeepalive)
+	cfg.KeepaliveTimeout = orDefault(cfg.KeepaliveTimeout, DefaultKeepaliveTimeout)
+	cfg.DrainTimeout = orDefault(cfg.DrainTimeout, DefaultDrainTimeout)
 	return &Client{cfg: cfg, instance: newCorrelationID(), rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
 }
 

@@ -150,15 +150,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	if cfg.MintTimeout <= 0 {
-		cfg.MintTimeout = DefaultMintTimeout
-	}
-	if cfg.HelloTimeout <= 0 {
-		cfg.HelloTimeout = DefaultHelloTimeout
-	}
-	if cfg.MaxStreamsPerCluster <= 0 {
-		cfg.MaxStreamsPerCluster = DefaultMaxStreamsPerCluster
-	}
+	cfg.MintTimeout = orDefault(cfg.MintTimeout, DefaultMintTimeout)
+	cfg.HelloTimeout = orDefault(cfg.HelloTimeout, DefaultHelloTimeout)
+	cfg.MaxStreamsPerCluster = orDefault(cfg.MaxStreamsPerCluster, DefaultMaxStreamsPerCluster)
 	if cfg.Grants == nil {
 		cfg.Grants = noGrants{}
 	}
@@ -306,3 +300,12 @@ func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.B
 
 // errAgentFrame marks a frame that makes the broker close the stream.
 var errAgentFrame = errors.New("agent stream: the agent sent")
+
+// orDefault returns v when it is positive, else def: what New does with a
+// Config field left zero or set negative.
+func orDefault[T ~int | ~int64 | ~float64](v, def T) T {
+	if v > 0 {
+		return v
+	}
+	return def
+}
