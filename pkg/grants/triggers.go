@@ -17,6 +17,7 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -281,12 +282,12 @@ func (t *Triggers) revoke(ctx context.Context, trigger string, grants []*pb.Gran
 	defer cancel()
 	revoked, pending := t.cfg.Grants.Revoke(ctx, grants, reason)
 	for _, g := range revoked {
-		t.cfg.Log.Info("revoked grant", "trigger", trigger, "credentialID", g.GetCredentialId(),
-			"subject", g.GetSubject().GetUsername(), "cluster", ClusterRef(g).String(), "reason", reason)
+		t.cfg.Log.Info("revoked grant", "trigger", trigger, fleet.LogCredentialID, g.GetCredentialId(),
+			fleet.LogSubject, g.GetSubject().GetUsername(), fleet.LogCluster, ClusterRef(g).String(), fleet.LogReason, reason)
 	}
 	for _, g := range pending {
-		t.cfg.Log.Info("revoke of grant pending until its agent reports it", "trigger", trigger, "credentialID", g.GetCredentialId(),
-			"subject", g.GetSubject().GetUsername(), "cluster", ClusterRef(g).String(), "reason", reason)
+		t.cfg.Log.Info("revoke of grant pending until its agent reports it", "trigger", trigger, fleet.LogCredentialID, g.GetCredentialId(),
+			fleet.LogSubject, g.GetSubject().GetUsername(), fleet.LogCluster, ClusterRef(g).String(), fleet.LogReason, reason)
 	}
 }
 
@@ -309,7 +310,7 @@ func (t *Triggers) ClusterProfileChanged(ctx context.Context, key types.Namespac
 	case errors.Is(err, errdefs.ErrNotFound):
 	default:
 		// Not known yet (the cache has not synced): nothing to decide.
-		t.cfg.Log.Info("ClusterProfile not checked; checked again at the next change or sweep", "cluster", key.String(), "reason", err.Error())
+		t.cfg.Log.Info("ClusterProfile not checked; checked again at the next change or sweep", fleet.LogCluster, key.String(), fleet.LogErr, err.Error())
 		return
 	}
 	var stale []*pb.Grant

@@ -330,7 +330,7 @@ func (s *Service) minter(req *pb.ExchangeRequest, user hubauth.User, cluster fle
 		// answered before the token's own claims agree with the request.
 		m, err := checkAnswer(resp, r, s.cfg.Audience, s.cfg.Clock.Now(), s.cfg.MaxExpiration)
 		if err != nil {
-			s.cfg.Log.Error(err, "agent answer failed the broker's checks", "cluster", cluster.String(), "check", checkOf(err))
+			s.cfg.Log.Error(err, "agent answer failed the broker's checks", fleet.LogCluster, cluster.String(), "check", checkOf(err))
 			return minted{}, time.Time{}, fmt.Errorf("the agent of cluster %s answered with a token that failed the broker's checks: %w",
 				cluster, errdefs.ErrUnavailable)
 		}
@@ -349,7 +349,7 @@ func (s *Service) unrevoked(ctx context.Context, key string, cluster fleet.Clust
 	for attempt := 0; err == nil && s.revoked(m); attempt++ {
 		s.tokens.Remove(key)
 		if attempt == maxRevokedRetries {
-			s.cfg.Log.Info("agent answered with a revoked token", "cluster", cluster.String(), "credentialID", m.credentialID)
+			s.cfg.Log.Info("agent answered with a revoked token", fleet.LogCluster, cluster.String(), fleet.LogCredentialID, m.credentialID)
 			err = fmt.Errorf("the agent of cluster %s answered with a token that was revoked: %w", cluster, errdefs.ErrUnavailable)
 			break
 		}

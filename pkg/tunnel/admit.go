@@ -73,11 +73,11 @@ func (s *Server) admit(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 	if err != nil {
 		log := logr.Discard() // a peer without a SPIFFE ID is only audited
 		if !adm.Agent.IsZero() {
-			log = s.cfg.Log.WithValues("agent", adm.Agent.String())
+			log = s.cfg.Log.WithValues(fleet.LogAgent, adm.Agent.String())
 		}
 		return nil, time.Time{}, s.refuse(log, "agent refused", agentStream{adm.Agent.String(), instance, ""}, err)
 	}
-	log := s.cfg.Log.WithValues("agent", adm.Agent.String(), "cluster", adm.Cluster.String())
+	log := s.cfg.Log.WithValues(fleet.LogAgent, adm.Agent.String(), fleet.LogCluster, adm.Cluster.String())
 	who := agentStream{adm.Agent.String(), instance, adm.Cluster.String()}
 	hello, err := s.recvHello(ctx, stream)
 	if err != nil {
@@ -107,7 +107,7 @@ func (s *Server) admit(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 // refuse ends a stream that Connect does not serve: it logs msg and the
 // reason on log, audits "agent refused" for who, and returns the status.
 func (s *Server) refuse(log logr.Logger, msg string, who agentStream, err error) error {
-	log.Info(msg, "reason", err.Error())
+	log.Info(msg, fleet.LogErr, err.Error())
 	s.auditAgent("agent refused", who, err)
 	return errdefs.ToStatus(err).Err()
 }

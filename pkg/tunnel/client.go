@@ -176,7 +176,7 @@ func (c *Client) Connected() <-chan struct{} { return c.connected }
 // the agent is never without a stream. Run returns an error only when the
 // connection cannot be set up at all.
 func (c *Client) Run(ctx context.Context) error {
-	log := c.cfg.Log.WithValues("broker", c.cfg.Address)
+	log := c.cfg.Log.WithValues(fleet.LogBroker, c.cfg.Address)
 	var all sync.WaitGroup
 	defer all.Wait()
 	b := backoff{initial: c.cfg.InitialBackoff, max: c.cfg.MaxBackoff}
@@ -226,7 +226,7 @@ func (c *Client) Run(ctx context.Context) error {
 			b.reset()
 		case <-nextDone:
 			wait := b.next(time.Now())
-			log.Info("stream with the rotated SVID failed; keeping the old one and trying again", "reason", errString(next.err), "after", wait.String())
+			log.Info("stream with the rotated SVID failed; keeping the old one and trying again", fleet.LogErr, errString(next.err), "after", wait.String())
 			next, retryRotation = nil, time.After(wait)
 		case <-retryRotation:
 			retryRotation, rotating = nil, true
@@ -244,7 +244,7 @@ func (c *Client) Run(ctx context.Context) error {
 				continue
 			}
 			wait := b.next(time.Now())
-			log.Info("broker stream ended; reconnecting", "reason", errString(cur.err), "after", wait.String())
+			log.Info("broker stream ended; reconnecting", fleet.LogErr, errString(cur.err), "after", wait.String())
 			cur, reconnect = nil, time.After(wait)
 		case <-reconnect:
 			reconnect, rotating = nil, false // a new connection presents the SVID of now

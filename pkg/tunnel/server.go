@@ -201,7 +201,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	})
 	defer timer.Stop()
 	version := agentVersion(sess.hello.GetAgentVersion())
-	sess.log.Info("agent connected", "agentVersion", version, "svidExpires", expires.UTC().Format(time.RFC3339))
+	sess.log.Info("agent connected", "agentVersion", version, fleet.LogSVIDExpires, expires.UTC().Format(time.RFC3339))
 	s.auditAgent("agent connected", sess.stream(), nil, "agentVersion", version, "svidExpires", expires.UTC().Format(time.RFC3339))
 	// The stream's end, whichever way it comes; an agent that leaves on its
 	// own (its stream ends without error) is OK.
@@ -225,15 +225,15 @@ func (s *Server) serve(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 		select {
 		case f := <-sess.out:
 			if err := stream.Send(f); err != nil {
-				sess.log.Info("agent stream send failed", "err", err.Error())
+				sess.log.Info("agent stream send failed", fleet.LogErr, err.Error())
 				return err, err
 			}
 		case err := <-recvErr:
 			if errors.Is(err, errAgentFrame) {
-				sess.log.Info("agent stream closed by broker", "reason", err.Error())
+				sess.log.Info("agent stream closed by broker", fleet.LogErr, err.Error())
 				return err, errdefs.ToStatus(err).Err()
 			}
-			sess.log.Info("agent disconnected", "reason", errString(err))
+			sess.log.Info("agent disconnected", fleet.LogErr, errString(err))
 			if err != nil && !errors.Is(err, io.EOF) {
 				return err, nil
 			}
@@ -243,7 +243,7 @@ func (s *Server) serve(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 				return ctx.Err(), ctx.Err()
 			}
 			cause := context.Cause(sess.ctx)
-			sess.log.Info("agent stream closed by broker", "reason", cause.Error())
+			sess.log.Info("agent stream closed by broker", fleet.LogErr, cause.Error())
 			return cause, errdefs.ToStatus(cause).Err()
 		}
 	}
