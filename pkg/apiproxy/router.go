@@ -27,7 +27,6 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 )
 
 // APIServerAddress is the only address a broker asks an agent to dial: the
@@ -39,8 +38,8 @@ const APIServerAddress = "kube-apiserver.credbroker.invalid:443"
 // Admitter judges the agents' data path streams, as it judges their
 // AgentTunnel streams; *tunnel.Server is one.
 type Admitter interface {
-	Admit(ctx context.Context) (tunnel.Admission, error)
-	Readmit(adm tunnel.Admission) error
+	Admit(ctx context.Context) (fleet.Admission, error)
+	Readmit(adm fleet.Admission) error
 }
 
 // RouterConfig configures a Router.

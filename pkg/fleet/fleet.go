@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"crypto/x509"
 	"errors"
 	"time"
 
@@ -29,6 +30,22 @@ type Cluster struct {
 	// a lookup refuses a ClusterProfile without one.
 	Server string
 	CAData []byte
+}
+
+// Admission is what a broker admitted an agent stream's peer as: the
+// tunnel admits the peer, and the data path keeps its streams only while
+// the tunnel admits the peer again (tunnel.Server's Admit and Readmit).
+type Admission struct {
+	// Agent is the peer's SPIFFE ID.
+	Agent spiffeid.ID
+	// Cluster is the one ClusterProfile incarnation the agent serves.
+	Cluster ClusterRef
+	// Expires is when the peer's SVID, or a CA of its chain, expires: the
+	// stream must end then.
+	Expires time.Time
+	// Chain is the peer's certificate chain, leaf first, which a
+	// readmission verifies again against the bundle of then.
+	Chain []*x509.Certificate
 }
 
 // agentIDSegment is the first path segment of every ClusterProfile's
