@@ -10,6 +10,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
+	"github.com/credbroker/credbroker/internal/cmdflags/identityflags"
 	"github.com/credbroker/credbroker/pkg/broker"
 )
 
@@ -23,7 +24,7 @@ lines to --audit-log-path.`
 // fields once they are parsed.
 type options struct {
 	kubeconfig, proxyCA string
-	identity            cmdflags.IdentityFlags
+	identity            identityflags.Flags
 	audit               cmdflags.AuditFlags
 }
 
@@ -91,7 +92,7 @@ func addListenerFlags(f cmdflags.Fields, cfg *broker.Config, o *options) {
 	f.String(&cfg.MetricsAddress, "metrics-address", "address of /metrics, /healthz and /readyz; empty disables them")
 	f.String(&cfg.TLSCertFile, "tls-cert-file", "PEM serving certificate of the exchange port; reloaded on change (required)")
 	f.String(&cfg.TLSKeyFile, "tls-key-file", "PEM key of --tls-cert-file (required)")
-	o.identity = cmdflags.IdentityFlags{
+	o.identity = identityflags.Flags{
 		Whose:                "broker",
 		SVIDCertFileUsage:    "PEM X.509-SVID of the broker, leaf first; reloaded on change (this or --spiffe-endpoint-socket)",
 		TrustBundleFileUsage: "PEM CA certificates of the trust domain that agents' SVIDs chain to; with --svid-cert-file",

@@ -11,6 +11,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
+	"github.com/credbroker/credbroker/internal/cmdflags/identityflags"
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/spoke"
@@ -27,7 +28,7 @@ error.`
 type options struct {
 	kubeconfig, brokerID, brokers, cluster, advertiseCA string
 	allowEscalating                                     []string
-	identity                                            cmdflags.IdentityFlags
+	identity                                            identityflags.Flags
 }
 
 // parseFlags turns the command line into a validated agent.Config. It
@@ -59,7 +60,7 @@ func addFlags(fs *pflag.FlagSet, cfg *agent.Config, o *options) {
 	f := cmdflags.Fields{FlagSet: fs}
 	f.String(&o.brokers, "broker-address", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
 	f.String(&o.brokerID, "broker-spiffe-id", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
-	o.identity = cmdflags.IdentityFlags{
+	o.identity = identityflags.Flags{
 		Whose:                "agent",
 		SVIDCertFileUsage:    "PEM X.509-SVID of the agent, spiffe://<td>/clusterprofile/<ns>/<name>; reloaded on change (this or --spiffe-endpoint-socket)",
 		TrustBundleFileUsage: "PEM CA certificates of the trust domain; with --svid-cert-file",
