@@ -7,10 +7,10 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/spf13/pflag"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
+	"github.com/credbroker/credbroker/internal/cmdflags/identityflags"
 	"github.com/credbroker/credbroker/pkg/broker"
 )
 
@@ -24,7 +24,7 @@ lines to --audit-log-path.`
 // fields once they are parsed.
 type options struct {
 	kubeconfig, proxyCA string
-	identity            cmdflags.IdentityFlags
+	identity            identityflags.Flags
 	audit               cmdflags.AuditFlags
 }
 
@@ -36,12 +36,13 @@ func parseFlags(args []string) (broker.Config, io.Closer, error) {
 	cfg := broker.Default()
 	var o options
 	fs, common := cmdflags.New("broker", usage)
-	addListenerFlags(fs, &cfg, &o)
-	addExchangeFlags(fs, &cfg)
-	addPublishFlags(fs, &cfg)
-	addCheckFlags(fs, &cfg)
-	addCapacityFlags(fs, &cfg)
-	addProxyFlags(fs, &cfg, &o)
+	f := cmdflags.Fields{FlagSet: fs}
+	addListenerFlags(f, &cfg, &o)
+	addExchangeFlags(f, &cfg)
+	addPublishFlags(f, &cfg)
+	addCheckFlags(f, &cfg)
+	addCapacityFlags(f, &cfg)
+	addProxyFlags(f, &cfg, &o)
 	o.audit.AddFlags(fs)
 	common.AddLogFlags()
 	if err := common.Parse(args); err != nil {
@@ -85,99 +86,99 @@ func (o *options) complete(cfg *broker.Config) (err error) {
 
 // addListenerFlags adds the flags of the broker's listeners, its
 // certificates and SPIFFE identity, and the hub it serves.
-func addListenerFlags(fs *pflag.FlagSet, cfg *broker.Config, o *options) {
-	fs.StringVar(&cfg.ExchangeAddress, "exchange-address", cfg.ExchangeAddress, "address of the TokenExchange gRPC server (TLS) for consumers")
-	fs.StringVar(&cfg.AgentAddress, "agent-address", cfg.AgentAddress, "address of the AgentTunnel gRPC server (SPIFFE mTLS) for spoke agents")
-	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
-	fs.StringVar(&cfg.TLSCertFile, "tls-cert-file", "", "PEM serving certificate of the exchange port; reloaded on change (required)")
-	fs.StringVar(&cfg.TLSKeyFile, "tls-key-file", "", "PEM key of --tls-cert-file (required)")
-	o.identity = cmdflags.IdentityFlags{
+func addListenerFlags(f cmdflags.Fields, cfg *broker.Config, o *options) {
+	f.String(&cfg.ExchangeAddress, "exchange-address", "address of the TokenExchange gRPC server (TLS) for consumers")
+	f.String(&cfg.AgentAddress, "agent-address", "address of the AgentTunnel gRPC server (SPIFFE mTLS) for spoke agents")
+	f.String(&cfg.MetricsAddress, "metrics-address", "address of /metrics, /healthz and /readyz; empty disables them")
+	f.String(&cfg.TLSCertFile, "tls-cert-file", "PEM serving certificate of the exchange port; reloaded on change (required)")
+	f.String(&cfg.TLSKeyFile, "tls-key-file", "PEM key of --tls-cert-file (required)")
+	o.identity = identityflags.Flags{
 		Whose:                "broker",
 		SVIDCertFileUsage:    "PEM X.509-SVID of the broker, leaf first; reloaded on change (this or --spiffe-endpoint-socket)",
 		TrustBundleFileUsage: "PEM CA certificates of the trust domain that agents' SVIDs chain to; with --svid-cert-file",
 		SPIFFEIDUsage:        "the broker's own SPIFFE ID, which the Workload API's SVID must have (default spiffe://<trust-domain>/broker)",
 		TrustDomainUsage:     "SPIFFE trust domain of the broker and the agents, e.g. fleet.example (required)",
 	}
-	o.identity.AddFlags(fs, &cfg.Config)
-	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig of the hub; empty means the in-cluster config")
+	o.identity.AddFlags(f.FlagSet, &cfg.Config)
+	f.String(&o.kubeconfig, "kubeconfig", "kubeconfig of the hub; empty means the in-cluster config")
 }
 
 // addExchangeFlags adds the flags of the exchanges: the hub client, the
 // tokens minted, the agent connections that carry the mints, and the
 // decision caches and rate limits.
-func addExchangeFlags(fs *pflag.FlagSet, cfg *broker.Config) {
-	fs.Var(cmdflags.Float32(&cfg.HubQPS), "hub-qps", "QPS of the hub client")
-	fs.IntVar(&cfg.HubBurst, "hub-burst", cfg.HubBurst, "burst of the hub client")
-	fs.StringVar(&cfg.Audience, "audience", cfg.Audience, "audience that consumers' hub tokens must carry")
-	fs.StringVar(&cfg.PendingRevokesNamespace, "pending-revokes-namespace", "", "namespace of the ConfigMap credbroker-pending-revokes, where the replicas record the revokes no agent confirmed yet, for every replica to send again (default: the broker's own namespace in a pod, else credbroker-system)")
-	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted spoke token (at least 10m)")
-	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "how long to wait for an agent's answer")
-	fs.DurationVar(&cfg.AgentMaxConnectionAge, "agent-max-connection-age", cfg.AgentMaxConnectionAge, "renew each agent connection after about this long, so that handshakes use current SVIDs and bundle")
-	fs.DurationVar(&cfg.AgentMaxConnectionAgeGrace, "agent-max-connection-age-grace", cfg.AgentMaxConnectionAgeGrace, "how long a renewed agent connection may finish its mints (at least --mint-timeout)")
-	fs.DurationVar(&cfg.AgentKeepaliveTime, "agent-keepalive-time", cfg.AgentKeepaliveTime, "ping an agent after its connection has been silent this long")
-	fs.DurationVar(&cfg.AgentKeepaliveTimeout, "agent-keepalive-timeout", cfg.AgentKeepaliveTimeout, "close an agent connection whose ping is not answered in this long; with --agent-keepalive-time, bounds how long a silent partition goes unnoticed (the sum must stay under --mint-timeout)")
-	fs.StringVar(&cfg.AccessProviderName, "access-provider", cfg.AccessProviderName, "ClusterProfile access provider whose server and CA are returned to consumers")
-	fs.DurationVar(&cfg.AuthnTTL, "authn-cache-ttl", cfg.AuthnTTL, "how long a successful TokenReview is reused (never past the token's expiry)")
-	fs.DurationVar(&cfg.AllowTTL, "authz-allow-ttl", cfg.AllowTTL, "how long an allowed SubjectAccessReview is reused")
-	fs.DurationVar(&cfg.DenyTTL, "authz-deny-ttl", cfg.DenyTTL, "how long a denied SubjectAccessReview or failed TokenReview is reused")
-	fs.Float64Var(&cfg.RateLimit, "rate-limit", cfg.RateLimit, "mints and hub reviews per second allowed per consumer (answers from the cache are free)")
-	fs.IntVar(&cfg.RateBurst, "rate-burst", cfg.RateBurst, "burst of mints and hub reviews allowed per consumer: a consumer's start with N ClusterProfiles costs 2N (a SubjectAccessReview and a mint each)")
-	fs.Float64Var(&cfg.ReviewRateLimit, "review-rate-limit", cfg.ReviewRateLimit, "TokenReviews per second of tokens not in the cache, all callers together")
-	fs.IntVar(&cfg.ReviewBurst, "review-burst", cfg.ReviewBurst, "burst of TokenReviews of tokens not in the cache")
+func addExchangeFlags(f cmdflags.Fields, cfg *broker.Config) {
+	f.Float32(&cfg.HubQPS, "hub-qps", "QPS of the hub client")
+	f.Int(&cfg.HubBurst, "hub-burst", "burst of the hub client")
+	f.String(&cfg.Audience, "audience", "audience that consumers' hub tokens must carry")
+	f.FlagSet.StringVar(&cfg.PendingRevokesNamespace, "pending-revokes-namespace", "", "namespace of the ConfigMap credbroker-pending-revokes, where the replicas record the revokes no agent confirmed yet, for every replica to send again (default: the broker's own namespace in a pod, else credbroker-system)")
+	f.Duration(&cfg.MaxExpiration, "max-expiration", "longest lifetime of a minted spoke token (at least 10m)")
+	f.Duration(&cfg.MintTimeout, "mint-timeout", "how long to wait for an agent's answer")
+	f.Duration(&cfg.AgentMaxConnectionAge, "agent-max-connection-age", "renew each agent connection after about this long, so that handshakes use current SVIDs and bundle")
+	f.Duration(&cfg.AgentMaxConnectionAgeGrace, "agent-max-connection-age-grace", "how long a renewed agent connection may finish its mints (at least --mint-timeout)")
+	f.Duration(&cfg.AgentKeepaliveTime, "agent-keepalive-time", "ping an agent after its connection has been silent this long")
+	f.Duration(&cfg.AgentKeepaliveTimeout, "agent-keepalive-timeout", "close an agent connection whose ping is not answered in this long; with --agent-keepalive-time, bounds how long a silent partition goes unnoticed (the sum must stay under --mint-timeout)")
+	f.String(&cfg.AccessProviderName, "access-provider", "ClusterProfile access provider whose server and CA are returned to consumers")
+	f.Duration(&cfg.AuthnTTL, "authn-cache-ttl", "how long a successful TokenReview is reused (never past the token's expiry)")
+	f.Duration(&cfg.AllowTTL, "authz-allow-ttl", "how long an allowed SubjectAccessReview is reused")
+	f.Duration(&cfg.DenyTTL, "authz-deny-ttl", "how long a denied SubjectAccessReview or failed TokenReview is reused")
+	f.Float64(&cfg.RateLimit, "rate-limit", "mints and hub reviews per second allowed per consumer (answers from the cache are free)")
+	f.Int(&cfg.RateBurst, "rate-burst", "burst of mints and hub reviews allowed per consumer: a consumer's start with N ClusterProfiles costs 2N (a SubjectAccessReview and a mint each)")
+	f.Float64(&cfg.ReviewRateLimit, "review-rate-limit", "TokenReviews per second of tokens not in the cache, all callers together")
+	f.Int(&cfg.ReviewBurst, "review-burst", "burst of TokenReviews of tokens not in the cache")
 }
 
 // addPublishFlags adds the flags of the publisher of the access provider,
 // and of the wait for the agents before readiness.
-func addPublishFlags(fs *pflag.FlagSet, cfg *broker.Config) {
-	fs.BoolVar(&cfg.PublishAccessProvider, "publish-access-provider", cfg.PublishAccessProvider, "keep the --access-provider entry (server and CA that the agent advertises, and the exec extension) and the CredentialBrokerConnected condition in the status of every ClusterProfile with a connected agent; needs patch on clusterprofiles/status and a Lease (deploy/components/publish-access-provider)")
-	fs.StringVar(&cfg.PublishLeaseNamespace, "publish-lease-namespace", cfg.PublishLeaseNamespace, "namespace of the Lease that picks the one replica that publishes (the broker's own namespace)")
-	fs.StringVar(&cfg.PublishLeaseName, "publish-lease-name", cfg.PublishLeaseName, "name of that Lease")
-	fs.StringVar(&cfg.PublishIdentity, "publish-identity", cfg.PublishIdentity, "this replica's name in the Leases of the publisher and of the revocation triggers, such as the pod name (default: random)")
-	fs.DurationVar(&cfg.AgentReconnectWindow, "agent-reconnect-window", cfg.AgentReconnectWindow, "how long a starting replica waits, at most, for the agents to find it before /readyz reports ready; sooner once every ClusterProfile the publishing replica reports connected has a stream here; 0 does not wait")
-	fs.BoolVar(&cfg.PublishControlPlaneHealthy, "publish-control-plane-healthy", cfg.PublishControlPlaneHealthy, "with --publish-access-provider, also keep the ControlPlaneHealthy condition (which multicluster-runtime gates on) from the agents' reports of their spoke's /readyz, on every ClusterProfile where no other field manager owns it; turn it on only when no cluster manager writes that condition")
-	fs.DurationVar(&cfg.PublishDisconnectGrace, "publish-disconnect-grace", cfg.PublishDisconnectGrace, "how long a ClusterProfile has no agent before its CredentialBrokerConnected condition turns False")
+func addPublishFlags(f cmdflags.Fields, cfg *broker.Config) {
+	f.Bool(&cfg.PublishAccessProvider, "publish-access-provider", "keep the --access-provider entry (server and CA that the agent advertises, and the exec extension) and the CredentialBrokerConnected condition in the status of every ClusterProfile with a connected agent; needs patch on clusterprofiles/status and a Lease (deploy/components/publish-access-provider)")
+	f.String(&cfg.PublishLeaseNamespace, "publish-lease-namespace", "namespace of the Lease that picks the one replica that publishes (the broker's own namespace)")
+	f.String(&cfg.PublishLeaseName, "publish-lease-name", "name of that Lease")
+	f.String(&cfg.PublishIdentity, "publish-identity", "this replica's name in the Leases of the publisher and of the revocation triggers, such as the pod name (default: random)")
+	f.Duration(&cfg.AgentReconnectWindow, "agent-reconnect-window", "how long a starting replica waits, at most, for the agents to find it before /readyz reports ready; sooner once every ClusterProfile the publishing replica reports connected has a stream here; 0 does not wait")
+	f.Bool(&cfg.PublishControlPlaneHealthy, "publish-control-plane-healthy", "with --publish-access-provider, also keep the ControlPlaneHealthy condition (which multicluster-runtime gates on) from the agents' reports of their spoke's /readyz, on every ClusterProfile where no other field manager owns it; turn it on only when no cluster manager writes that condition")
+	f.Duration(&cfg.PublishDisconnectGrace, "publish-disconnect-grace", "how long a ClusterProfile has no agent before its CredentialBrokerConnected condition turns False")
 }
 
 // addCheckFlags adds the flags of gRPC reflection, of the limits on
 // TokenReviews per peer and per namespace, of the hub issuer's keys, and of
 // the checks of live grants against hub RBAC.
-func addCheckFlags(fs *pflag.FlagSet, cfg *broker.Config) {
-	fs.BoolVar(&cfg.EnableReflection, "enable-reflection", cfg.EnableReflection, "serve gRPC server reflection on the exchange port, for debugging")
-	fs.Float64Var(&cfg.PeerReviewRateLimit, "peer-review-rate-limit", cfg.PeerReviewRateLimit, "TokenReviews per second of tokens not in the cache, per caller IP address")
-	fs.IntVar(&cfg.PeerReviewBurst, "peer-review-burst", cfg.PeerReviewBurst, "burst of TokenReviews of tokens not in the cache, per caller IP address")
-	fs.Float64Var(&cfg.NamespaceReviewRateLimit, "namespace-review-rate-limit", cfg.NamespaceReviewRateLimit, "TokenReviews per second of tokens not in the cache, per hub namespace that the verified token names, from any address")
-	fs.IntVar(&cfg.NamespaceReviewBurst, "namespace-review-burst", cfg.NamespaceReviewBurst, "burst of TokenReviews of tokens not in the cache, per hub namespace that the verified token names")
-	fs.StringVar(&cfg.IssuerJWKSFile, "issuer-jwks-file", "", "JWKS (JSON) file of the hub service-account issuer's public keys, reloaded on change; empty means the hub's /openid/v1/jwks")
-	fs.DurationVar(&cfg.IssuerKeysRefresh, "issuer-keys-refresh", cfg.IssuerKeysRefresh, "how often the hub issuer's public keys are fetched from the hub")
-	fs.DurationVar(&cfg.IssuerKeysMinRefresh, "issuer-keys-min-refresh", cfg.IssuerKeysMinRefresh, "least time between two fetches of the hub issuer's keys, which a token naming an unknown key also triggers")
-	fs.StringVar(&cfg.TriggerLeaseName, "trigger-lease-name", cfg.TriggerLeaseName, "Lease, in --pending-revokes-namespace, that picks the one replica that runs the revocation triggers; it checks every live grant when it takes over; empty runs them on this replica with no Lease (one replica only)")
-	fs.DurationVar(&cfg.GrantRecheckInterval, "grant-recheck-interval", cfg.GrantRecheckInterval, "how often every live grant is checked against hub RBAC, its ClusterProfile and its consumer's hub ServiceAccount")
-	fs.DurationVar(&cfg.RBACDebounce, "rbac-debounce", cfg.RBACDebounce, "quiet time after a hub RBAC change before live grants are checked again")
-	fs.DurationVar(&cfg.RBACDebounceMax, "rbac-debounce-max", cfg.RBACDebounceMax, "longest wait from a hub RBAC change to the check of live grants, however many changes follow")
-	fs.Float64Var(&cfg.GrantReviewRateLimit, "grant-review-rate-limit", cfg.GrantReviewRateLimit, "SubjectAccessReviews per second when live grants are checked again")
-	fs.IntVar(&cfg.GrantReviewBurst, "grant-review-burst", cfg.GrantReviewBurst, "burst of SubjectAccessReviews when live grants are checked again")
+func addCheckFlags(f cmdflags.Fields, cfg *broker.Config) {
+	f.Bool(&cfg.EnableReflection, "enable-reflection", "serve gRPC server reflection on the exchange port, for debugging")
+	f.Float64(&cfg.PeerReviewRateLimit, "peer-review-rate-limit", "TokenReviews per second of tokens not in the cache, per caller IP address")
+	f.Int(&cfg.PeerReviewBurst, "peer-review-burst", "burst of TokenReviews of tokens not in the cache, per caller IP address")
+	f.Float64(&cfg.NamespaceReviewRateLimit, "namespace-review-rate-limit", "TokenReviews per second of tokens not in the cache, per hub namespace that the verified token names, from any address")
+	f.Int(&cfg.NamespaceReviewBurst, "namespace-review-burst", "burst of TokenReviews of tokens not in the cache, per hub namespace that the verified token names")
+	f.String(&cfg.IssuerJWKSFile, "issuer-jwks-file", "JWKS (JSON) file of the hub service-account issuer's public keys, reloaded on change; empty means the hub's /openid/v1/jwks")
+	f.Duration(&cfg.IssuerKeysRefresh, "issuer-keys-refresh", "how often the hub issuer's public keys are fetched from the hub")
+	f.Duration(&cfg.IssuerKeysMinRefresh, "issuer-keys-min-refresh", "least time between two fetches of the hub issuer's keys, which a token naming an unknown key also triggers")
+	f.String(&cfg.TriggerLeaseName, "trigger-lease-name", "Lease, in --pending-revokes-namespace, that picks the one replica that runs the revocation triggers; it checks every live grant when it takes over; empty runs them on this replica with no Lease (one replica only)")
+	f.Duration(&cfg.GrantRecheckInterval, "grant-recheck-interval", "how often every live grant is checked against hub RBAC, its ClusterProfile and its consumer's hub ServiceAccount")
+	f.Duration(&cfg.RBACDebounce, "rbac-debounce", "quiet time after a hub RBAC change before live grants are checked again")
+	f.Duration(&cfg.RBACDebounceMax, "rbac-debounce-max", "longest wait from a hub RBAC change to the check of live grants, however many changes follow")
+	f.Float64(&cfg.GrantReviewRateLimit, "grant-review-rate-limit", "SubjectAccessReviews per second when live grants are checked again")
+	f.Int(&cfg.GrantReviewBurst, "grant-review-burst", "burst of SubjectAccessReviews when live grants are checked again")
 }
 
 // addCapacityFlags adds the flags of the shutdown, of the streams and
 // grants a replica holds, and of profiling.
-func addCapacityFlags(fs *pflag.FlagSet, cfg *broker.Config) {
-	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the broker may take to finish the exchanges in flight and close its agent streams; keep it under the pod's terminationGracePeriodSeconds")
-	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", cfg.ShutdownDelay, "on SIGTERM, how long the broker, already not ready, still serves new calls, for the Service to drop it first (part of --shutdown-grace)")
-	fs.IntVar(&cfg.MaxStreamsPerCluster, "max-streams-per-cluster", cfg.MaxStreamsPerCluster, "agent streams one ClusterProfile may hold to this replica: at least its agents' count (one per node for a DaemonSet)")
-	fs.IntVar(&cfg.MaxGrantBytesPerCluster, "max-grant-bytes-per-cluster", cfg.MaxGrantBytesPerCluster, "bytes of the grants one ClusterProfile's agents report that this replica holds (about 50,000 grants by default); a report past it closes the agent's stream")
-	fs.Var(&positiveUint32Value{&cfg.MaxConcurrentStreams}, "max-concurrent-streams", "concurrent calls (HTTP/2 streams) per connection on both gRPC ports")
-	fs.BoolVar(&cfg.Profiling, "profiling", cfg.Profiling, "serve net/http/pprof under /debug/pprof/ on --metrics-address, for profiling (CPU, heap, allocs, mutex, block, goroutines)")
+func addCapacityFlags(f cmdflags.Fields, cfg *broker.Config) {
+	f.Duration(&cfg.ShutdownGrace, "shutdown-grace", "on SIGTERM, how long the broker may take to finish the exchanges in flight and close its agent streams; keep it under the pod's terminationGracePeriodSeconds")
+	f.Duration(&cfg.ShutdownDelay, "shutdown-delay", "on SIGTERM, how long the broker, already not ready, still serves new calls, for the Service to drop it first (part of --shutdown-grace)")
+	f.Int(&cfg.MaxStreamsPerCluster, "max-streams-per-cluster", "agent streams one ClusterProfile may hold to this replica: at least its agents' count (one per node for a DaemonSet)")
+	f.Int(&cfg.MaxGrantBytesPerCluster, "max-grant-bytes-per-cluster", "bytes of the grants one ClusterProfile's agents report that this replica holds (about 50,000 grants by default); a report past it closes the agent's stream")
+	f.FlagSet.Var(&positiveUint32Value{&cfg.MaxConcurrentStreams}, "max-concurrent-streams", "concurrent calls (HTTP/2 streams) per connection on both gRPC ports")
+	f.Bool(&cfg.Profiling, "profiling", "serve net/http/pprof under /debug/pprof/ on --metrics-address, for profiling (CPU, heap, allocs, mutex, block, goroutines)")
 }
 
 // addProxyFlags adds the flags of the API proxy.
-func addProxyFlags(fs *pflag.FlagSet, cfg *broker.Config, o *options) {
-	fs.StringVar(&cfg.ProxyAddress, "proxy-address", "", "address of the API proxy (TLS, with --tls-cert-file), which carries consumers' requests to the spoke API servers that agents offer through their data path; empty disables it")
-	fs.StringVar(&cfg.ProxyURL, "proxy-url", "", "https base URL of --proxy-address as consumers reach it, such as https://credbroker.credbroker-system.svc:8445; with --publish-access-provider, published with /clusters/<namespace>/<name> for a ClusterProfile whose agents offer a data path and advertise no server")
-	fs.StringVar(&o.proxyCA, "proxy-ca-file", "", "PEM CA bundle that verifies --proxy-url, published with it")
-	fs.IntVar(&cfg.ProxyMaxRequestsPerCluster, "proxy-max-requests-per-cluster", cfg.ProxyMaxRequestsPerCluster, "proxied requests in flight to one ClusterProfile (watches and upgraded connections included)")
-	fs.IntVar(&cfg.ProxyMaxRequestsPerConsumer, "proxy-max-requests-per-consumer", cfg.ProxyMaxRequestsPerConsumer, "proxied requests in flight of one hub consumer")
-	fs.DurationVar(&cfg.ProxyResponseHeaderTimeout, "proxy-response-header-timeout", cfg.ProxyResponseHeaderTimeout, "how long the API proxy waits for a spoke API server's answer to start")
-	fs.DurationVar(&cfg.ProxyIdleTimeout, "proxy-idle-timeout", cfg.ProxyIdleTimeout, "how long the API proxy keeps a consumer's idle connection open")
+func addProxyFlags(f cmdflags.Fields, cfg *broker.Config, o *options) {
+	f.String(&cfg.ProxyAddress, "proxy-address", "address of the API proxy (TLS, with --tls-cert-file), which carries consumers' requests to the spoke API servers that agents offer through their data path; empty disables it")
+	f.String(&cfg.ProxyURL, "proxy-url", "https base URL of --proxy-address as consumers reach it, such as https://credbroker.credbroker-system.svc:8445; with --publish-access-provider, published with /clusters/<namespace>/<name> for a ClusterProfile whose agents offer a data path and advertise no server")
+	f.String(&o.proxyCA, "proxy-ca-file", "PEM CA bundle that verifies --proxy-url, published with it")
+	f.Int(&cfg.ProxyMaxRequestsPerCluster, "proxy-max-requests-per-cluster", "proxied requests in flight to one ClusterProfile (watches and upgraded connections included)")
+	f.Int(&cfg.ProxyMaxRequestsPerConsumer, "proxy-max-requests-per-consumer", "proxied requests in flight of one hub consumer")
+	f.Duration(&cfg.ProxyResponseHeaderTimeout, "proxy-response-header-timeout", "how long the API proxy waits for a spoke API server's answer to start")
+	f.Duration(&cfg.ProxyIdleTimeout, "proxy-idle-timeout", "how long the API proxy keeps a consumer's idle connection open")
 }
 
 // positiveUint32Value is a flag of a positive uint32.

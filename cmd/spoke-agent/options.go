@@ -11,6 +11,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/credbroker/credbroker/internal/cmdflags"
+	"github.com/credbroker/credbroker/internal/cmdflags/identityflags"
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/spoke"
@@ -27,7 +28,7 @@ error.`
 type options struct {
 	kubeconfig, brokerID, brokers, cluster, advertiseCA string
 	allowEscalating                                     []string
-	identity                                            cmdflags.IdentityFlags
+	identity                                            identityflags.Flags
 }
 
 // parseFlags turns the command line into a validated agent.Config. It
@@ -56,9 +57,10 @@ func parseFlags(args []string) (agent.Config, error) {
 
 // addFlags adds the agent's flags to fs, which set cfg and o.
 func addFlags(fs *pflag.FlagSet, cfg *agent.Config, o *options) {
-	fs.StringVar(&o.brokers, "broker-address", "", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
-	fs.StringVar(&o.brokerID, "broker-spiffe-id", "", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
-	o.identity = cmdflags.IdentityFlags{
+	f := cmdflags.Fields{FlagSet: fs}
+	f.String(&o.brokers, "broker-address", "broker AgentTunnel target(s), host:port, comma-separated; a DNS name such as the broker's headless Service is re-resolved and one stream kept per address (required)")
+	f.String(&o.brokerID, "broker-spiffe-id", "SPIFFE ID the broker must present (default spiffe://<trust-domain>/broker)")
+	o.identity = identityflags.Flags{
 		Whose:                "agent",
 		SVIDCertFileUsage:    "PEM X.509-SVID of the agent, spiffe://<td>/clusterprofile/<ns>/<name>; reloaded on change (this or --spiffe-endpoint-socket)",
 		TrustBundleFileUsage: "PEM CA certificates of the trust domain; with --svid-cert-file",
@@ -67,25 +69,25 @@ func addFlags(fs *pflag.FlagSet, cfg *agent.Config, o *options) {
 		TrustDomainUsage: "SPIFFE trust domain (required)",
 	}
 	o.identity.AddFlags(fs, &cfg.Config)
-	fs.StringVar(&o.cluster, "cluster", "", "namespace/name of the hub ClusterProfile this agent serves; a broker that admits it for another is refused (recommended)")
-	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig of the spoke; empty means the in-cluster config")
-	fs.StringVar(&cfg.Namespace, "namespace", "", "only mint for ServiceAccounts of this namespace; empty means all")
+	f.String(&o.cluster, "cluster", "namespace/name of the hub ClusterProfile this agent serves; a broker that admits it for another is refused (recommended)")
+	f.String(&o.kubeconfig, "kubeconfig", "kubeconfig of the spoke; empty means the in-cluster config")
+	f.String(&cfg.Namespace, "namespace", "only mint for ServiceAccounts of this namespace; empty means all")
 	fs.StringSliceVar(&o.allowEscalating, "allow-escalating-service-accounts", nil, "ServiceAccounts that the agent mints for even though they may create ServiceAccount tokens or impersonate, with which their tokens can outlive every revoke: namespace/name or namespace/* (every one of the namespace), comma-separated or repeated; default: none")
-	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
-	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "bound on one TokenRequest; keep it at least the broker's --mint-timeout")
-	fs.DurationVar(&cfg.CollectInterval, "grant-collect-interval", cfg.CollectInterval, "how often to delete the grant Secrets of expired tokens, including those a previous agent left")
-	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
-	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the agent may take to answer the requests in flight before it closes its broker streams; keep it under the pod's terminationGracePeriodSeconds")
-	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")
-	fs.DurationVar(&cfg.KeepaliveTime, "keepalive-time", cfg.KeepaliveTime, "ping a broker after its connection has been silent this long (at least 10s, gRPC's floor for clients)")
-	fs.DurationVar(&cfg.KeepaliveTimeout, "keepalive-timeout", cfg.KeepaliveTimeout, "reconnect when a ping is not answered in this long; with --keepalive-time, bounds how long a silent partition goes unnoticed")
-	fs.Var(cmdflags.Float32(&cfg.SpokeQPS), "spoke-qps", "QPS of the agent's spoke client (client-go's 5 would throttle mints, which cost three requests each)")
-	fs.IntVar(&cfg.SpokeBurst, "spoke-burst", cfg.SpokeBurst, "burst of the agent's spoke client")
-	fs.DurationVar(&cfg.SpokeHealthInterval, "spoke-health-interval", cfg.SpokeHealthInterval, "how often to ask the spoke API server's /readyz and report it to the brokers, which keep ControlPlaneHealthy from it with --publish-control-plane-healthy; 0 turns it off")
-	fs.IntVar(&cfg.SpokeHealthFailureThreshold, "spoke-health-failure-threshold", cfg.SpokeHealthFailureThreshold, "failures of /readyz in a row before the agent reports the spoke not ready")
-	fs.StringVar(&cfg.AdvertiseServer, "advertise-server", "", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
-	fs.StringVar(&o.advertiseCA, "advertise-ca-file", "", "PEM CA bundle that verifies --advertise-server")
-	fs.BoolVar(&cfg.DataPath, "data-path", false, "carry the broker's API proxy connections to this spoke's API server (konnectivity), for a hub that cannot reach it; default: on when --advertise-server is not set and the spoke config names its CA")
+	f.Duration(&cfg.MaxExpiration, "max-expiration", "longest lifetime of a minted token (at least 10m)")
+	f.Duration(&cfg.MintTimeout, "mint-timeout", "bound on one TokenRequest; keep it at least the broker's --mint-timeout")
+	f.Duration(&cfg.CollectInterval, "grant-collect-interval", "how often to delete the grant Secrets of expired tokens, including those a previous agent left")
+	f.String(&cfg.MetricsAddress, "metrics-address", "address of /metrics, /healthz and /readyz; empty disables them")
+	f.Duration(&cfg.ShutdownGrace, "shutdown-grace", "on SIGTERM, how long the agent may take to answer the requests in flight before it closes its broker streams; keep it under the pod's terminationGracePeriodSeconds")
+	f.Int(&cfg.MaxInFlight, "max-in-flight", "concurrent mints and revokes per broker stream")
+	f.Duration(&cfg.KeepaliveTime, "keepalive-time", "ping a broker after its connection has been silent this long (at least 10s, gRPC's floor for clients)")
+	f.Duration(&cfg.KeepaliveTimeout, "keepalive-timeout", "reconnect when a ping is not answered in this long; with --keepalive-time, bounds how long a silent partition goes unnoticed")
+	f.Float32(&cfg.SpokeQPS, "spoke-qps", "QPS of the agent's spoke client (client-go's 5 would throttle mints, which cost three requests each)")
+	f.Int(&cfg.SpokeBurst, "spoke-burst", "burst of the agent's spoke client")
+	f.Duration(&cfg.SpokeHealthInterval, "spoke-health-interval", "how often to ask the spoke API server's /readyz and report it to the brokers, which keep ControlPlaneHealthy from it with --publish-control-plane-healthy; 0 turns it off")
+	f.Int(&cfg.SpokeHealthFailureThreshold, "spoke-health-failure-threshold", "failures of /readyz in a row before the agent reports the spoke not ready")
+	f.String(&cfg.AdvertiseServer, "advertise-server", "https URL of this spoke's API server as the hub reaches it, sent to the broker for its published access provider (the agent never guesses it)")
+	f.String(&o.advertiseCA, "advertise-ca-file", "PEM CA bundle that verifies --advertise-server")
+	f.Bool(&cfg.DataPath, "data-path", "carry the broker's API proxy connections to this spoke's API server (konnectivity), for a hub that cannot reach it; default: on when --advertise-server is not set and the spoke config names its CA")
 }
 
 // complete sets the fields of cfg that the parsed options o stand for.

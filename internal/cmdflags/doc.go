@@ -10,10 +10,8 @@
 // for the credbroker CLI's cobra flags), and --version without a shorthand;
 // the plugin and the CLI write no log, so -v changes nothing there.
 //
-// IdentityFlags are the SPIFFE identity flags that the broker and the
-// spoke agent share (--svid-cert-file, --spiffe-endpoint-socket,
-// --trust-domain, ...), bound to the identity.Config both their Configs
-// embed. Serve builds a service with its New and runs it until SIGINT or
+// The SPIFFE identity flags that the broker and the spoke agent share are
+// in the subpackage identityflags. Serve builds a service with its New and runs it until SIGINT or
 // SIGTERM, which is all their mains do once the flags are parsed.
 //
 // The broker's audit log (AuditFlags, AuditLogger) is JSON lines apart

@@ -104,8 +104,8 @@ type Config struct {
 	// means spoke.DefaultCollectInterval. No grant outlives its token by
 	// more than this while an agent runs.
 	CollectInterval time.Duration
-	// Clock times grant expiry and the spoke health probes; nil means the
-	// real clock.
+	// Clock times grant expiry, the spoke health probes and the SVID
+	// validity that readiness checks; nil means the real clock.
 	Clock clock.WithTickerAndDelayedExecution
 
 	// SpokeHealthInterval is how often the agent asks the spoke API
@@ -150,14 +150,14 @@ func Default() Config {
 		ResolveInterval:  30 * time.Second,
 		MintTimeout:      30 * time.Second,
 		CollectInterval:  spoke.DefaultCollectInterval,
-		InitialBackoff:   500 * time.Millisecond,
-		MaxBackoff:       30 * time.Second,
+		InitialBackoff:   tunnel.DefaultInitialBackoff,
+		MaxBackoff:       tunnel.DefaultMaxBackoff,
 		CacheSyncTimeout: time.Minute,
 		MetricsAddress:   ":8080",
 		ShutdownGrace:    15 * time.Second,
-		MaxInFlight:      64,
-		KeepaliveTime:    10 * time.Second,
-		KeepaliveTimeout: 5 * time.Second,
+		MaxInFlight:      tunnel.DefaultMaxInFlight,
+		KeepaliveTime:    tunnel.DefaultKeepalive,
+		KeepaliveTimeout: tunnel.DefaultKeepaliveTimeout,
 
 		SpokeHealthInterval:         10 * time.Second,
 		SpokeHealthFailureThreshold: 3,

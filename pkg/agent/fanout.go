@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // fanout keeps one stream to every address a broker target resolves to, so
@@ -85,7 +87,7 @@ func (f *fanout) Run(ctx context.Context) error {
 		running[addr] = cancel
 		wg.Go(func() {
 			if err := f.serve(sctx, addr, f.markConnected); err != nil {
-				f.log.Error(err, "broker stream stopped", "address", addr)
+				f.log.Error(err, "broker stream stopped", fleet.LogAddress, addr)
 			}
 		})
 	}
@@ -100,7 +102,7 @@ func (f *fanout) Run(ctx context.Context) error {
 	for {
 		ips, err := f.lookup(ctx, host)
 		if err != nil || len(ips) == 0 {
-			f.log.Info("cannot resolve broker; keeping current streams", "err", lookupFailure(err), "streams", len(running))
+			f.log.Info("cannot resolve broker; keeping current streams", fleet.LogErr, lookupFailure(err), "streams", len(running))
 		} else {
 			want := make([]string, 0, len(ips))
 			for _, ip := range ips {
@@ -108,14 +110,14 @@ func (f *fanout) Run(ctx context.Context) error {
 			}
 			for addr, cancel := range running {
 				if !slices.Contains(want, addr) {
-					f.log.Info("broker replica gone; closing its stream", "address", addr)
+					f.log.Info("broker replica gone; closing its stream", fleet.LogAddress, addr)
 					cancel()
 					delete(running, addr)
 				}
 			}
 			for _, addr := range want {
 				if _, ok := running[addr]; !ok {
-					f.log.Info("broker replica found; opening a stream", "address", addr)
+					f.log.Info("broker replica found; opening a stream", fleet.LogAddress, addr)
 					start(addr)
 				}
 			}

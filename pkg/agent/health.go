@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/internal/probe"
 )
@@ -26,14 +25,10 @@ func (a *Agent) countServing(target string, up bool) {
 
 // Ready reports nil while the agent can serve, or why not: at least one
 // broker stream serves (admitted, neither draining nor leaving), and its
-// SVID is valid. /readyz answers it.
+// SVID is valid by Config.Clock. /readyz answers it.
 func (a *Agent) Ready() error {
-	return a.ready(clock.RealClock{})
-}
-
-func (a *Agent) ready(clk clock.PassiveClock) error {
 	return probe.All(
-		probe.SVIDValid(a.svid, clk, 0),
+		probe.SVIDValid(a.svid, a.clock, 0),
 		func() error {
 			if a.serving.Load() <= 0 {
 				return errors.New("no broker stream serves")

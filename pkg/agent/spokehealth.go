@@ -7,6 +7,7 @@ import (
 
 	"k8s.io/client-go/rest"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/tunnel"
 )
 
@@ -33,7 +34,7 @@ func (a *Agent) probeSpoke(ctx context.Context, spoke rest.Interface, health *tu
 			if ready {
 				gauge = 1
 			} else if j.failures == j.threshold {
-				a.cfg.Log.Info("spoke API server not ready", "failures", j.failures, "reason", msg)
+				a.cfg.Log.Info("spoke API server not ready", "failures", j.failures, fleet.LogReason, msg)
 			}
 			health.Set(ready, msg)
 			a.metrics.spokeReady.Set(gauge)

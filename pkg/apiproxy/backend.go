@@ -11,6 +11,8 @@ import (
 	"google.golang.org/grpc/keepalive"
 	clientpb "sigs.k8s.io/apiserver-network-proxy/konnectivity-client/proto/client"
 	anpagent "sigs.k8s.io/apiserver-network-proxy/pkg/agent"
+
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // BackendConfig configures the agent's side of the data path.
@@ -69,7 +71,7 @@ func (b *Backend) Serve(ctx context.Context, address string) {
 	// broker Service to every replica's address.
 	cs.SetServerCounter(anpagent.NewResponseBasedCounter(cs))
 	cs.Serve()
-	b.cfg.Log.Info("data path serving", "broker", address, "apiServer", b.cfg.APIServer)
+	b.cfg.Log.Info("data path serving", fleet.LogBroker, address, "apiServer", b.cfg.APIServer)
 	<-ctx.Done()
 }
 
@@ -110,7 +112,7 @@ func (b *Backend) restrict(req *clientpb.DialRequest) {
 		return
 	}
 	b.cfg.Log.Info("data path dial refused: only the spoke API server is reached",
-		"protocol", req.GetProtocol(), "address", req.GetAddress())
+		"protocol", req.GetProtocol(), fleet.LogAddress, req.GetAddress())
 	// A Unix socket without a path: net.Dial refuses it at once, without
 	// a lookup or a packet.
 	req.Protocol, req.Address = "unix", ""

@@ -27,7 +27,6 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 )
 
 // APIServerAddress is the only address a broker asks an agent to dial: the
@@ -39,8 +38,8 @@ const APIServerAddress = "kube-apiserver.credbroker.invalid:443"
 // Admitter judges the agents' data path streams, as it judges their
 // AgentTunnel streams; *tunnel.Server is one.
 type Admitter interface {
-	Admit(ctx context.Context) (tunnel.Admission, error)
-	Readmit(adm tunnel.Admission) error
+	Admit(ctx context.Context) (fleet.Admission, error)
+	Readmit(adm fleet.Admission) error
 }
 
 // RouterConfig configures a Router.
@@ -192,13 +191,13 @@ func (r *Router) join(cluster fleet.ClusterRef) (*anpserver.ProxyServer, func(),
 func (r *Router) Connect(stream agentpb.AgentService_ConnectServer) error {
 	adm, err := r.cfg.Admitter.Admit(stream.Context())
 	if err != nil {
-		r.cfg.Log.Info("data path stream refused", "agent", adm.Agent.String(), "reason", err.Error())
+		r.cfg.Log.Info("data path stream refused", fleet.LogAgent, adm.Agent.String(), fleet.LogErr, err.Error())
 		return errdefs.ToStatus(err).Err()
 	}
-	log := r.cfg.Log.WithValues("agent", adm.Agent.String(), "cluster", adm.Cluster.String())
+	log := r.cfg.Log.WithValues(fleet.LogAgent, adm.Agent.String(), fleet.LogCluster, adm.Cluster.String())
 	srv, leave, err := r.join(adm.Cluster)
 	if err != nil {
-		log.Info("data path stream refused", "reason", err.Error())
+		log.Info("data path stream refused", fleet.LogErr, err.Error())
 		return errdefs.ToStatus(err).Err()
 	}
 	defer leave()
@@ -216,7 +215,7 @@ func (r *Router) Connect(stream agentpb.AgentService_ConnectServer) error {
 
 	done := make(chan error, 1)
 	go func() { done <- srv.Connect(inner) }()
-	log.Info("data path stream connected", "svidExpires", adm.Expires.UTC().Format(time.RFC3339))
+	log.Info("data path stream connected", fleet.LogSVIDExpires, adm.Expires.UTC().Format(time.RFC3339))
 
 	expiry := r.cfg.Clock.NewTimer(adm.Expires.Sub(r.cfg.Clock.Now()))
 	defer expiry.Stop()
@@ -225,15 +224,15 @@ func (r *Router) Connect(stream agentpb.AgentService_ConnectServer) error {
 	for {
 		select {
 		case err := <-done:
-			log.Info("data path stream closed", "reason", errString(err))
+			log.Info("data path stream closed", fleet.LogErr, errString(err))
 			return nil
 		case <-expiry.C():
 			err := fmt.Errorf("agent %s: its SVID expired at %s: %w", adm.Agent, adm.Expires.UTC().Format(time.RFC3339), errdefs.ErrUnauthenticated)
-			log.Info("data path stream closed by broker", "reason", err.Error())
+			log.Info("data path stream closed by broker", fleet.LogErr, err.Error())
 			return errdefs.ToStatus(err).Err()
 		case <-recheck.C():
 			if err := r.cfg.Admitter.Readmit(adm); err != nil {
-				log.Info("data path stream closed by broker", "reason", err.Error())
+				log.Info("data path stream closed by broker", fleet.LogErr, err.Error())
 				return errdefs.ToStatus(err).Err()
 			}
 		}

@@ -25,7 +25,6 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/token"
-	"github.com/credbroker/credbroker/pkg/tunnel"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -39,13 +38,13 @@ var testCluster = fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespac
 
 type fakeAdmitter struct{}
 
-func (fakeAdmitter) Admit(context.Context) (tunnel.Admission, error) {
-	return tunnel.Admission{
+func (fakeAdmitter) Admit(context.Context) (fleet.Admission, error) {
+	return fleet.Admission{
 		Agent:   spiffeid.RequireFromString("spiffe://fleet.test/clusterprofile/fleet/private"),
 		Cluster: testCluster, Expires: time.Now().Add(time.Hour),
 	}, nil
 }
-func (fakeAdmitter) Readmit(tunnel.Admission) error { return nil }
+func (fakeAdmitter) Readmit(fleet.Admission) error { return nil }
 
 // fakeGrants holds one grant, of the token "tok", until revoked.
 type fakeGrants struct{ revoked atomic.Bool }

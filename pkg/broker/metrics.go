@@ -75,12 +75,17 @@ func newRegistry(svid identity.Source, profiles cache.SharedIndexInformer) (*pro
 	return reg, m, nil
 }
 
-func (m *hubReviewMetrics) observe(ctx context.Context, kind string, start time.Time, err error) {
+// timed calls create and records its duration and failure as one review
+// of kind.
+func timed[T any](ctx context.Context, m *hubReviewMetrics, kind string, create func() (T, error)) (T, error) {
+	start := time.Now()
+	out, err := create()
 	m.duration.WithLabelValues(kind).Observe(time.Since(start).Seconds())
 	// A caller that gave up is not the hub's failure.
 	if err != nil && !(errors.Is(err, context.Canceled) && ctx.Err() != nil) {
 		m.errors.WithLabelValues(kind).Inc()
 	}
+	return out, err
 }
 
 // timedTokenReviews times the TokenReviews of its client.
@@ -90,10 +95,7 @@ type timedTokenReviews struct {
 }
 
 func (t timedTokenReviews) Create(ctx context.Context, r *authenticationv1.TokenReview, opts metav1.CreateOptions) (*authenticationv1.TokenReview, error) {
-	start := time.Now()
-	out, err := t.TokenReviewInterface.Create(ctx, r, opts)
-	t.m.observe(ctx, kindTokenReview, start, err)
-	return out, err
+	return timed(ctx, t.m, kindTokenReview, func() (*authenticationv1.TokenReview, error) { return t.TokenReviewInterface.Create(ctx, r, opts) })
 }
 
 // timedAccessReviews times the SubjectAccessReviews of its client.
@@ -103,8 +105,7 @@ type timedAccessReviews struct {
 }
 
 func (t timedAccessReviews) Create(ctx context.Context, r *authorizationv1.SubjectAccessReview, opts metav1.CreateOptions) (*authorizationv1.SubjectAccessReview, error) {
-	start := time.Now()
-	out, err := t.SubjectAccessReviewInterface.Create(ctx, r, opts)
-	t.m.observe(ctx, kindSubjectAccessReview, start, err)
-	return out, err
+	return timed(ctx, t.m, kindSubjectAccessReview, func() (*authorizationv1.SubjectAccessReview, error) {
+		return t.SubjectAccessReviewInterface.Create(ctx, r, opts)
+	})
 }

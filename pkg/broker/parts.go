@@ -172,7 +172,7 @@ func (b *Broker) newExchange(h *hubClients) (err error) {
 		TokenReviews:    h.tokenReviews,
 		AccessReviews:   h.accessReviews,
 		Verifier:        b.keys,
-		Clusters:        clusterLookup{profiles: b.profiles, provider: cfg.AccessProviderName},
+		Clusters:        clusterprofile.Lookup{Index: b.profiles, Provider: cfg.AccessProviderName},
 		Minter:          b.tunnel,
 		Grants:          b.grants,
 		Audience:        cfg.Audience,

@@ -36,10 +36,10 @@ func RetryAfter(err error, trailer metadata.MD) (time.Duration, bool) {
 // learns why it got nothing. A maxWait of zero or less never waits.
 //
 // sleep waits for d or until ctx ends, when it returns ctx's error; nil
-// means a timer. Tests pass one that records the waits and returns at once.
+// means errdefs.Wait. Tests pass one that records the waits and returns at once.
 func WaitAndRetry[T any](ctx context.Context, maxWait time.Duration, sleep func(context.Context, time.Duration) error, call func() (T, time.Duration, error)) (T, error) {
 	if sleep == nil {
-		sleep = timerSleep
+		sleep = errdefs.Wait
 	}
 	var waited time.Duration
 	for {
@@ -58,17 +58,5 @@ func WaitAndRetry[T any](ctx context.Context, maxWait time.Duration, sleep func(
 			return v, err
 		}
 		waited += wait
-	}
-}
-
-// timerSleep waits for d, or until ctx ends, and returns ctx's error then.
-func timerSleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // agentIDIndex is the name of the indexer New adds to the informer. It maps
@@ -318,7 +319,7 @@ func (i *Index) checkAgentID(cp *v1alpha1.ClusterProfile) {
 	}
 	for _, c := range losers {
 		i.log.Error(nil, "clusterprofile claims an agent ID that another clusterprofile claimed first; no agent serves it",
-			"clusterprofile", keyOf(c).String(), "holder", keyOf(holder).String(), "agent", id.String())
+			"clusterprofile", keyOf(c).String(), fleet.LogHolder, keyOf(holder).String(), fleet.LogAgent, id.String())
 	}
 }
 
@@ -338,7 +339,7 @@ func (i *Index) peers(key types.NamespacedName, cps ...*v1alpha1.ClusterProfile)
 		}
 		objs, err := i.indexer.ByIndex(agentIDIndex, id.String())
 		if err != nil {
-			i.log.Error(err, "clusterprofile index lookup failed", "agent", id.String())
+			i.log.Error(err, "clusterprofile index lookup failed", fleet.LogAgent, id.String())
 			continue
 		}
 		for _, obj := range objs {

@@ -1,6 +1,7 @@
 package errdefs
 
 import (
+	"context"
 	"errors"
 	"strconv"
 	"time"
@@ -60,4 +61,22 @@ func ParseRetryAfter(md metadata.MD) (time.Duration, bool) {
 		return 0, false
 	}
 	return time.Duration(n) * time.Second, true
+}
+
+// Wait waits out a retry-after: it returns nil once d has passed, ctx's
+// error when ctx ends first, and context.DeadlineExceeded at once when
+// ctx's deadline comes before d has passed. The broker's limits wait with
+// it for a unit, and the clients for the broker's retry-after.
+func Wait(ctx context.Context, d time.Duration) error {
+	if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) < d {
+		return context.DeadlineExceeded
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }

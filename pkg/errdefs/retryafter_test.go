@@ -1,6 +1,7 @@
 package errdefs
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -56,4 +57,43 @@ func FuzzParseRetryAfter(f *testing.F) {
 			t.Fatalf("ParseRetryAfter(%q) = %s", s, d)
 		}
 	})
+}
+
+// deadlineOnly has a deadline but never ends by itself, so only Wait's
+// look at the deadline can end a wait that outlasts it.
+type deadlineOnly struct {
+	context.Context
+	deadline time.Time
+}
+
+func (c deadlineOnly) Deadline() (time.Time, bool) { return c.deadline, true }
+
+// Wait returns once the wait has passed, when the context ends, and at
+// once when the context's deadline comes first.
+func TestWait(t *testing.T) {
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	tests := []struct {
+		name string
+		ctx  context.Context
+		wait time.Duration
+		want error
+	}{
+		{name: "the wait passes", ctx: context.Background(), wait: time.Millisecond},
+		{name: "the context has ended", ctx: canceled, wait: time.Hour, want: context.Canceled},
+		{name: "the deadline comes first", ctx: deadlineOnly{context.Background(), time.Now().Add(time.Minute)},
+			wait: time.Hour, want: context.DeadlineExceeded},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			done := make(chan error, 1)
+			go func() { done <- Wait(tt.ctx, tt.wait) }()
+			select {
+			case err := <-done:
+				assert.Equal(t, tt.want, err)
+			case <-time.After(10 * time.Second):
+				t.Fatal("Wait did not return")
+			}
+		})
+	}
 }

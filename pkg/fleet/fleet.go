@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"crypto/x509"
 	"errors"
 	"time"
 
@@ -17,6 +18,35 @@ type ClusterRef struct {
 }
 
 func (c ClusterRef) String() string { return c.NamespacedName.String() }
+
+// Cluster is what the exchange answers of a ClusterProfile, as the
+// ClusterProfile index finds it.
+type Cluster struct {
+	// Ref names the ClusterProfile incarnation; its UID is part of the
+	// exchange's token cache key.
+	Ref ClusterRef
+	// Server and CAData tell the consumer how to reach the spoke. Server
+	// is never empty: the consumer's plugin hands the token only to it, so
+	// a lookup refuses a ClusterProfile without one.
+	Server string
+	CAData []byte
+}
+
+// Admission is what a broker admitted an agent stream's peer as: the
+// tunnel admits the peer, and the data path keeps its streams only while
+// the tunnel admits the peer again (tunnel.Server's Admit and Readmit).
+type Admission struct {
+	// Agent is the peer's SPIFFE ID.
+	Agent spiffeid.ID
+	// Cluster is the one ClusterProfile incarnation the agent serves.
+	Cluster ClusterRef
+	// Expires is when the peer's SVID, or a CA of its chain, expires: the
+	// stream must end then.
+	Expires time.Time
+	// Chain is the peer's certificate chain, leaf first, which a
+	// readmission verifies again against the bundle of then.
+	Chain []*x509.Certificate
+}
 
 // agentIDSegment is the first path segment of every ClusterProfile's
 // default agent ID.

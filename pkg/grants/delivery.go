@@ -53,8 +53,8 @@ func (r *Registry) logForeign(what string, foreign []heldElsewhere) {
 		return
 	}
 	r.cfg.Log.Info("revoke of another ClusterProfile's credential id ignored",
-		"in", what, "credentialID", foreign[0].id, "holder", foreign[0].holder.String(), "state", foreign[0].state,
-		"ignored", len(foreign))
+		"in", what, fleet.LogCredentialID, foreign[0].id, fleet.LogHolder, foreign[0].holder.String(), "state", foreign[0].state,
+		fleet.LogIgnored, len(foreign))
 }
 
 // retry sends list again; quiet leaves out the log line of a revoke that
@@ -210,7 +210,7 @@ func (r *Registry) deliver(ctx context.Context, grants []*pb.Grant, reason strin
 		gone, err := r.cfg.Revoker.Revoke(ctx, cluster, ids, reason)
 		if err != nil && (!quiet || !errors.Is(err, errdefs.ErrUnavailable)) {
 			r.cfg.Log.Info("revoke not delivered; it is sent again when the agent reports the grants",
-				"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
+				fleet.LogCluster, cluster.String(), fleet.LogGrants, len(ids), fleet.LogErr, err.Error())
 		}
 		if errors.Is(err, fleet.ErrNoAgent) {
 			// Nothing was sent: the next agent to connect gets the

@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/clock"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -199,7 +200,7 @@ func (s *PendingStore) observe(obj any) {
 	}
 	if over > 0 {
 		s.cfg.Log.Info("pending revoke records past the record's limit are ignored",
-			"configMap", s.cfg.Namespace+"/"+s.cfg.Name, "ignored", over, "maxBytes", s.cfg.MaxBytes)
+			"configMap", s.cfg.Namespace+"/"+s.cfg.Name, fleet.LogIgnored, over, "maxBytes", s.cfg.MaxBytes)
 	}
 	s.mu.Lock()
 	fns := s.onChange

@@ -55,7 +55,7 @@ func (r *Registry) RevokeRecorded(ctx context.Context, grants []*pb.Grant, reaso
 func (r *Registry) Revoke(ctx context.Context, grants []*pb.Grant, reason string) (revoked, pending []*pb.Grant) {
 	revoked, pending, err := r.RevokeRecorded(ctx, grants, reason)
 	if err != nil {
-		r.cfg.Log.Info("pending revokes not recorded; only this replica sends them again", "grants", len(pending), "reason", err.Error())
+		r.cfg.Log.Info("pending revokes not recorded; only this replica sends them again", fleet.LogGrants, len(pending), fleet.LogErr, err.Error())
 	}
 	return revoked, pending
 }

@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // Record implements PendingRecorder. The revokes of a ClusterProfile
@@ -147,7 +148,7 @@ func (s *PendingStore) Run(ctx context.Context) error {
 			continue
 		}
 		s.cfg.Log.Info("confirmed revokes not dropped from the hub's record; retrying",
-			"configMap", s.cfg.Namespace+"/"+s.cfg.Name, "revokes", len(keys), "reason", err.Error())
+			"configMap", s.cfg.Namespace+"/"+s.cfg.Name, "revokes", len(keys), fleet.LogErr, err.Error())
 		s.mu.Lock()
 		for key, id := range keys {
 			s.forget[key] = id
@@ -225,7 +226,7 @@ func (s *PendingStore) modify(ctx context.Context, change func(data, clusterOf m
 		}
 	}
 	s.cfg.Log.Info("pending revokes not written: every attempt conflicted with another writer",
-		"configMap", s.cfg.Namespace+"/"+s.cfg.Name, "attempts", pendingAttempts, "reason", last.Error())
+		"configMap", s.cfg.Namespace+"/"+s.cfg.Name, "attempts", pendingAttempts, fleet.LogErr, last.Error())
 	return fmt.Errorf("could not write the hub's record of pending revokes, ConfigMap %s/%s: %d attempts conflicted with other writers: %w",
 		s.cfg.Namespace, s.cfg.Name, pendingAttempts, errdefs.ErrUnavailable)
 }

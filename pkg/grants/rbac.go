@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/hubauth"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -72,7 +73,7 @@ func (t *Triggers) checkRBAC(ctx context.Context) {
 		allowed, err := t.review(ctx, a)
 		if err != nil {
 			t.cfg.Log.Info("hub RBAC check of grants failed; checked again at the next RBAC change or sweep",
-				"subject", a.username, "cluster", a.cluster.String(), "grants", len(byAccess[a]), "reason", err.Error())
+				fleet.LogSubject, a.username, fleet.LogCluster, a.cluster.String(), fleet.LogGrants, len(byAccess[a]), fleet.LogErr, err.Error())
 			var status apierrors.APIStatus
 			if !errors.As(err, &status) {
 				return // the hub did not answer: do not wait on it for every subject

@@ -142,21 +142,11 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	if cfg.MaxGrantsPerCluster <= 0 {
-		cfg.MaxGrantsPerCluster = DefaultMaxGrantsPerCluster
-	}
-	if cfg.MaxGrantBytes <= 0 {
-		cfg.MaxGrantBytes = DefaultMaxGrantBytes
-	}
-	if cfg.MaxGrantBytesPerCluster <= 0 {
-		cfg.MaxGrantBytesPerCluster = DefaultMaxGrantBytesPerCluster
-	}
-	if cfg.MaxGrantLifetime <= 0 {
-		cfg.MaxGrantLifetime = DefaultMaxGrantLifetime
-	}
-	if cfg.RetryInterval <= 0 {
-		cfg.RetryInterval = DefaultRetryInterval
-	}
+	cfg.MaxGrantsPerCluster = orDefault(cfg.MaxGrantsPerCluster, DefaultMaxGrantsPerCluster)
+	cfg.MaxGrantBytes = orDefault(cfg.MaxGrantBytes, DefaultMaxGrantBytes)
+	cfg.MaxGrantBytesPerCluster = orDefault(cfg.MaxGrantBytesPerCluster, DefaultMaxGrantBytesPerCluster)
+	cfg.MaxGrantLifetime = orDefault(cfg.MaxGrantLifetime, DefaultMaxGrantLifetime)
+	cfg.RetryInterval = orDefault(cfg.RetryInterval, DefaultRetryInterval)
 	return &Registry{
 		cfg:       cfg,
 		live:      map[string]*record{},
@@ -168,4 +158,13 @@ func NewRegistry(cfg RegistryConfig) (*Registry, error) {
 		retries:   map[types.NamespacedName]*retryQueue{},
 		sent:      map[string]time.Time{},
 	}, nil
+}
+
+// orDefault returns v when it is positive, else def: what New does with a
+// Config field left zero or set negative.
+func orDefault[T ~int | ~int64 | ~float64](v, def T) T {
+	if v > 0 {
+		return v
+	}
+	return def
 }

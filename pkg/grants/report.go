@@ -95,8 +95,8 @@ func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame s
 	if len(a.taken) > 0 {
 		// One line per report, so that an agent cannot fill the log.
 		r.cfg.Log.Info("agent reported the credential id of another ClusterProfile's grant; ignored it",
-			"cluster", cluster.String(), "holder", a.taken[0].holder.String(), "credentialID", a.taken[0].id,
-			"state", a.taken[0].state, "frame", frame, "ignored", len(a.taken))
+			fleet.LogCluster, cluster.String(), fleet.LogHolder, a.taken[0].holder.String(), fleet.LogCredentialID, a.taken[0].id,
+			"state", a.taken[0].state, "frame", frame, fleet.LogIgnored, len(a.taken))
 	}
 	r.sendAgain(ctx, retry, false)
 	if len(stale) > 0 {
@@ -280,7 +280,7 @@ func (r *Registry) heldElsewhere(id string, cluster types.NamespacedName) (heldE
 // (size against max), and returns err, which says so to the agent.
 func (r *Registry) refuse(cluster fleet.ClusterRef, frame, bound string, size, max int, err error) error {
 	r.cfg.Log.Info("agent grant report refused; closing the stream",
-		"cluster", cluster.String(), "frame", frame, "bound", bound, "size", size, "max", max)
+		fleet.LogCluster, cluster.String(), "frame", frame, "bound", bound, "size", size, "max", max)
 	return fmt.Errorf("the %s holds %w", frame, err)
 }
 
@@ -290,7 +290,7 @@ func (r *Registry) refuse(cluster fleet.ClusterRef, frame, bound string, size, m
 func (r *Registry) revokeStale(ctx context.Context, cluster fleet.ClusterRef, ids []string) {
 	if _, err := r.cfg.Revoker.Revoke(ctx, cluster, ids, ReasonClusterProfileReplaced); err != nil {
 		r.cfg.Log.Info("revoke of a replaced ClusterProfile's grants not delivered; it is sent again at the agent's next hello",
-			"cluster", cluster.String(), "grants", len(ids), "reason", err.Error())
+			fleet.LogCluster, cluster.String(), fleet.LogGrants, len(ids), fleet.LogErr, err.Error())
 	}
 }
 

@@ -18,6 +18,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/grants/selector"
 	"github.com/credbroker/credbroker/pkg/hubauth"
 	"github.com/credbroker/credbroker/pkg/store"
@@ -335,7 +336,7 @@ func (s *Service) review(ctx context.Context, user hubauth.User, verb string, c 
 // hubFailure describes a failed SubjectAccessReview for the caller; the
 // full error, which may name the hub's address, goes to the log.
 func (s *Service) hubFailure(err error) error {
-	s.cfg.Log.Error(err, "hub review failed", "review", "SubjectAccessReview")
+	s.cfg.Log.Error(err, "hub review failed", fleet.LogReview, "SubjectAccessReview")
 	reason := "the hub API server did not answer"
 	var st apierrors.APIStatus
 	if errors.As(err, &st) {

@@ -17,6 +17,7 @@ import (
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -91,6 +92,17 @@ type Triggers struct {
 	accounts map[string]struct{}
 }
 
+// Defaults of TriggersConfig.
+const (
+	DefaultTriggerDebounce      = 2 * time.Second
+	DefaultTriggerMaxDelay      = 5 * time.Second
+	DefaultTriggerInterval      = 5 * time.Minute
+	DefaultTriggerReviewRate    = 20
+	DefaultTriggerReviewBurst   = 20
+	DefaultTriggerReviewTimeout = 5 * time.Second
+	DefaultTriggerRevokeTimeout = 10 * time.Second
+)
+
 // NewTriggers validates cfg, fills in its defaults and adds event handlers
 // to its informers.
 func NewTriggers(cfg TriggersConfig) (*Triggers, error) {
@@ -100,23 +112,14 @@ func NewTriggers(cfg TriggersConfig) (*Triggers, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	def := func(d *time.Duration, v time.Duration) {
-		if *d <= 0 {
-			*d = v
-		}
-	}
-	def(&cfg.Debounce, 2*time.Second)
-	def(&cfg.MaxDelay, 5*time.Second)
-	def(&cfg.Interval, 5*time.Minute)
-	def(&cfg.ReviewTimeout, 5*time.Second)
-	def(&cfg.RevokeTimeout, 10*time.Second)
+	cfg.Debounce = orDefault(cfg.Debounce, DefaultTriggerDebounce)
+	cfg.MaxDelay = orDefault(cfg.MaxDelay, DefaultTriggerMaxDelay)
+	cfg.Interval = orDefault(cfg.Interval, DefaultTriggerInterval)
+	cfg.ReviewTimeout = orDefault(cfg.ReviewTimeout, DefaultTriggerReviewTimeout)
+	cfg.RevokeTimeout = orDefault(cfg.RevokeTimeout, DefaultTriggerRevokeTimeout)
 	cfg.MaxDelay = max(cfg.MaxDelay, cfg.Debounce)
-	if cfg.ReviewRate <= 0 {
-		cfg.ReviewRate = 20
-	}
-	if cfg.ReviewBurst <= 0 {
-		cfg.ReviewBurst = 20
-	}
+	cfg.ReviewRate = orDefault(cfg.ReviewRate, DefaultTriggerReviewRate)
+	cfg.ReviewBurst = orDefault(cfg.ReviewBurst, DefaultTriggerReviewBurst)
 	t := &Triggers{
 		cfg:      cfg,
 		limiter:  rate.NewLimiter(cfg.ReviewRate, cfg.ReviewBurst),
@@ -302,12 +305,12 @@ func (t *Triggers) revoke(ctx context.Context, trigger string, grants []*pb.Gran
 	defer cancel()
 	revoked, pending := t.cfg.Grants.Revoke(ctx, grants, reason)
 	for _, g := range revoked {
-		t.cfg.Log.Info("revoked grant", "trigger", trigger, "credentialID", g.GetCredentialId(),
-			"subject", g.GetSubject().GetUsername(), "cluster", ClusterRef(g).String(), "reason", reason)
+		t.cfg.Log.Info("revoked grant", "trigger", trigger, fleet.LogCredentialID, g.GetCredentialId(),
+			fleet.LogSubject, g.GetSubject().GetUsername(), fleet.LogCluster, ClusterRef(g).String(), fleet.LogReason, reason)
 	}
 	for _, g := range pending {
-		t.cfg.Log.Info("revoke of grant pending until its agent reports it", "trigger", trigger, "credentialID", g.GetCredentialId(),
-			"subject", g.GetSubject().GetUsername(), "cluster", ClusterRef(g).String(), "reason", reason)
+		t.cfg.Log.Info("revoke of grant pending until its agent reports it", "trigger", trigger, fleet.LogCredentialID, g.GetCredentialId(),
+			fleet.LogSubject, g.GetSubject().GetUsername(), fleet.LogCluster, ClusterRef(g).String(), fleet.LogReason, reason)
 	}
 }
 
@@ -330,7 +333,7 @@ func (t *Triggers) ClusterProfileChanged(ctx context.Context, key types.Namespac
 	case errors.Is(err, errdefs.ErrNotFound):
 	default:
 		// Not known yet (the cache has not synced): nothing to decide.
-		t.cfg.Log.Info("ClusterProfile not checked; checked again at the next change or sweep", "cluster", key.String(), "reason", err.Error())
+		t.cfg.Log.Info("ClusterProfile not checked; checked again at the next change or sweep", fleet.LogCluster, key.String(), fleet.LogErr, err.Error())
 		return
 	}
 	var stale []*pb.Grant

@@ -44,13 +44,13 @@ import (
 // fails rather than mint a token without one.
 func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
 	if err := validate(req); err != nil {
-		m.log.Info("refused mint request", "subject", req.GetSubject().GetUsername(), "error", err.Error())
+		m.log.Info("refused mint request", fleet.LogSubject, req.GetSubject().GetUsername(), fleet.LogErr, err.Error())
 		return nil, err
 	}
 	user := req.GetSubject().GetUsername()
 	sa, err := m.authorize(ctx, req)
 	if err != nil {
-		m.log.Info("refused mint request", "subject", user, "error", err.Error())
+		m.log.Info("refused mint request", fleet.LogSubject, user, fleet.LogErr, err.Error())
 		return nil, err
 	}
 	ref := sa.Namespace + "/" + sa.Name
@@ -58,7 +58,7 @@ func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbr
 	info := m.grantInfo(cluster, req, sa, seconds)
 	grant, err := m.createGrant(ctx, info)
 	if err != nil {
-		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref)
+		m.log.Error(err, "failed to mint spoke token", fleet.LogSubject, user, "serviceAccount", ref)
 		return nil, err
 	}
 	grantRef := sa.Namespace + "/" + grant.Name
@@ -68,21 +68,21 @@ func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbr
 	// reaches the agent last, its Reconcile sees both and revokes it.
 	if err := m.recheck(sa, grant); err != nil {
 		m.deleteGrant(ctx, grant)
-		m.log.Info("refused mint request", "subject", user, "error", err.Error())
+		m.log.Info("refused mint request", fleet.LogSubject, user, fleet.LogErr, err.Error())
 		return nil, err
 	}
 	tok, err := m.mintBound(ctx, req, sa, grant, seconds)
 	if err != nil {
-		m.log.Error(err, "failed to mint spoke token", "subject", user, "serviceAccount", ref, "grant", grantRef)
+		m.log.Error(err, "failed to mint spoke token", fleet.LogSubject, user, "serviceAccount", ref, "grant", grantRef)
 		return nil, err
 	}
 	m.track(grant, tok.exp)
 	m.log.Info("minted spoke token",
-		"subject", user,
+		fleet.LogSubject, user,
 		"serviceAccount", ref,
 		"audiences", req.GetAudiences(),
 		"expiration", tok.exp.UTC().Format(time.RFC3339),
-		"credentialID", tok.id,
+		fleet.LogCredentialID, tok.id,
 		"grant", grantRef,
 		"clusterProfile", info.clusterProfile,
 	)

@@ -581,7 +581,7 @@ func TestMintLogsWithoutToken(t *testing.T) {
 	got := lines.String()
 	assert.Equal(t,
 		`"level"=0 "msg"="minted spoke token" "subject"="`+argocd+`" "serviceAccount"="apps/deployer" "audiences"=["vault"] "expiration"="2026-03-01T12:15:00Z" "credentialID"="JTI=jti-apps-deployer" "grant"="apps/credbroker-grant-1" "clusterProfile"=""`+"\n"+
-			`"level"=0 "msg"="refused mint request" "subject"="mallory" "error"="no spoke ServiceAccount allows hub user mallory; a spoke admin must annotate one with credbroker.io/allowed-subjects: permission denied"`+"\n",
+			`"level"=0 "msg"="refused mint request" "subject"="mallory" "err"="no spoke ServiceAccount allows hub user mallory; a spoke admin must annotate one with credbroker.io/allowed-subjects: permission denied"`+"\n",
 		got)
 	tok := resp.GetToken()
 	for _, part := range strings.Split(tok, ".") {

@@ -12,6 +12,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // newPolicyQueue returns the queue of ServiceAccounts whose policy changed:
@@ -132,11 +133,11 @@ func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount
 	m.stopTimer(grant.UID)
 	m.log.Info("revoked grant",
 		"grant", ref,
-		"credentialID", grant.Annotations[GrantCredentialIDAnnotation],
-		"subject", grant.Annotations[GrantHubUserAnnotation],
+		fleet.LogCredentialID, grant.Annotations[GrantCredentialIDAnnotation],
+		fleet.LogSubject, grant.Annotations[GrantHubUserAnnotation],
 		"serviceAccount", sa.Namespace+"/"+sa.Name,
 		"audiences", grantAudiences(grant),
-		"reason", why,
+		fleet.LogReason, why,
 	)
 	return nil
 }

@@ -13,6 +13,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/util/workqueue"
+
+	"github.com/credbroker/credbroker/pkg/fleet"
 )
 
 // Only the agent writes a grant (deploy/spoke/admission.yaml refuses
@@ -221,7 +223,7 @@ func (m *Minter) markChanged(grant *corev1.Secret, rec changedGrant) {
 	c.changed[grant.UID] = rec
 	m.log.Info("found a grant that someone other than the agent changed; deleting it",
 		"grant", grant.Namespace+"/"+grant.Name,
-		"credentialID", rec.credentialID,
+		fleet.LogCredentialID, rec.credentialID,
 		"clusterProfile", rec.cluster,
 		"change", rec.change,
 	)
@@ -413,7 +415,7 @@ func (m *Minter) deleteChanged(ctx context.Context, ref grantRef) error {
 	m.stopTimer(ref.uid)
 	m.log.Info("deleted a grant that someone other than the agent changed",
 		"grant", ref.namespace+"/"+ref.name,
-		"credentialID", rec.credentialID,
+		fleet.LogCredentialID, rec.credentialID,
 		"clusterProfile", rec.cluster,
 		"change", rec.change,
 	)

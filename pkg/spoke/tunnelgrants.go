@@ -236,8 +236,8 @@ func (m *Minter) Revoke(ctx context.Context, admitted fleet.ClusterRef, req *cre
 		for _, g := range grants {
 			if _, recorded := m.recorded(g); recorded != cluster {
 				m.log.Info("refused to revoke a grant of another ClusterProfile",
-					"credentialID", id, "grant", g.Namespace+"/"+g.Name,
-					"grantClusterProfile", recorded, "admittedFor", cluster)
+					fleet.LogCredentialID, id, "grant", g.Namespace+"/"+g.Name,
+					"grantClusterProfile", recorded, fleet.LogAdmittedFor, cluster)
 				allGone = false
 				continue
 			}
@@ -314,11 +314,11 @@ func (m *Minter) revokeGrant(ctx context.Context, grant *corev1.Secret, reason s
 	id, _ := m.recorded(grant)
 	m.log.Info("revoked grant",
 		"grant", ref,
-		"credentialID", id,
-		"subject", grant.Annotations[GrantHubUserAnnotation],
+		fleet.LogCredentialID, id,
+		fleet.LogSubject, grant.Annotations[GrantHubUserAnnotation],
 		"serviceAccount", grant.Namespace+"/"+grant.Annotations[GrantServiceAccountAnnotation],
 		"audiences", grantAudiences(grant),
-		"reason", reason,
+		fleet.LogReason, reason,
 	)
 	return nil
 }

@@ -177,14 +177,6 @@ func (s *Service) allowReview(ctx context.Context, bearer string, exp, now time.
 	return spend(ctx, s.reviews, now, fmt.Sprintf("the broker is reviewing more than %v new tokens per second", s.cfg.ReviewRateLimit))
 }
 
-// Defaults of Config.NamespaceReviewRateLimit and NamespaceReviewBurst: a
-// quarter of the broker-wide review budget, so that it takes four hub
-// namespaces flooding together to spend it.
-const (
-	DefaultNamespaceReviewRateLimit = 25
-	DefaultNamespaceReviewBurst     = 50
-)
-
 // reviewNamespace returns the hub namespace of a token that the Verifier
 // has verified, whose claims are then the hub issuer's own: its
 // kubernetes.io namespace claim or, without one, the namespace of a

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	"github.com/credbroker/credbroker/pkg/hubauth"
 )
 
@@ -55,7 +56,7 @@ func (s *Service) accessReview(ctx context.Context, user hubauth.User, cluster t
 // reason when the hub answered, else only that it did not. The full error,
 // which may name the hub's address, goes to the log.
 func (s *Service) hubFailure(review string, err error) error {
-	s.cfg.Log.Error(err, "hub review failed", "review", review)
+	s.cfg.Log.Error(err, "hub review failed", fleet.LogReview, review)
 	reason := "the hub API server did not answer"
 	if st, ok := err.(apierrors.APIStatus); ok {
 		reason = fmt.Sprintf("%s (%d)", st.Status().Reason, st.Status().Code)

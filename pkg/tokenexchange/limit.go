@@ -32,26 +32,11 @@ func spend(ctx context.Context, lim *rate.Limiter, now time.Time, refusal string
 	if wait <= 0 {
 		return nil
 	}
-	if store.Refreshing(ctx) && sleep(ctx, wait) == nil {
+	if store.Refreshing(ctx) && errdefs.Wait(ctx, wait) == nil {
 		return nil
 	}
 	r.CancelAt(now)
 	return errdefs.WithRetryAfter(fmt.Errorf("%s; retry after %ds: %w", refusal, errdefs.RetryAfterSeconds(wait), errdefs.ErrResourceExhausted), wait)
-}
-
-// sleep waits for d, or until ctx ends or its deadline would pass first.
-func sleep(ctx context.Context, d time.Duration) error {
-	if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) < d {
-		return context.DeadlineExceeded
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
 }
 
 // limiterFor returns the limiter that limiters holds for key, made with

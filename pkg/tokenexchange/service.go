@@ -29,24 +29,12 @@ import (
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// Cluster is what the exchange needs to know of a ClusterProfile.
-type Cluster struct {
-	// Ref names the ClusterProfile incarnation; its UID is part of the token
-	// cache key.
-	Ref fleet.ClusterRef
-	// Server and CAData tell the consumer how to reach the spoke. Server
-	// is never empty: the consumer's plugin hands the token only to it, so
-	// Clusters refuses a ClusterProfile without one.
-	Server string
-	CAData []byte
-}
-
 // Clusters looks up ClusterProfiles. Errors wrap errdefs.ErrNotFound when
 // the profile is absent or being deleted, and errdefs.ErrFailedPrecondition
 // when no agent can serve it or it names no server; Exchange then mints
 // nothing.
 type Clusters interface {
-	Cluster(namespace, name string) (Cluster, error)
+	Cluster(namespace, name string) (fleet.Cluster, error)
 }
 
 // Minter mints a token on a cluster; the broker passes the tunnel server.
@@ -90,7 +78,8 @@ type Config struct {
 	// being served from the token cache. Default: none.
 	Grants Grants
 
-	// Audience a consumer's hub token must carry. Default "credbroker".
+	// Audience a consumer's hub token must carry. Default "credbroker"
+	// (DefaultAudience; every default below has a Default constant).
 	Audience string
 	// MaxExpiration caps the lifetime of minted tokens; requests are clamped
 	// to [MinExpiration, MaxExpiration]. Defaults 1h and 10m.
@@ -189,22 +178,22 @@ func New(cfg Config) (*Service, error) {
 	if cfg.TokenReviews == nil || cfg.AccessReviews == nil || cfg.Verifier == nil || cfg.Clusters == nil || cfg.Minter == nil {
 		return nil, errors.New("tokenexchange: TokenReviews, AccessReviews, Verifier, Clusters and Minter are required")
 	}
-	setDefault(&cfg.Audience, "credbroker")
-	setDefault(&cfg.MaxExpiration, time.Hour)
+	setDefault(&cfg.Audience, DefaultAudience)
+	setDefault(&cfg.MaxExpiration, DefaultMaxExpiration)
 	setDefault(&cfg.MinExpiration, token.MinExpiration)
-	setDefault(&cfg.AuthnTTL, 10*time.Second)
-	setDefault(&cfg.AllowTTL, 10*time.Second)
-	setDefault(&cfg.DenyTTL, 2*time.Second)
-	setDefault(&cfg.ReviewTimeout, 5*time.Second)
-	setDefault(&cfg.ReviewRateLimit, 100)
-	setDefault(&cfg.ReviewBurst, 200)
-	setDefault(&cfg.PeerReviewRateLimit, 10)
-	setDefault(&cfg.PeerReviewBurst, 20)
+	setDefault(&cfg.AuthnTTL, DefaultAuthnTTL)
+	setDefault(&cfg.AllowTTL, DefaultAllowTTL)
+	setDefault(&cfg.DenyTTL, DefaultDenyTTL)
+	setDefault(&cfg.ReviewTimeout, DefaultReviewTimeout)
+	setDefault(&cfg.ReviewRateLimit, DefaultReviewRateLimit)
+	setDefault(&cfg.ReviewBurst, DefaultReviewBurst)
+	setDefault(&cfg.PeerReviewRateLimit, DefaultPeerReviewRateLimit)
+	setDefault(&cfg.PeerReviewBurst, DefaultPeerReviewBurst)
 	setDefault(&cfg.NamespaceReviewRateLimit, DefaultNamespaceReviewRateLimit)
 	setDefault(&cfg.NamespaceReviewBurst, DefaultNamespaceReviewBurst)
-	setDefault(&cfg.CacheSize, 10000)
-	setDefault(&cfg.RateLimit, 20)
-	setDefault(&cfg.RateBurst, 2000)
+	setDefault(&cfg.CacheSize, DefaultCacheSize)
+	setDefault(&cfg.RateLimit, DefaultRateLimit)
+	setDefault(&cfg.RateBurst, DefaultRateBurst)
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
@@ -357,7 +346,7 @@ func (s *Service) minter(req *pb.ExchangeRequest, user hubauth.User, cluster fle
 		// answered before the token's own claims agree with the request.
 		m, err := checkAnswer(resp, r, s.cfg.Audience, s.cfg.Clock.Now(), s.cfg.MaxExpiration)
 		if err != nil {
-			s.cfg.Log.Error(err, "agent answer failed the broker's checks", "cluster", cluster.String(), "check", checkOf(err))
+			s.cfg.Log.Error(err, "agent answer failed the broker's checks", fleet.LogCluster, cluster.String(), "check", checkOf(err))
 			return minted{}, time.Time{}, fmt.Errorf("the agent of cluster %s answered with a token that failed the broker's checks: %w",
 				cluster, errdefs.ErrUnavailable)
 		}
@@ -376,7 +365,7 @@ func (s *Service) unrevoked(ctx context.Context, key string, cluster fleet.Clust
 	for attempt := 0; err == nil && s.revoked(m); attempt++ {
 		s.tokens.Remove(key)
 		if attempt == maxRevokedRetries {
-			s.cfg.Log.Info("agent answered with a revoked token", "cluster", cluster.String(), "credentialID", m.credentialID)
+			s.cfg.Log.Info("agent answered with a revoked token", fleet.LogCluster, cluster.String(), fleet.LogCredentialID, m.credentialID)
 			err = fmt.Errorf("the agent of cluster %s answered with a token that was revoked: %w", cluster, errdefs.ErrUnavailable)
 			break
 		}

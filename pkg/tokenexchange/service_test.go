@@ -137,13 +137,13 @@ type fakeClusters struct {
 	uid types.UID
 }
 
-func (f *fakeClusters) Cluster(namespace, name string) (Cluster, error) {
+func (f *fakeClusters) Cluster(namespace, name string) (fleet.Cluster, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if namespace != "fleet" || (name != "a" && name != "b") {
-		return Cluster{}, fmt.Errorf("clusterprofile %s/%s not found: %w", namespace, name, errdefs.ErrNotFound)
+		return fleet.Cluster{}, fmt.Errorf("clusterprofile %s/%s not found: %w", namespace, name, errdefs.ErrNotFound)
 	}
-	return Cluster{
+	return fleet.Cluster{
 		Ref:    fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: namespace, Name: name}, UID: f.uid},
 		Server: "https://spoke.example", CAData: []byte("ca"),
 	}, nil

@@ -18,30 +18,18 @@ import (
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
-// Admission is what the broker admitted a stream's peer as.
-type Admission struct {
-	// Agent is the peer's SPIFFE ID.
-	Agent spiffeid.ID
-	// Cluster is the one ClusterProfile incarnation the agent serves.
-	Cluster fleet.ClusterRef
-	// Expires is when the peer's SVID, or a CA of its chain, expires: the
-	// stream must end then.
-	Expires time.Time
-	chain   []*x509.Certificate
-}
-
 // Admit judges the peer of a stream whose context is ctx, as Connect does:
 // its SVID must verify against the current trust bundle, by the clock of
 // now (a connection outlives the handshake that verified it), and map to a
 // ClusterProfile. Another stream service on the agent port, such as the
 // data path, admits its streams with it, logs and audits nothing else, and
 // calls Readmit while the stream lives.
-func (s *Server) Admit(ctx context.Context) (Admission, error) {
+func (s *Server) Admit(ctx context.Context) (fleet.Admission, error) {
 	id, chain, err := s.cfg.Peer(ctx)
 	if err != nil {
-		return Admission{}, fmt.Errorf("agent stream: %w", err)
+		return fleet.Admission{}, fmt.Errorf("agent stream: %w", err)
 	}
-	adm := Admission{Agent: id, chain: chain}
+	adm := fleet.Admission{Agent: id, Chain: chain}
 	if adm.Expires, err = s.verify(id, chain); err != nil {
 		return adm, err
 	}
@@ -54,8 +42,8 @@ func (s *Server) Admit(ctx context.Context) (Admission, error) {
 // Readmit reports why a stream admitted as adm may no longer live, or nil:
 // its SVID no longer verifies against the trust bundle of now, or its
 // agent no longer maps to the same ClusterProfile incarnation.
-func (s *Server) Readmit(adm Admission) error {
-	if _, err := s.verify(adm.Agent, adm.chain); err != nil {
+func (s *Server) Readmit(adm fleet.Admission) error {
+	if _, err := s.verify(adm.Agent, adm.Chain); err != nil {
 		return err
 	}
 	return s.stillServes(adm.Agent, adm.Cluster)
@@ -73,11 +61,11 @@ func (s *Server) admit(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 	if err != nil {
 		log := logr.Discard() // a peer without a SPIFFE ID is only audited
 		if !adm.Agent.IsZero() {
-			log = s.cfg.Log.WithValues("agent", adm.Agent.String())
+			log = s.cfg.Log.WithValues(fleet.LogAgent, adm.Agent.String())
 		}
 		return nil, time.Time{}, s.refuse(log, "agent refused", agentStream{adm.Agent.String(), instance, ""}, err)
 	}
-	log := s.cfg.Log.WithValues("agent", adm.Agent.String(), "cluster", adm.Cluster.String())
+	log := s.cfg.Log.WithValues(fleet.LogAgent, adm.Agent.String(), fleet.LogCluster, adm.Cluster.String())
 	who := agentStream{adm.Agent.String(), instance, adm.Cluster.String()}
 	hello, err := s.recvHello(ctx, stream)
 	if err != nil {
@@ -89,7 +77,7 @@ func (s *Server) admit(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 	}
 	sctx, cancel := context.WithCancelCause(ctx)
 	sess := &session{
-		agent: adm.Agent, instance: instance, chain: adm.chain, cluster: adm.Cluster, hello: hello, log: log,
+		agent: adm.Agent, instance: instance, chain: adm.Chain, cluster: adm.Cluster, hello: hello, log: log,
 		out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: cancel,
 		pending: map[string]chan *pb.AgentFrame{},
 	}
@@ -107,7 +95,7 @@ func (s *Server) admit(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 // refuse ends a stream that Connect does not serve: it logs msg and the
 // reason on log, audits "agent refused" for who, and returns the status.
 func (s *Server) refuse(log logr.Logger, msg string, who agentStream, err error) error {
-	log.Info(msg, "reason", err.Error())
+	log.Info(msg, fleet.LogErr, err.Error())
 	s.auditAgent("agent refused", who, err)
 	return errdefs.ToStatus(err).Err()
 }

@@ -117,6 +117,17 @@ type Client struct {
 	once      sync.Once
 }
 
+// Defaults of ClientConfig; its MintTimeout defaults to DefaultMintTimeout.
+const (
+	DefaultMaxInFlight           = 64
+	DefaultMaxQueuedGrantUpdates = 1024
+	DefaultInitialBackoff        = 500 * time.Millisecond
+	DefaultMaxBackoff            = 30 * time.Second
+	DefaultKeepalive             = 10 * time.Second
+	DefaultKeepaliveTimeout      = 5 * time.Second
+	DefaultDrainTimeout          = 15 * time.Second
+)
+
 // NewClient validates cfg and returns a Client; Run connects it.
 func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.Address == "" || cfg.Credentials == nil || cfg.Minter == nil {
@@ -125,30 +136,16 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.Hello == nil {
 		cfg.Hello = &pb.Hello{}
 	}
-	if cfg.MintTimeout <= 0 {
-		cfg.MintTimeout = 10 * time.Second
-	}
-	if cfg.MaxInFlight <= 0 {
-		cfg.MaxInFlight = 64
-	}
-	if cfg.MaxQueuedGrantUpdates <= 0 {
-		cfg.MaxQueuedGrantUpdates = 1024
-	}
-	if cfg.InitialBackoff <= 0 {
-		cfg.InitialBackoff = 500 * time.Millisecond
-	}
+	cfg.MintTimeout = orDefault(cfg.MintTimeout, DefaultMintTimeout)
+	cfg.MaxInFlight = orDefault(cfg.MaxInFlight, DefaultMaxInFlight)
+	cfg.MaxQueuedGrantUpdates = orDefault(cfg.MaxQueuedGrantUpdates, DefaultMaxQueuedGrantUpdates)
+	cfg.InitialBackoff = orDefault(cfg.InitialBackoff, DefaultInitialBackoff)
 	if cfg.MaxBackoff < cfg.InitialBackoff {
-		cfg.MaxBackoff = max(30*time.Second, cfg.InitialBackoff)
+		cfg.MaxBackoff = max(DefaultMaxBackoff, cfg.InitialBackoff)
 	}
-	if cfg.Keepalive <= 0 {
-		cfg.Keepalive = 10 * time.Second
-	}
-	if cfg.KeepaliveTimeout <= 0 {
-		cfg.KeepaliveTimeout = 5 * time.Second
-	}
-	if cfg.DrainTimeout <= 0 {
-		cfg.DrainTimeout = 15 * time.Second
-	}
+	cfg.Keepalive = orDefault(cfg.Keepalive, DefaultKeepalive)
+	cfg.KeepaliveTimeout = orDefault(cfg.KeepaliveTimeout, DefaultKeepaliveTimeout)
+	cfg.DrainTimeout = orDefault(cfg.DrainTimeout, DefaultDrainTimeout)
 	return &Client{cfg: cfg, instance: newCorrelationID(), rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
 }
 
@@ -179,7 +176,7 @@ func (c *Client) Connected() <-chan struct{} { return c.connected }
 // the agent is never without a stream. Run returns an error only when the
 // connection cannot be set up at all.
 func (c *Client) Run(ctx context.Context) error {
-	log := c.cfg.Log.WithValues("broker", c.cfg.Address)
+	log := c.cfg.Log.WithValues(fleet.LogBroker, c.cfg.Address)
 	var all sync.WaitGroup
 	defer all.Wait()
 	b := backoff{initial: c.cfg.InitialBackoff, max: c.cfg.MaxBackoff}
@@ -229,7 +226,7 @@ func (c *Client) Run(ctx context.Context) error {
 			b.reset()
 		case <-nextDone:
 			wait := b.next(time.Now())
-			log.Info("stream with the rotated SVID failed; keeping the old one and trying again", "reason", errString(next.err), "after", wait.String())
+			log.Info("stream with the rotated SVID failed; keeping the old one and trying again", fleet.LogErr, errString(next.err), "after", wait.String())
 			next, retryRotation = nil, time.After(wait)
 		case <-retryRotation:
 			retryRotation, rotating = nil, true
@@ -247,7 +244,7 @@ func (c *Client) Run(ctx context.Context) error {
 				continue
 			}
 			wait := b.next(time.Now())
-			log.Info("broker stream ended; reconnecting", "reason", errString(cur.err), "after", wait.String())
+			log.Info("broker stream ended; reconnecting", fleet.LogErr, errString(cur.err), "after", wait.String())
 			cur, reconnect = nil, time.After(wait)
 		case <-reconnect:
 			reconnect, rotating = nil, false // a new connection presents the SVID of now

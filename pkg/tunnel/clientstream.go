@@ -50,7 +50,7 @@ func (c *Client) serve(ctx context.Context, client pb.AgentTunnelClient, log log
 		return false, err
 	}
 	cluster := md.Get(admittedHeader)[0]
-	log.Info("connected to broker", "cluster", cluster, "grants", len(hello.GetGrants())+grantCount(rest))
+	log.Info("connected to broker", fleet.LogCluster, cluster, fleet.LogGrants, len(hello.GetGrants())+grantCount(rest))
 	admittedFor := admittedCluster(cluster, first(md.Get(admittedUIDHeader)))
 	c.once.Do(func() { close(c.connected) })
 	if !stopBeforeAdmission() {
@@ -116,7 +116,7 @@ func (c *Client) open(ctx context.Context, client pb.AgentTunnelClient, hello *p
 		err := fmt.Errorf("the broker admitted this agent for clusterprofile %s, but it serves %s: "+
 			"check the ClusterProfiles' %s annotations and the agent's SVID", cluster, c.cfg.Cluster, agentIDAnnotation)
 		log.Error(err, "broker admitted the agent for another ClusterProfile; closing the stream",
-			"admittedFor", cluster, "expected", c.cfg.Cluster)
+			fleet.LogAdmittedFor, cluster, "expected", c.cfg.Cluster)
 		return nil, nil, err
 	}
 	return stream, md, nil
@@ -137,7 +137,7 @@ func (bs *brokerStream) send(f *pb.AgentFrame) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
 	if err := bs.stream.Send(f); err != nil {
-		bs.log.Info("frame not sent", "correlationID", f.GetCorrelationId(), "err", err.Error())
+		bs.log.Info("frame not sent", "correlationID", f.GetCorrelationId(), fleet.LogErr, err.Error())
 	}
 }
 

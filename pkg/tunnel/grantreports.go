@@ -8,6 +8,7 @@ import (
 	"github.com/go-logr/logr"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -66,7 +67,7 @@ func (c *Client) hello(log logr.Logger) (*pb.Hello, []*pb.GrantUpdate) {
 	}
 	rest, dropped := splitUpdate(&pb.GrantUpdate{Added: grants})
 	if dropped > 0 {
-		log.Info("grants too large to report to the broker were left out", "grants", dropped)
+		log.Info("grants too large to report to the broker were left out", fleet.LogGrants, dropped)
 	}
 	return hello, rest
 }

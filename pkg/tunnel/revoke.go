@@ -87,7 +87,7 @@ func (s *Server) Revoke(ctx context.Context, cluster fleet.ClusterRef, ids []str
 	}
 	if disagree > 0 {
 		s.cfg.Log.Info("agents of one cluster disagree on a revoke; the ids stay pending",
-			"cluster", cluster.String(), "instances", voters, "pending", disagree)
+			fleet.LogCluster, cluster.String(), "instances", voters, "pending", disagree)
 	}
 	if err != nil {
 		return gone, fmt.Errorf("cluster %s: %w", cluster, err)
@@ -156,7 +156,7 @@ func (s *Server) revokeOn(ctx context.Context, cluster fleet.ClusterRef, sess *s
 			got, foreign, err = revokeAnswerOf(f, batch)
 			if foreign > 0 {
 				s.cfg.Log.Info("agent answered a revoke with credential ids it was not asked about; ignored them",
-					"cluster", cluster.String(), "ignored", foreign)
+					fleet.LogCluster, cluster.String(), fleet.LogIgnored, foreign)
 			}
 		}
 		s.metrics.observeRevoke(start, err)

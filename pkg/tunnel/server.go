@@ -62,9 +62,8 @@ type ServerConfig struct {
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
 	// MaxStreamsPerCluster bounds the streams one cluster's agents may hold
-	// to this broker; more are refused with ResourceExhausted. Default 512:
-	// a DaemonSet of agents holds one stream per node to every replica, and
-	// two while an agent rotates its SVID, so 200 nodes fit.
+	// to this broker; more are refused with ResourceExhausted. Default
+	// DefaultMaxStreamsPerCluster.
 	MaxStreamsPerCluster int
 	// Log receives connection events. Default: discard.
 	Log logr.Logger
@@ -133,6 +132,16 @@ type Server struct {
 
 var _ pb.AgentTunnelServer = (*Server)(nil)
 
+// Defaults of ServerConfig.
+const (
+	DefaultMintTimeout  = 10 * time.Second
+	DefaultHelloTimeout = 10 * time.Second
+	// DefaultMaxStreamsPerCluster is 512: a DaemonSet of agents holds one
+	// stream per node to every replica, and two while an agent rotates its
+	// SVID, so 200 nodes fit.
+	DefaultMaxStreamsPerCluster = 512
+)
+
 // NewServer returns a Server with no sessions.
 func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Resolver == nil || cfg.Peer == nil || cfg.Bundles == nil {
@@ -141,15 +150,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
 	}
-	if cfg.MintTimeout <= 0 {
-		cfg.MintTimeout = 10 * time.Second
-	}
-	if cfg.HelloTimeout <= 0 {
-		cfg.HelloTimeout = 10 * time.Second
-	}
-	if cfg.MaxStreamsPerCluster <= 0 {
-		cfg.MaxStreamsPerCluster = 512
-	}
+	cfg.MintTimeout = orDefault(cfg.MintTimeout, DefaultMintTimeout)
+	cfg.HelloTimeout = orDefault(cfg.HelloTimeout, DefaultHelloTimeout)
+	cfg.MaxStreamsPerCluster = orDefault(cfg.MaxStreamsPerCluster, DefaultMaxStreamsPerCluster)
 	if cfg.Grants == nil {
 		cfg.Grants = noGrants{}
 	}
@@ -198,7 +201,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 	})
 	defer timer.Stop()
 	version := agentVersion(sess.hello.GetAgentVersion())
-	sess.log.Info("agent connected", "agentVersion", version, "svidExpires", expires.UTC().Format(time.RFC3339))
+	sess.log.Info("agent connected", "agentVersion", version, fleet.LogSVIDExpires, expires.UTC().Format(time.RFC3339))
 	s.auditAgent("agent connected", sess.stream(), nil, "agentVersion", version, "svidExpires", expires.UTC().Format(time.RFC3339))
 	// The stream's end, whichever way it comes; an agent that leaves on its
 	// own (its stream ends without error) is OK.
@@ -222,15 +225,15 @@ func (s *Server) serve(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 		select {
 		case f := <-sess.out:
 			if err := stream.Send(f); err != nil {
-				sess.log.Info("agent stream send failed", "err", err.Error())
+				sess.log.Info("agent stream send failed", fleet.LogErr, err.Error())
 				return err, err
 			}
 		case err := <-recvErr:
 			if errors.Is(err, errAgentFrame) {
-				sess.log.Info("agent stream closed by broker", "reason", err.Error())
+				sess.log.Info("agent stream closed by broker", fleet.LogErr, err.Error())
 				return err, errdefs.ToStatus(err).Err()
 			}
-			sess.log.Info("agent disconnected", "reason", errString(err))
+			sess.log.Info("agent disconnected", fleet.LogErr, errString(err))
 			if err != nil && !errors.Is(err, io.EOF) {
 				return err, nil
 			}
@@ -240,7 +243,7 @@ func (s *Server) serve(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 				return ctx.Err(), ctx.Err()
 			}
 			cause := context.Cause(sess.ctx)
-			sess.log.Info("agent stream closed by broker", "reason", cause.Error())
+			sess.log.Info("agent stream closed by broker", fleet.LogErr, cause.Error())
 			return cause, errdefs.ToStatus(cause).Err()
 		}
 	}
@@ -297,3 +300,12 @@ func (sess *session) receive(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.B
 
 // errAgentFrame marks a frame that makes the broker close the stream.
 var errAgentFrame = errors.New("agent stream: the agent sent")
+
+// orDefault returns v when it is positive, else def: what New does with a
+// Config field left zero or set negative.
+func orDefault[T ~int | ~int64 | ~float64](v, def T) T {
+	if v > 0 {
+		return v
+	}
+	return def
+}

@@ -1,4 +1,4 @@
-package cmdflags
+package identityflags
 
 import (
 	"fmt"
@@ -9,11 +9,11 @@ import (
 	"github.com/credbroker/credbroker/pkg/identity"
 )
 
-// IdentityFlags are the flags of the SPIFFE identity that the broker and
-// the spoke agent share: --svid-cert-file, --svid-key-file,
+// Flags are the flags of the SPIFFE identity that the broker and the spoke
+// agent share: --svid-cert-file, --svid-key-file,
 // --trust-bundle-file, --spiffe-endpoint-socket, --spiffe-id and
 // --trust-domain, of an identity.Config.
-type IdentityFlags struct {
+type Flags struct {
 	// Whose is the process whose SVID --spiffe-endpoint-socket serves:
 	// "broker" or "agent".
 	Whose string
@@ -28,7 +28,7 @@ type IdentityFlags struct {
 
 // AddFlags adds the identity flags to fs, which set cfg: the files and the
 // socket as they are parsed, the trust domain and the SPIFFE ID at Apply.
-func (f *IdentityFlags) AddFlags(fs *pflag.FlagSet, cfg *identity.Config) {
+func (f *Flags) AddFlags(fs *pflag.FlagSet, cfg *identity.Config) {
 	f.cfg = cfg
 	fs.StringVar(&cfg.SVIDCertFile, "svid-cert-file", "", f.SVIDCertFileUsage)
 	fs.StringVar(&cfg.SVIDKeyFile, "svid-key-file", "", "PEM key of --svid-cert-file")
@@ -41,7 +41,7 @@ func (f *IdentityFlags) AddFlags(fs *pflag.FlagSet, cfg *identity.Config) {
 
 // Apply sets the config's TrustDomain from --trust-domain and its SPIFFEID
 // from --spiffe-id, each when given; call it after the flags are parsed.
-func (f *IdentityFlags) Apply() (err error) {
+func (f *Flags) Apply() (err error) {
 	if f.trustDomain != "" {
 		if f.cfg.TrustDomain, err = spiffeid.TrustDomainFromString(f.trustDomain); err != nil {
 			return fmt.Errorf("--trust-domain: %w", err)

@@ -1,4 +1,4 @@
-package cmdflags
+package identityflags
 
 import (
 	"testing"
@@ -8,10 +8,11 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/credbroker/credbroker/internal/cmdflags"
 	"github.com/credbroker/credbroker/pkg/identity"
 )
 
-func TestIdentityFlags(t *testing.T) {
+func TestFlags(t *testing.T) {
 	tests := []struct {
 		name                    string
 		args                    []string
@@ -30,8 +31,8 @@ func TestIdentityFlags(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var cfg identity.Config
-			fs, common := New("test", "Usage: test")
-			f := IdentityFlags{Whose: "broker", SVIDCertFileUsage: "cert", TrustBundleFileUsage: "bundle", SPIFFEIDUsage: "id", TrustDomainUsage: "td"}
+			fs, common := cmdflags.New("test", "Usage: test")
+			f := Flags{Whose: "broker", SVIDCertFileUsage: "cert", TrustBundleFileUsage: "bundle", SPIFFEIDUsage: "id", TrustDomainUsage: "td"}
 			f.AddFlags(fs, &cfg)
 			require.NoError(t, common.Parse(tt.args))
 			err := f.Apply()
@@ -53,9 +54,9 @@ func TestIdentityFlags(t *testing.T) {
 }
 
 // The help of the identity flags is each binary's, in one order.
-func TestIdentityFlagsUsage(t *testing.T) {
-	fs, common := New("test", "Usage: test")
-	f := IdentityFlags{Whose: "agent", SVIDCertFileUsage: "the cert", TrustBundleFileUsage: "the bundle", SPIFFEIDUsage: "the ID", TrustDomainUsage: "the domain"}
+func TestFlagsUsage(t *testing.T) {
+	fs, common := cmdflags.New("test", "Usage: test")
+	f := Flags{Whose: "agent", SVIDCertFileUsage: "the cert", TrustBundleFileUsage: "the bundle", SPIFFEIDUsage: "the ID", TrustDomainUsage: "the domain"}
 	f.AddFlags(fs, &identity.Config{})
 	var names, usages []string
 	fs.VisitAll(func(fl *pflag.Flag) { names, usages = append(names, fl.Name), append(usages, fl.Usage) })
