@@ -3,7 +3,6 @@ package store
 import (
 	"context"
 	"errors"
-	"sync"
 	"testing"
 	"time"
 
@@ -94,86 +93,4 @@ func TestRefreshAheadSkipsWhatIsNotRefreshable(t *testing.T) {
 
 	_, err = New[int](Config{Size: 1, MaxTTL: time.Hour, RefreshWithin: -1})
 	assert.Error(t, err)
-}
-
-// scheduler is a Config.AfterFunc whose funcs run when the test says.
-type scheduler struct {
-	mu    sync.Mutex
-	after []time.Duration
-	funcs []func()
-}
-
-func (s *scheduler) AfterFunc(d time.Duration, f func()) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.after, s.funcs = append(s.after, d), append(s.funcs, f)
-}
-
-// fire runs the funcs scheduled so far and reports their delays.
-func (s *scheduler) fire() []time.Duration {
-	s.mu.Lock()
-	after, funcs := s.after, s.funcs
-	s.after, s.funcs = nil, nil
-	s.mu.Unlock()
-	for _, f := range funcs {
-		f()
-	}
-	return after
-}
-
-type callerValue struct{}
-
-// KeepFresh refreshes an entry that was read since it was stored when its
-// refresh is due, though no Do comes then; an entry not read, replaced, or
-// not Refreshable is left to end.
-func TestKeepFresh(t *testing.T) {
-	for _, tc := range []struct {
-		name string
-		// between runs after the entry is stored, before its refresh is due.
-		between     func(c *Cache[int])
-		refreshable bool
-		refreshed   bool
-	}{
-		{name: "read", between: func(c *Cache[int]) { _, _ = c.Get("k") }, refreshable: true, refreshed: true},
-		{name: "not read", between: func(*Cache[int]) {}, refreshable: true},
-		{name: "replaced", between: func(c *Cache[int]) {
-			_, _ = c.Get("k")
-			c.Add("k", 7, time.Now().Add(time.Hour))
-		}, refreshable: true},
-		{name: "not refreshable", between: func(c *Cache[int]) { _, _ = c.Get("k") }},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			clk, sched := newFakeClock(), &scheduler{}
-			c, err := New[int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: 2 * time.Second,
-				KeepFresh: true, AfterFunc: sched.AfterFunc, Refreshable: func(any) bool { return tc.refreshable }})
-			require.NoError(t, err)
-			fetches := make(chan context.Context, 10)
-			next := 1
-			fetch := func(ctx context.Context) (int, time.Time, error) {
-				fetches <- ctx
-				next++
-				return next - 1, clk.Now().Add(10 * time.Second), nil
-			}
-			_, _, err = c.Do(context.WithValue(context.Background(), callerValue{}, "secret"), "k", fetch)
-			require.NoError(t, err)
-			recv(t, fetches)
-			tc.between(c)
-			clk.Step(8 * time.Second)
-			assert.Equal(t, []time.Duration{8 * time.Second}, sched.fire(), "due when RefreshWithin is left")
-			if !tc.refreshed {
-				// A refresh would run in the background: give it time.
-				assert.Never(t, func() bool { return len(fetches) > 0 }, 200*time.Millisecond, time.Millisecond)
-				return
-			}
-			rctx := recv(t, fetches)
-			assert.True(t, Refreshing(rctx))
-			assert.Nil(t, rctx.Value(callerValue{}), "the refresh keeps none of the caller's values")
-			require.Eventually(t, func() bool { v, _ := c.Get("k"); return v == 2 }, 10*time.Second, time.Millisecond)
-			// The new entry, read above, is kept fresh in its turn.
-			require.Eventually(t, func() bool { sched.mu.Lock(); defer sched.mu.Unlock(); return len(sched.funcs) == 1 }, 10*time.Second, time.Millisecond)
-			clk.Step(8 * time.Second)
-			sched.fire()
-			assert.True(t, Refreshing(recv(t, fetches)))
-		})
-	}
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/golang-lru/v2/expirable"
@@ -48,18 +47,6 @@ type Config struct {
 	// Refreshable, when set, picks the values worth refreshing ahead of
 	// time, such as approvals but not denials. Default: every value.
 	Refreshable func(v any) bool
-	// KeepFresh, with RefreshWithin, also refreshes an entry that no Do
-	// asks for while RefreshWithin of its freshness is left, if it was
-	// read since it was stored: the fetch that stored it runs again then,
-	// in the background, under a context of its own that carries none of
-	// the caller's values. So a key asked for at least once in each
-	// freshness span minus RefreshWithin is never missed, however its
-	// calls fall. The entry keeps its fetch, and what that holds, until
-	// then: do not set it where a fetch holds a secret.
-	KeepFresh bool
-	// AfterFunc schedules KeepFresh's refreshes on the real clock.
-	// Default: time.AfterFunc.
-	AfterFunc func(d time.Duration, f func())
 }
 
 // refreshingKey marks the context of a refresh ahead of time.
@@ -77,24 +64,19 @@ var ErrFetchPanicked = errors.New("store: fetch panicked")
 type entry[V any] struct {
 	v          V
 	freshUntil time.Time
-	// refreshing is set, under Cache.mu, once a refresh ahead of time has
-	// started.
+	// refreshing is set once a refresh ahead of time has started.
 	refreshing bool
-	// read is set by a hit; KeepFresh refreshes only entries read.
-	read atomic.Bool
 }
 
 // Cache is a bounded cache whose entries are each fresh until their own
 // time. It is safe for concurrent use.
 type Cache[V any] struct {
 	clock Clock
-	lru   *expirable.LRU[string, *entry[V]]
+	lru   *expirable.LRU[string, entry[V]]
 	group singleflight.Group
-	// refreshWithin, refreshable, keepFresh and afterFunc are Config's.
+	// refreshWithin and refreshable are Config's.
 	refreshWithin time.Duration
 	refreshable   func(any) bool
-	keepFresh     bool
-	afterFunc     func(time.Duration, func())
 
 	// mu makes Get's check-then-remove and Add atomic with respect to each
 	// other, so Get never removes a fresh entry that Add just stored.
@@ -120,17 +102,11 @@ func New[V any](cfg Config) (*Cache[V], error) {
 	if cfg.RefreshWithin < 0 {
 		return nil, fmt.Errorf("store: Config.RefreshWithin must not be negative, got %v", cfg.RefreshWithin)
 	}
-	afterFunc := cfg.AfterFunc
-	if afterFunc == nil {
-		afterFunc = func(d time.Duration, f func()) { time.AfterFunc(d, f) }
-	}
 	return &Cache[V]{
 		clock:         clk,
-		lru:           expirable.NewLRU[string, *entry[V]](cfg.Size, nil, cfg.MaxTTL),
+		lru:           expirable.NewLRU[string, entry[V]](cfg.Size, nil, cfg.MaxTTL),
 		refreshWithin: cfg.RefreshWithin,
 		refreshable:   cfg.Refreshable,
-		keepFresh:     cfg.KeepFresh && cfg.RefreshWithin > 0,
-		afterFunc:     afterFunc,
 	}, nil
 }
 
@@ -149,50 +125,18 @@ func (c *Cache[V]) Get(key string) (V, bool) {
 		var zero V
 		return zero, false
 	}
-	if c.keepFresh && !e.read.Load() {
-		e.read.Store(true)
-	}
 	return e.v, true
 }
 
 // Add stores v for key, fresh until freshUntil, replacing any entry for key.
 // It does nothing when freshUntil is not after Clock.Now().
 func (c *Cache[V]) Add(key string, v V, freshUntil time.Time) {
-	c.add(key, v, freshUntil)
-}
-
-// add is Add, and returns the entry it stored, if any.
-func (c *Cache[V]) add(key string, v V, freshUntil time.Time) *entry[V] {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !freshUntil.After(c.clock.Now()) {
-		return nil
-	}
-	e := &entry[V]{v: v, freshUntil: freshUntil}
-	c.lru.Add(key, e)
-	return e
-}
-
-// store stores what fetch returned for key and, with KeepFresh, schedules
-// the entry's refresh by fetch.
-func (c *Cache[V]) store(key string, v V, freshUntil time.Time, fetch func(ctx context.Context) (V, time.Time, error)) {
-	e := c.add(key, v, freshUntil)
-	if e == nil || !c.keepFresh {
 		return
 	}
-	due := e.freshUntil.Add(-c.refreshWithin).Sub(c.clock.Now())
-	if due <= 0 {
-		return // a Do that comes refreshes it
-	}
-	// In a goroutine of its own: a fake clock may call f while it holds
-	// the lock that its Now takes.
-	c.afterFunc(due, func() {
-		go func() {
-			if c.startRefresh(key, e, false) {
-				c.refresh(context.Background(), key, e, fetch)
-			}
-		}()
-	})
+	c.lru.Add(key, entry[V]{v: v, freshUntil: freshUntil})
 }
 
 // Remove removes the entry for key, if any.
@@ -240,7 +184,7 @@ func (c *Cache[V]) Do(ctx context.Context, key string, fetch func(ctx context.Co
 		if err != nil {
 			return nil, err
 		}
-		c.store(key, v, freshUntil, fetch)
+		c.Add(key, v, freshUntil)
 		return flight[V]{v: v}, nil
 	})
 	if c.testHookJoined != nil {
@@ -266,35 +210,20 @@ func (c *Cache[V]) refreshAhead(ctx context.Context, key string, fetch func(ctx 
 	}
 	c.mu.Lock()
 	e, ok := c.lru.Peek(key)
-	c.mu.Unlock()
-	if ok && c.startRefresh(key, e, true) {
-		c.refresh(context.WithoutCancel(ctx), key, e, fetch)
-	}
-}
-
-// startRefresh reports whether e, key's entry, is due for its refresh, and
-// marks it refreshing if so: once RefreshWithin of its freshness is left,
-// if its value is Refreshable and, unless asked, it was read since it was
-// stored.
-func (c *Cache[V]) startRefresh(key string, e *entry[V], asked bool) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	cur, ok := c.lru.Peek(key)
-	due := ok && cur == e && !e.refreshing && (asked || e.read.Load()) &&
-		e.freshUntil.Sub(c.clock.Now()) <= c.refreshWithin && (c.refreshable == nil || c.refreshable(e.v))
+	due := ok && !e.refreshing && e.freshUntil.Sub(c.clock.Now()) <= c.refreshWithin &&
+		(c.refreshable == nil || c.refreshable(e.v))
 	if due {
 		e.refreshing = true
+		c.lru.Add(key, e)
 	}
-	return due
-}
-
-// refresh runs fetch for key in the background, under ctx (which must not
-// be cancelled with a caller), and stores its result in place of e. An
-// error leaves e to serve until its end.
-func (c *Cache[V]) refresh(ctx context.Context, key string, e *entry[V], fetch func(ctx context.Context) (V, time.Time, error)) {
+	c.mu.Unlock()
+	if !due {
+		return
+	}
 	// The refresh's deadline is the entry's end by the cache's clock,
 	// counted on the real clock that contexts use.
-	rctx, cancel := context.WithTimeout(context.WithValue(ctx, refreshingKey{}, true), e.freshUntil.Sub(c.clock.Now()))
+	rctx, cancel := context.WithTimeout(context.WithValue(context.WithoutCancel(ctx), refreshingKey{}, true),
+		e.freshUntil.Sub(c.clock.Now()))
 	// Its own flight: a caller that misses meanwhile fetches on its own
 	// terms rather than wait on a refresh that may wait for budget.
 	go func() {
@@ -302,7 +231,7 @@ func (c *Cache[V]) refresh(ctx context.Context, key string, e *entry[V], fetch f
 		_, _, _ = c.group.Do("\x00refresh\x00"+key, func() (any, error) {
 			v, freshUntil, err := safeFetch(rctx, fetch)
 			if err == nil {
-				c.store(key, v, freshUntil, fetch)
+				c.Add(key, v, freshUntil)
 			}
 			return nil, err
 		})

@@ -76,34 +76,3 @@ func TestRefreshesWaitForBudgetAndSkipWhatWillNotLast(t *testing.T) {
 	time.Sleep(50 * time.Millisecond) // a refresh, if one started, would have reviewed by now
 	assert.Equal(t, int32(1), f2.reviews.tokenReviews.Load())
 }
-
-// A consumer that calls for a cluster now and then, never in the last
-// quarter of its SubjectAccessReview's life, still has the review
-// refreshed before it ends, because it used it since it was made; so its
-// next call waits on no review. One made and never used again is left to
-// end. Before: the review was refreshed only by a call in its last
-// quarter, and the next call after its end waited on a new one.
-func TestUsedAuthorizationsAreKeptFresh(t *testing.T) {
-	f := newFixture(t)
-	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
-	require.NoError(t, err)
-	f.clock.Step(3 * time.Second)
-	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
-	require.NoError(t, err)
-	require.Equal(t, int32(1), f.reviews.accessReviews.Load())
-
-	f.clock.Step(5 * time.Second) // 2s left of the 10s: refreshed with no call
-	require.Eventually(t, func() bool { return f.reviews.accessReviews.Load() == 2 }, 10*time.Second, time.Millisecond,
-		"the used SubjectAccessReview is refreshed in the background")
-	f.clock.Step(4 * time.Second) // past the first review's end
-	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
-	require.NoError(t, err)
-	assert.Equal(t, int32(2), f.reviews.accessReviews.Load(), "the call was answered from the refreshed review")
-
-	// Another consumer's review, made and not used again, is not refreshed.
-	other := newFixture(t)
-	_, err = other.svc.Exchange(withBearer(consumerToken), fleetA())
-	require.NoError(t, err)
-	other.clock.Step(8 * time.Second)
-	assert.Never(t, func() bool { return other.reviews.accessReviews.Load() > 1 }, 200*time.Millisecond, time.Millisecond)
-}

@@ -217,18 +217,11 @@ func New(cfg Config) (*Service, error) {
 	}
 	// A consumer that keeps calling has its decisions refreshed in the
 	// background before they end, so that its calls never wait on the hub
-	// nor meet a review limit; denials are not refreshed. A token's review
-	// is refreshed by a call that comes in the last quarter of its life; an
-	// allowed SubjectAccessReview also without one, when it was used since
-	// it was made (KeepFresh): a consumer that calls for each of many
-	// clusters now and then does not call each often enough to meet its
-	// last quarter. The authorization fetch holds the user and the cluster,
-	// no token; a token review's would hold the bearer token.
+	// nor meet a review limit; denials are not refreshed.
 	decisions := store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AuthnTTL, cfg.AllowTTL), Clock: cfg.Clock}
 	authn, authz := decisions, decisions
 	authn.RefreshWithin, authn.Refreshable = cfg.AuthnTTL/refreshShare, func(v any) bool { return v.(authnResult).reason == "" }
 	authz.RefreshWithin, authz.Refreshable = cfg.AllowTTL/refreshShare, func(v any) bool { return v.(bool) }
-	authz.KeepFresh, authz.AfterFunc = true, cfg.afterFunc()
 	if s.authn, err = store.New[authnResult](authn); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
@@ -423,14 +416,4 @@ func (s *Service) allow(ctx context.Context, user hubauth.User, what string) err
 		return err
 	}
 	return spend(ctx, lim, now, fmt.Sprintf("%s asked for more than %v %s per second (burst %d)", user.Username, s.cfg.RateLimit, what, s.cfg.RateBurst))
-}
-
-// afterFunc schedules on Config.Clock when it can (a fake clock fires as
-// a test steps it), else leaves the store's default, the real clock.
-func (cfg Config) afterFunc() func(time.Duration, func()) {
-	c, ok := cfg.Clock.(clock.WithDelayedExecution)
-	if !ok {
-		return nil
-	}
-	return func(d time.Duration, f func()) { c.AfterFunc(d, f) }
 }
