@@ -74,6 +74,7 @@ func addFlags(fs *pflag.FlagSet, cfg *agent.Config, o *options) {
 	fs.DurationVar(&cfg.MaxExpiration, "max-expiration", cfg.MaxExpiration, "longest lifetime of a minted token (at least 10m)")
 	fs.DurationVar(&cfg.MintTimeout, "mint-timeout", cfg.MintTimeout, "bound on one TokenRequest; keep it at least the broker's --mint-timeout")
 	fs.DurationVar(&cfg.CollectInterval, "grant-collect-interval", cfg.CollectInterval, "how often to delete the grant Secrets of expired tokens, including those a previous agent left")
+	fs.IntVar(&cfg.GrantPoolSize, "grant-pool-size", cfg.GrantPoolSize, "grant Secrets kept ready per ServiceAccount minted for, so that a mint waits for its TokenRequest only; 0 creates each grant on the mint's path")
 	fs.StringVar(&cfg.MetricsAddress, "metrics-address", cfg.MetricsAddress, "address of /metrics, /healthz and /readyz; empty disables them")
 	fs.DurationVar(&cfg.ShutdownGrace, "shutdown-grace", cfg.ShutdownGrace, "on SIGTERM, how long the agent may take to answer the requests in flight before it closes its broker streams; keep it under the pod's terminationGracePeriodSeconds")
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "concurrent mints and revokes per broker stream")

@@ -104,6 +104,11 @@ type Config struct {
 	// means spoke.DefaultCollectInterval. No grant outlives its token by
 	// more than this while an agent runs.
 	CollectInterval time.Duration
+	// GrantPoolSize is how many grant Secrets the agent keeps ready for
+	// each ServiceAccount it has minted for, so that a mint's answer waits
+	// for its TokenRequest only (spoke.Config.PoolSize); zero creates each
+	// grant on the mint's path.
+	GrantPoolSize int
 	// Clock times grant expiry and the spoke health probes; nil means the
 	// real clock.
 	Clock clock.WithTickerAndDelayedExecution
@@ -150,6 +155,7 @@ func Default() Config {
 		ResolveInterval:  30 * time.Second,
 		MintTimeout:      30 * time.Second,
 		CollectInterval:  spoke.DefaultCollectInterval,
+		GrantPoolSize:    spoke.DefaultPoolSize,
 		InitialBackoff:   500 * time.Millisecond,
 		MaxBackoff:       30 * time.Second,
 		CacheSyncTimeout: time.Minute,
@@ -198,6 +204,7 @@ func (c *Config) Validate() error {
 	need(c.KeepaliveTime >= 10*time.Second, "the keepalive time (%s) must be at least 10s, gRPC's floor for clients", c.KeepaliveTime)
 	need(c.KeepaliveTimeout >= time.Second, "the keepalive timeout (%s) must be at least 1s", c.KeepaliveTimeout)
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
+	need(c.GrantPoolSize >= 0, "the grant pool size must not be negative")
 	need(c.SpokeHealthInterval >= 0, "the spoke health interval must not be negative")
 	need(c.SpokeHealthInterval == 0 || c.SpokeHealthFailureThreshold > 0, "the spoke health failure threshold must be positive")
 	errs = append(errs, c.Config.Validate("agent"))

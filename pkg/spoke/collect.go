@@ -45,6 +45,8 @@ func (m *Minter) Run(ctx context.Context) error {
 	m.queue = queue
 	m.mu.Unlock()
 	m.setChangedQueue(changed)
+	stopPool := m.startPool(ctx)
+	defer stopPool()
 	reconciled := make(chan struct{})
 	go func() {
 		defer close(reconciled)

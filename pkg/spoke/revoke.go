@@ -116,6 +116,10 @@ func grantAudiences(grant *corev1.Secret) []string {
 // revokeDisallowed deletes grant, of ServiceAccount sa, if sa's policy no
 // longer allows it.
 func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount, grant *corev1.Secret) error {
+	if unclaimed(grant) {
+		// No token of it is handed out yet; its claim queues a Reconcile.
+		return nil
+	}
 	why := disallowed(sa, grant)
 	if why == "" {
 		return nil

@@ -42,6 +42,10 @@ var writtenOnce = []string{
 // present.
 var grantAnnotations = append(slices.Clip(writtenOnce), GrantExpirationAnnotation)
 
+// pooledAnnotations are the annotations newPooledGrant writes on a pooled
+// grant, and the only ones it carries until it is claimed.
+var pooledAnnotations = []string{GrantServiceAccountAnnotation, GrantExpirationAnnotation}
+
 // changedGrant is what the agent keeps of a grant that someone else
 // changed, until it is deleted: what the agent had recorded on it.
 type changedGrant struct {
@@ -165,16 +169,24 @@ func foreignChange(grant *corev1.Secret) string {
 			return "label " + k + " added"
 		}
 	}
-	for _, k := range grantAnnotations {
+	required, allowed := grantAnnotations, claimedKeys
+	if unclaimed(grant) {
+		required, allowed = pooledAnnotations, pooledAnnotations
+	}
+	for _, k := range required {
 		if _, ok := grant.Annotations[k]; !ok {
 			return "annotation " + k + " removed"
 		}
 	}
-	if _, err := time.Parse(time.RFC3339, grant.Annotations[GrantExpirationAnnotation]); err != nil {
+	exp, err := time.Parse(time.RFC3339, grant.Annotations[GrantExpirationAnnotation])
+	if err != nil || unclaimed(grant) && !grant.CreationTimestamp.IsZero() &&
+		exp.After(grant.CreationTimestamp.Add(poolGrantTTL+poolClockSkew)) {
+		// A pooled grant lives poolGrantTTL; a later expiry would keep a
+		// token whose claim never landed from being collected.
 		return "annotation " + GrantExpirationAnnotation + " changed"
 	}
 	for _, k := range agentKeys(grant.Annotations) {
-		if k != GrantCredentialIDAnnotation && k != GrantTokenSHA256Annotation && !slices.Contains(grantAnnotations, k) {
+		if !slices.Contains(allowed, k) {
 			return "annotation " + k + " added"
 		}
 	}
@@ -184,10 +196,14 @@ func foreignChange(grant *corev1.Secret) string {
 // changedFrom returns what changed from old to now that the agent would
 // not have changed, or "" when nothing: the agent records a token's
 // credential id and expiry once, and never changes an owner or scope
-// annotation, also while the grant is being deleted.
-func changedFrom(old, now *corev1.Secret) string {
+// annotation, also while the grant is being deleted; except that its own
+// claim (ownClaim) of a pooled grant writes them all once, but the
+// ServiceAccount.
+func changedFrom(old, now *corev1.Secret, ownClaim bool) string {
 	keys := slices.Clone(writtenOnce)
-	if old.Annotations[GrantCredentialIDAnnotation] != "" || now.Annotations[GrantCredentialIDAnnotation] == "" {
+	if ownClaim && unclaimed(old) {
+		keys = []string{GrantServiceAccountAnnotation}
+	} else if old.Annotations[GrantCredentialIDAnnotation] != "" || now.Annotations[GrantCredentialIDAnnotation] == "" {
 		// Not the mint recording the token: the credential id and the
 		// expiry stay as they are.
 		keys = append(keys, GrantCredentialIDAnnotation, GrantTokenSHA256Annotation, GrantExpirationAnnotation)
@@ -369,7 +385,7 @@ func (m *Minter) checkUpdate(old, now *corev1.Secret) bool {
 		}
 		return true
 	}
-	why := changedFrom(old, now)
+	why := changedFrom(old, now, m.claims.ownClaim(now))
 	if why == "" {
 		why = foreignChange(now)
 	}

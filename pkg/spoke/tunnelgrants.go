@@ -52,6 +52,9 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			if !ok || !isGrant(g) || m.checkSeen(g) {
 				return
 			}
+			if !unclaimed(g) {
+				m.claims.forget(g.UID)
+			}
 			if sa := g.Annotations[GrantServiceAccountAnnotation]; sa != "" {
 				m.enqueueServiceAccount(g.Namespace, sa)
 			}
@@ -64,6 +67,13 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			now, ok2 := newObj.(*corev1.Secret)
 			if !ok1 || !ok2 || !isGrant(now) || m.checkUpdate(old, now) {
 				return
+			}
+			if unclaimed(old) && !unclaimed(now) {
+				// A pooled grant claimed: its token's owner is known now,
+				// so a policy change that reached the agent first revokes
+				// it.
+				m.claims.forget(now.UID)
+				m.enqueueServiceAccount(now.Namespace, now.Annotations[GrantServiceAccountAnnotation])
 			}
 			oldID, newID := "", ""
 			if isGrant(old) {
@@ -97,6 +107,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 				return
 			}
 			m.stopTimer(g.UID)
+			m.claims.forget(g.UID)
 			id := g.Annotations[GrantCredentialIDAnnotation]
 			if rec, changed := m.forgetChanged(g.UID); changed {
 				id = rec.credentialID
@@ -264,7 +275,9 @@ func (m *Minter) Revoke(ctx context.Context, admitted fleet.ClusterRef, req *cre
 // id id, as the agent wrote it: a grant someone else changed counts under
 // the id the agent had recorded.
 func (m *Minter) cachedGrantsOf(id string) []*corev1.Secret {
-	out := m.changedWith(id)
+	// A grant claimed a moment ago, whose claim the cache does not show
+	// yet, counts as the agent claimed it.
+	out := append(m.changedWith(id), m.claims.with(id)...)
 	objs, err := m.grantCache.ByIndex(GrantCredentialIDIndex, id)
 	if err != nil {
 		return out // the index exists: New checks
