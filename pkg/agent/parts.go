@@ -34,7 +34,7 @@ type parts struct {
 	// have client-side budgets of their own for the TokenRequests and the
 	// escalation reviews.
 	client, tokens, reviews *kubernetes.Clientset
-	serviceAccounts corev1informers.ServiceAccountInformer
+	serviceAccounts         corev1informers.ServiceAccountInformer
 	// creds, hello and backend serve every broker stream: the agent's
 	// SPIFFE mTLS, what it tells the brokers, and its data path, nil
 	// unless DataPath.
