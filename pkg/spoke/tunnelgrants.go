@@ -55,7 +55,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			if !unclaimed(g) {
 				m.claims.forget(g.UID)
 			}
-			if sa := g.Annotations[GrantServiceAccountAnnotation]; sa != "" {
+			if sa := g.Annotations[GrantServiceAccountAnnotation]; sa != "" && !unclaimed(g) {
 				m.enqueueServiceAccount(g.Namespace, sa)
 			}
 			if g.Annotations[GrantCredentialIDAnnotation] != "" && g.DeletionTimestamp == nil {
