@@ -66,7 +66,8 @@ type Config struct {
 	// create on subjectaccessreviews to refuse escalating ServiceAccounts.
 	Spoke *rest.Config
 	// SpokeQPS and SpokeBurst bound the agent's requests to the spoke API
-	// server. client-go's defaults (5 and 10) would throttle the agent:
+	// server, for each of its clients (TokenRequests, escalation reviews,
+	// the rest). client-go's defaults (5 and 10) would throttle the agent:
 	// every mint costs three requests (create the grant, TokenRequest,
 	// patch the grant), and a revoke one delete per grant.
 	SpokeQPS   float32

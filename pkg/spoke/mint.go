@@ -23,8 +23,10 @@ import (
 )
 
 // Minting one token: Mint checks the request and the policy (policy.go),
-// creates the grant, checks the policy again, then mints the token bound to
-// the grant and records its credential id on the grant.
+// then binds the token to a pooled grant and claims it after the answer
+// (claim.go); or, when none is ready, creates the grant, checks the policy
+// again, then mints the token bound to the grant and records its
+// credential id on the grant.
 
 // Mint mints a token for the ServiceAccount that req names, or, when it
 // names none, for the single ServiceAccount that allows req's subject. The
@@ -40,8 +42,8 @@ import (
 // ServiceAccount tokens or impersonate, unless Config.AllowEscalating
 // allows it; when the spoke API server cannot say whether it may, Mint
 // fails with ErrUnavailable. Each
-// token is bound to a grant Secret created first (see the package doc); Mint
-// fails rather than mint a token without one.
+// token is bound to a grant Secret, a pooled one or one created first (see
+// the package doc); Mint fails rather than mint a token without one.
 func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
 	if err := validate(req); err != nil {
 		m.log.Info("refused mint request", "subject", req.GetSubject().GetUsername(), "error", err.Error())

@@ -39,6 +39,10 @@ const (
 	poolClockSkew = time.Minute
 )
 
+// pooledAnnotations are the annotations newPooledGrant writes on a pooled
+// grant, and the only ones it carries until it is claimed.
+var pooledAnnotations = []string{GrantServiceAccountAnnotation, GrantExpirationAnnotation}
+
 // pooledGrant is a grant of the pool, as Create returned it.
 type pooledGrant struct {
 	grant   *corev1.Secret

@@ -42,10 +42,6 @@ var writtenOnce = []string{
 // present.
 var grantAnnotations = append(slices.Clip(writtenOnce), GrantExpirationAnnotation)
 
-// pooledAnnotations are the annotations newPooledGrant writes on a pooled
-// grant, and the only ones it carries until it is claimed.
-var pooledAnnotations = []string{GrantServiceAccountAnnotation, GrantExpirationAnnotation}
-
 // changedGrant is what the agent keeps of a grant that someone else
 // changed, until it is deleted: what the agent had recorded on it.
 type changedGrant struct {
@@ -297,30 +293,6 @@ func (m *Minter) learnCredentialID(uid types.UID, id string) {
 		rec.credentialID = id
 		m.changes.changed[uid] = rec
 	}
-}
-
-// changedWith returns the grants in GrantCache that someone else changed
-// and whose credential id, as the agent wrote it, is id.
-func (m *Minter) changedWith(id string) []*corev1.Secret {
-	m.changes.mu.Lock()
-	var refs []grantRef
-	for uid, rec := range m.changes.changed {
-		if rec.credentialID == id {
-			refs = append(refs, grantRef{namespace: rec.namespace, name: rec.name, uid: uid})
-		}
-	}
-	m.changes.mu.Unlock()
-	var out []*corev1.Secret
-	for _, r := range refs {
-		obj, ok, err := m.grantCache.GetByKey(r.namespace + "/" + r.name)
-		if err != nil || !ok {
-			continue
-		}
-		if g, ok := obj.(*corev1.Secret); ok && g.UID == r.uid && isGrant(g) {
-			out = append(out, g)
-		}
-	}
-	return out
 }
 
 // recorded returns grant's credential id and ClusterProfile as the agent

@@ -36,8 +36,9 @@ const defaultRevokeReason = "revoked by the broker"
 // whose indexer is GrantCache. It tells Subscribe's subscribers of every
 // grant that gains a credential id, changes or is deleted; stops the expiry
 // timer of a deleted grant; and queues the ServiceAccount of every new
-// grant for Reconcile, so that a policy change that reached the agent
-// before the grant did still revokes it.
+// grant, and of every pooled grant when it is claimed, for Reconcile, so
+// that a policy change that reached the agent before the grant (or its
+// claim) did still revokes it.
 //
 // A grant that differs from what the agent writes (see tamper.go) was
 // changed by someone else: it queues the grant for Run to delete, which
@@ -287,6 +288,30 @@ func (m *Minter) cachedGrantsOf(id string) []*corev1.Secret {
 			if _, changed := m.changedRecord(g.UID); !changed {
 				out = append(out, g)
 			}
+		}
+	}
+	return out
+}
+
+// changedWith returns the grants in GrantCache that someone else changed
+// and whose credential id, as the agent wrote it, is id.
+func (m *Minter) changedWith(id string) []*corev1.Secret {
+	m.changes.mu.Lock()
+	var refs []grantRef
+	for uid, rec := range m.changes.changed {
+		if rec.credentialID == id {
+			refs = append(refs, grantRef{namespace: rec.namespace, name: rec.name, uid: uid})
+		}
+	}
+	m.changes.mu.Unlock()
+	var out []*corev1.Secret
+	for _, r := range refs {
+		obj, ok, err := m.grantCache.GetByKey(r.namespace + "/" + r.name)
+		if err != nil || !ok {
+			continue
+		}
+		if g, ok := obj.(*corev1.Secret); ok && g.UID == r.uid && isGrant(g) {
+			out = append(out, g)
 		}
 	}
 	return out
