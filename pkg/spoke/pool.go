@@ -6,9 +6,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/util/workqueue"
 )
 
@@ -39,7 +37,7 @@ const (
 	poolClockSkew = time.Minute
 )
 
-// pooledAnnotations are the annotations newPooledGrant writes on a pooled
+// pooledAnnotations are the annotations newGrantOf writes on a pooled
 // grant, and the only ones it carries until it is claimed.
 var pooledAnnotations = []string{GrantServiceAccountAnnotation, GrantExpirationAnnotation}
 
@@ -66,27 +64,6 @@ type grantPool struct {
 func unclaimed(grant *corev1.Secret) bool {
 	_, ok := grant.Annotations[GrantHubUserAnnotation]
 	return !ok
-}
-
-// newPooledGrant returns the pooled grant to create for the ServiceAccount
-// key, unclaimed until exp.
-func newPooledGrant(key types.NamespacedName, exp time.Time) *corev1.Secret {
-	labels := map[string]string{GrantLabel: "true"}
-	if len(validation.IsValidLabelValue(key.Name)) == 0 {
-		labels[GrantServiceAccountLabel] = key.Name
-	}
-	return &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{
-			Namespace:    key.Namespace,
-			GenerateName: grantGenerateName,
-			Labels:       labels,
-			Annotations: map[string]string{
-				GrantServiceAccountAnnotation: key.Name,
-				GrantExpirationAnnotation:     exp.UTC().Format(time.RFC3339),
-			},
-		},
-		Type: GrantType,
-	}
 }
 
 // takePooled returns a pooled grant of sa to bind a token to, as the grant
@@ -147,26 +124,6 @@ func (m *Minter) pooledAsCached(grant *corev1.Secret) (cached *corev1.Secret, se
 	return g, true
 }
 
-// fillPools creates pooled grants for the ServiceAccounts queue holds
-// until it shuts down, retrying failures with backoff.
-func (m *Minter) fillPools(ctx context.Context, queue workqueue.TypedRateLimitingInterface[types.NamespacedName]) {
-	for {
-		key, shutdown := queue.Get()
-		if shutdown {
-			return
-		}
-		err := m.fillPool(ctx, key)
-		switch {
-		case err == nil || ctx.Err() != nil:
-			queue.Forget(key)
-		default:
-			m.log.Error(err, "failed to create a pooled grant; retrying", "serviceAccount", key.String())
-			queue.AddRateLimited(key)
-		}
-		queue.Done(key)
-	}
-}
-
 // fillPool creates pooled grants for the ServiceAccount key until its pool
 // holds PoolSize young ones.
 func (m *Minter) fillPool(ctx context.Context, key types.NamespacedName) error {
@@ -184,7 +141,7 @@ func (m *Minter) fillPool(ctx context.Context, key types.NamespacedName) error {
 		if young >= p.size {
 			return nil
 		}
-		grant, err := m.grants.Create(ctx, newPooledGrant(key, now.Add(poolGrantTTL)))
+		grant, err := m.grants.Create(ctx, newGrantOf(key, now.Add(poolGrantTTL)))
 		if err == nil && (grant == nil || grant.Name == "" || grant.UID == "") {
 			err = errNoNameOrUID
 		}
@@ -214,7 +171,9 @@ func (m *Minter) startPool(ctx context.Context) (stop func()) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		m.fillPools(ctx, queue)
+		work(ctx, queue, m.fillPool, func(err error, key types.NamespacedName) {
+			m.log.Error(err, "failed to create a pooled grant; retrying", "serviceAccount", key.String())
+		})
 	}()
 	return func() {
 		queue.ShutDown()

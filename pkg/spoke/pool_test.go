@@ -423,7 +423,7 @@ func TestClaimBySomeoneElseIsRevoked(t *testing.T) {
 // deleted as changed: it would keep a token whose claim never landed from
 // being collected.
 func TestStretchedPooledGrantIsDeletedAtStart(t *testing.T) {
-	s := newPooledGrant(types.NamespacedName{Namespace: "apps", Name: "deployer"}, issuedAt.Add(365*24*time.Hour))
+	s := newGrantOf(types.NamespacedName{Namespace: "apps", Name: "deployer"}, issuedAt.Add(365*24*time.Hour))
 	s.Name, s.UID, s.CreationTimestamp = "credbroker-grant-stretched", "stretched", metav1.NewTime(issuedAt)
 	tokens, grants := &fakeTokens{}, newFakeGrants(s)
 	poolMinter(t, tokens, grants, nil, lister(t, serviceAccount("apps", "deployer", argocd)))
@@ -436,7 +436,7 @@ func TestStretchedPooledGrantIsDeletedAtStart(t *testing.T) {
 func TestPlantedPooledGrantIsNotUsed(t *testing.T) {
 	var planted []*corev1.Secret
 	for i := range 2 {
-		s := newPooledGrant(types.NamespacedName{Namespace: "apps", Name: "deployer"}, issuedAt.Add(poolGrantTTL))
+		s := newGrantOf(types.NamespacedName{Namespace: "apps", Name: "deployer"}, issuedAt.Add(poolGrantTTL))
 		s.Name, s.UID = fmt.Sprintf("credbroker-grant-planted-%d", i), types.UID(fmt.Sprintf("planted-%d", i))
 		s.CreationTimestamp = metav1.NewTime(issuedAt)
 		planted = append(planted, s)

@@ -407,24 +407,3 @@ func (m *Minter) deleteChanged(ctx context.Context, ref grantRef) error {
 	)
 	return nil
 }
-
-// deleteChangedGrants deletes the grants queue holds until it shuts down,
-// retrying failures with backoff.
-func (m *Minter) deleteChangedGrants(ctx context.Context, queue workqueue.TypedRateLimitingInterface[grantRef]) {
-	for {
-		ref, shutdown := queue.Get()
-		if shutdown {
-			return
-		}
-		err := m.deleteChanged(ctx, ref)
-		switch {
-		case err == nil || ctx.Err() != nil:
-			queue.Forget(ref)
-		default:
-			m.log.Error(err, "failed to delete a grant that someone other than the agent changed; retrying",
-				"grant", ref.namespace+"/"+ref.name)
-			queue.AddRateLimited(ref)
-		}
-		queue.Done(ref)
-	}
-}
