@@ -322,19 +322,27 @@ func TestFailedClaimDeletesTheGrant(t *testing.T) {
 		"a grant whose claim failed must be deleted, which revokes its token")
 }
 
+// mintHeld fills the pool of a Minter over grants for the ServiceAccounts
+// of sas, then mints with claims held until gated.let, and returns the
+// Minter and the bound grant's key and UID.
+func mintHeld(t *testing.T, tokens *fakeTokens, grants *fakeGrants, sas corev1listers.ServiceAccountLister) (m *Minter, gated *gatedGrants, key string, uid types.UID) {
+	t.Helper()
+	gated = &gatedGrants{fakeGrants: grants}
+	m = poolMinter(t, tokens, grants, gated, sas)
+	fillPool(t, m, grants, deployerRequest())
+	gated.hold()
+	_, err := m.Mint(t.Context(), poolCluster, deployerRequest())
+	require.NoError(t, err)
+	key, uid = boundTo(t, tokens, 1)
+	return m, gated, key, uid
+}
+
 // A claim lands only on the grant the token is bound to: a Secret that
 // replaced it under its name between the answer and the claim does not get
 // the token's attribution.
 func TestClaimDoesNotLandOnAReplacement(t *testing.T) {
-	tokens, grants := &fakeTokens{}, newFakeGrants()
-	gated := &gatedGrants{fakeGrants: grants}
-	m := poolMinter(t, tokens, grants, gated, lister(t, serviceAccount("apps", "deployer", argocd)))
-	fillPool(t, m, grants, deployerRequest())
-	gated.hold()
-
-	_, err := m.Mint(t.Context(), poolCluster, deployerRequest())
-	require.NoError(t, err)
-	key, uid := boundTo(t, tokens, 1)
+	grants := newFakeGrants()
+	_, gated, key, uid := mintHeld(t, &fakeTokens{}, grants, lister(t, serviceAccount("apps", "deployer", argocd)))
 	grants.replace(key)
 	gated.let()
 	require.Eventually(t, func() bool { return grants.Deletes() > 0 }, 5*time.Second, time.Millisecond, "the failed claim never deleted")
@@ -344,16 +352,9 @@ func TestClaimDoesNotLandOnAReplacement(t *testing.T) {
 // A revoke of a credential id whose claim has not landed yet deletes its
 // grant: a token is revocable from the moment it is answered.
 func TestRevokeBeforeTheClaimLands(t *testing.T) {
-	tokens, grants := &fakeTokens{}, newFakeGrants()
-	gated := &gatedGrants{fakeGrants: grants}
-	m := poolMinter(t, tokens, grants, gated, lister(t, serviceAccount("apps", "deployer", argocd)))
-	fillPool(t, m, grants, deployerRequest())
-	gated.hold()
+	grants := newFakeGrants()
+	m, gated, key, _ := mintHeld(t, &fakeTokens{}, grants, lister(t, serviceAccount("apps", "deployer", argocd)))
 	t.Cleanup(gated.let)
-
-	_, err := m.Mint(t.Context(), poolCluster, deployerRequest())
-	require.NoError(t, err)
-	key, _ := boundTo(t, tokens, 1)
 	resp, err := m.Revoke(t.Context(), poolCluster, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{"JTI=jti-apps-deployer"}})
 	require.NoError(t, err)
 	assert.Equal(t, []string{"JTI=jti-apps-deployer"}, resp.GetCredentialIds())
@@ -363,17 +364,10 @@ func TestRevokeBeforeTheClaimLands(t *testing.T) {
 // A policy change that reaches the agent between the answer and the claim
 // revokes the token once the claim lands.
 func TestPolicyChangeBeforeTheClaimLandsRevokes(t *testing.T) {
-	tokens, grants := &fakeTokens{}, newFakeGrants()
-	gated := &gatedGrants{fakeGrants: grants}
+	grants := newFakeGrants()
 	sa := serviceAccount("apps", "deployer", argocd)
 	saCache, sas := cachedServiceAccounts(t, sa)
-	m := poolMinter(t, tokens, grants, gated, sas)
-	fillPool(t, m, grants, deployerRequest())
-	gated.hold()
-
-	_, err := m.Mint(t.Context(), poolCluster, deployerRequest())
-	require.NoError(t, err)
-	key, _ := boundTo(t, tokens, 1)
+	m, gated, key, _ := mintHeld(t, &fakeTokens{}, grants, sas)
 	// The pool refilled: two pooled grants and the one claimed.
 	require.Eventually(t, func() bool { return len(grants.pooledGrants()) == 3 }, 5*time.Second, time.Millisecond)
 	reconciled := len(grants.SALists())
