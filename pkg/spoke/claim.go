@@ -100,7 +100,8 @@ func (m *Minter) mintPooled(ctx context.Context, req *credbrokerv1alpha1.MintReq
 		return mintedToken{}, errPooledGone
 	}
 	if err != nil {
-		// Unused, it may go back to no one: delete it.
+		// A token may have been minted all the same (the answer was
+		// lost): deleting the grant revokes it.
 		m.deleteGrant(ctx, grant)
 		return mintedToken{}, err
 	}
