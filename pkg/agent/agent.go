@@ -66,7 +66,8 @@ type Config struct {
 	// create on subjectaccessreviews to refuse escalating ServiceAccounts.
 	Spoke *rest.Config
 	// SpokeQPS and SpokeBurst bound the agent's requests to the spoke API
-	// server. client-go's defaults (5 and 10) would throttle the agent:
+	// server, for each of its clients (TokenRequests, escalation reviews,
+	// the rest). client-go's defaults (5 and 10) would throttle the agent:
 	// every mint costs three requests (create the grant, TokenRequest,
 	// patch the grant), and a revoke one delete per grant.
 	SpokeQPS   float32
@@ -104,6 +105,11 @@ type Config struct {
 	// means spoke.DefaultCollectInterval. No grant outlives its token by
 	// more than this while an agent runs.
 	CollectInterval time.Duration
+	// GrantPoolSize is how many grant Secrets the agent keeps ready for
+	// each ServiceAccount it has minted for, so that a mint's answer waits
+	// for its TokenRequest only (spoke.Config.PoolSize); zero creates each
+	// grant on the mint's path.
+	GrantPoolSize int
 	// Clock times grant expiry, the spoke health probes and the SVID
 	// validity that readiness checks; nil means the real clock.
 	Clock clock.WithTickerAndDelayedExecution
@@ -150,6 +156,7 @@ func Default() Config {
 		ResolveInterval:  30 * time.Second,
 		MintTimeout:      30 * time.Second,
 		CollectInterval:  spoke.DefaultCollectInterval,
+		GrantPoolSize:    spoke.DefaultPoolSize,
 		InitialBackoff:   tunnel.DefaultInitialBackoff,
 		MaxBackoff:       tunnel.DefaultMaxBackoff,
 		CacheSyncTimeout: time.Minute,
@@ -198,6 +205,7 @@ func (c *Config) Validate() error {
 	need(c.KeepaliveTime >= 10*time.Second, "the keepalive time (%s) must be at least 10s, gRPC's floor for clients", c.KeepaliveTime)
 	need(c.KeepaliveTimeout >= time.Second, "the keepalive timeout (%s) must be at least 1s", c.KeepaliveTimeout)
 	need(c.CollectInterval >= 0, "the grant collect interval must not be negative")
+	need(c.GrantPoolSize >= 0, "the grant pool size must not be negative")
 	need(c.SpokeHealthInterval >= 0, "the spoke health interval must not be negative")
 	need(c.SpokeHealthInterval == 0 || c.SpokeHealthFailureThreshold > 0, "the spoke health failure threshold must be positive")
 	errs = append(errs, c.Config.Validate("agent"))

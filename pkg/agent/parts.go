@@ -30,10 +30,11 @@ import (
 // parts holds what New's steps hand on to later steps; the Agent keeps
 // none of it.
 type parts struct {
-	// client is the spoke client; reviews, of the same config, has a
-	// client-side budget of its own for the escalation reviews.
-	client, reviews *kubernetes.Clientset
-	serviceAccounts corev1informers.ServiceAccountInformer
+	// client is the spoke client; tokens and reviews, of the same config,
+	// have client-side budgets of their own for the TokenRequests and the
+	// escalation reviews.
+	client, tokens, reviews *kubernetes.Clientset
+	serviceAccounts         corev1informers.ServiceAccountInformer
 	// creds, hello and backend serve every broker stream: the agent's
 	// SPIFFE mTLS, what it tells the brokers, and its data path, nil
 	// unless DataPath.
@@ -71,9 +72,13 @@ func (a *Agent) newSpokeClients(p *parts) (err error) {
 	if p.client, err = kubernetes.NewForConfig(spokeConfig); err != nil {
 		return fmt.Errorf("spoke client: %w", err)
 	}
-	// The escalation reviews have a client-side budget of their own: a new
-	// ServiceAccount costs four of them besides its mint's three writes,
-	// and neither should wait on the other.
+	// The TokenRequests, the only spoke requests on a pooled mint's answer
+	// path, and the escalation reviews have client-side budgets of their
+	// own: a new ServiceAccount costs four reviews, and a mint two grant
+	// writes besides its TokenRequest, and none should wait on the others.
+	if p.tokens, err = kubernetes.NewForConfig(spokeConfig); err != nil {
+		return fmt.Errorf("spoke client: %w", err)
+	}
 	if p.reviews, err = kubernetes.NewForConfig(spokeConfig); err != nil {
 		return fmt.Errorf("spoke client: %w", err)
 	}
@@ -101,11 +106,12 @@ func (a *Agent) newInformers(p *parts) error {
 func (a *Agent) newMinter(p *parts) error {
 	cfg := a.cfg
 	minter, err := spoke.New(spoke.Config{
-		Tokens:          countedTokens{spoke.NewTokenCreator(p.client), a.metrics},
+		Tokens:          countedTokens{spoke.NewTokenCreator(p.tokens), a.metrics},
 		ServiceAccounts: p.serviceAccounts.Lister(),
 		Grants:          spoke.NewGrantStore(p.client, cfg.Namespace),
 		GrantCache:      a.grants.GetIndexer(),
 		CollectInterval: cfg.CollectInterval,
+		PoolSize:        cfg.GrantPoolSize,
 		MaxExpiration:   cfg.MaxExpiration,
 		Access:          spoke.NewAccessReviewer(p.reviews),
 		AllowEscalating: cfg.AllowEscalatingServiceAccounts,

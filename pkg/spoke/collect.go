@@ -45,15 +45,24 @@ func (m *Minter) Run(ctx context.Context) error {
 	m.queue = queue
 	m.mu.Unlock()
 	m.setChangedQueue(changed)
+	stopPool := m.startPool(ctx)
+	defer stopPool()
 	reconciled := make(chan struct{})
 	go func() {
 		defer close(reconciled)
-		m.reconcilePolicies(ctx, queue)
+		work(ctx, queue, func(ctx context.Context, key types.NamespacedName) error {
+			return m.Reconcile(ctx, key.Namespace, key.Name)
+		}, func(err error, key types.NamespacedName) {
+			m.log.Error(err, "failed to revoke the grants a ServiceAccount's policy no longer allows; retrying", "serviceAccount", key.String())
+		})
 	}()
 	deleted := make(chan struct{})
 	go func() {
 		defer close(deleted)
-		m.deleteChangedGrants(ctx, changed)
+		work(ctx, changed, m.deleteChanged, func(err error, ref grantRef) {
+			m.log.Error(err, "failed to delete a grant that someone other than the agent changed; retrying",
+				"grant", ref.namespace+"/"+ref.name)
+		})
 	}()
 	defer func() {
 		m.setChangedQueue(nil)

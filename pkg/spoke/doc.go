@@ -82,6 +82,15 @@
 // no token; when the TokenRequest fails, or the credential id cannot be
 // recorded, Mint deletes the grant and fails.
 //
+// With Config.PoolSize above zero, the grant can exist before the request:
+// Run keeps up to PoolSize pooled grants per ServiceAccount Mint has minted
+// for, which name only the ServiceAccount and an expiry ten minutes out.
+// Mint binds its token to one, answers, and then claims the grant with one
+// patch that writes everything above at once; a claim that fails deletes
+// the grant, which revokes the token. A pooled grant no token is bound to
+// yet is an empty Secret; the agent uses only those it created itself and
+// its informer shows unchanged (pool.go, claim.go).
+//
 // The agent reads its grants from an informer (NewGrantInformer: one watch
 // on Secrets selected by type, indexed by ServiceAccount and by credential
 // id), never by listing them every interval. Only the agent writes a grant

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net/url"
 	"strings"
 	"time"
@@ -240,7 +241,22 @@ func profileName(cluster fleet.ClusterRef) string {
 
 // newGrant returns the grant Secret to create for info.
 func newGrant(info grantInfo) *corev1.Secret {
-	sa := info.serviceAccount
+	g := newGrantOf(types.NamespacedName{Namespace: info.serviceAccount.Namespace, Name: info.serviceAccount.Name}, info.expiration)
+	maps.Copy(g.Annotations, map[string]string{
+		GrantHubUserAnnotation:           info.hubUser,
+		GrantHubUIDAnnotation:            info.hubUID,
+		GrantHubGroupsAnnotation:         joinGroups(info.hubGroups),
+		GrantClusterProfileAnnotation:    info.clusterProfile,
+		GrantClusterProfileUIDAnnotation: info.clusterUID,
+		GrantAudiencesAnnotation:         strings.Join(info.audiences, ","),
+	})
+	return g
+}
+
+// newGrantOf returns a grant Secret to create for the ServiceAccount sa,
+// expiring at exp, that names no owner: a pooled grant (pool.go), or the
+// start of newGrant's.
+func newGrantOf(sa types.NamespacedName, exp time.Time) *corev1.Secret {
 	labels := map[string]string{GrantLabel: "true"}
 	if len(validation.IsValidLabelValue(sa.Name)) == 0 {
 		labels[GrantServiceAccountLabel] = sa.Name
@@ -251,14 +267,8 @@ func newGrant(info grantInfo) *corev1.Secret {
 			GenerateName: grantGenerateName,
 			Labels:       labels,
 			Annotations: map[string]string{
-				GrantServiceAccountAnnotation:    sa.Name,
-				GrantHubUserAnnotation:           info.hubUser,
-				GrantHubUIDAnnotation:            info.hubUID,
-				GrantHubGroupsAnnotation:         joinGroups(info.hubGroups),
-				GrantClusterProfileAnnotation:    info.clusterProfile,
-				GrantClusterProfileUIDAnnotation: info.clusterUID,
-				GrantAudiencesAnnotation:         strings.Join(info.audiences, ","),
-				GrantExpirationAnnotation:        info.expiration.UTC().Format(time.RFC3339),
+				GrantServiceAccountAnnotation: sa.Name,
+				GrantExpirationAnnotation:     exp.UTC().Format(time.RFC3339),
 			},
 		},
 		Type: GrantType,

@@ -126,11 +126,15 @@ func (f *fakeGrants) Patch(_ context.Context, namespace, name string, patch []by
 	old := s.DeepCopy()
 	var p struct {
 		Metadata struct {
+			UID                 types.UID
 			Labels, Annotations map[string]string
 		}
 	}
 	if err := json.Unmarshal(patch, &p); err != nil {
 		return err
+	}
+	if p.Metadata.UID != "" && p.Metadata.UID != s.UID {
+		return apierrors.NewConflict(secretsResource, name, errors.New("precondition failed: UID"))
 	}
 	if s.Labels == nil {
 		s.Labels = map[string]string{}

@@ -23,8 +23,10 @@ import (
 )
 
 // Minting one token: Mint checks the request and the policy (policy.go),
-// creates the grant, checks the policy again, then mints the token bound to
-// the grant and records its credential id on the grant.
+// then binds the token to a pooled grant and claims it after the answer
+// (claim.go); or, when none is ready, creates the grant, checks the policy
+// again, then mints the token bound to the grant and records its
+// credential id on the grant.
 
 // Mint mints a token for the ServiceAccount that req names, or, when it
 // names none, for the single ServiceAccount that allows req's subject. The
@@ -40,8 +42,8 @@ import (
 // ServiceAccount tokens or impersonate, unless Config.AllowEscalating
 // allows it; when the spoke API server cannot say whether it may, Mint
 // fails with ErrUnavailable. Each
-// token is bound to a grant Secret created first (see the package doc); Mint
-// fails rather than mint a token without one.
+// token is bound to a grant Secret, a pooled one or one created first (see
+// the package doc); Mint fails rather than mint a token without one.
 func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbrokerv1alpha1.MintRequest) (*credbrokerv1alpha1.MintResponse, error) {
 	if err := validate(req); err != nil {
 		m.log.Info("refused mint request", fleet.LogSubject, req.GetSubject().GetUsername(), fleet.LogErr, err.Error())
@@ -56,12 +58,17 @@ func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbr
 	ref := sa.Namespace + "/" + sa.Name
 	seconds := m.expirationSeconds(req.GetExpirationSeconds())
 	info := m.grantInfo(cluster, req, sa, seconds)
+	if pooled := m.takePooled(sa); pooled != nil {
+		tok, err := m.mintPooled(ctx, req, info, pooled, seconds)
+		if !errors.Is(err, errPooledGone) {
+			return m.answer(req, info, pooled, tok, err)
+		}
+	}
 	grant, err := m.createGrant(ctx, info)
 	if err != nil {
 		m.log.Error(err, "failed to mint spoke token", fleet.LogSubject, user, "serviceAccount", ref)
 		return nil, err
 	}
-	grantRef := sa.Namespace + "/" + grant.Name
 	// Check the policy again now that the grant exists: a change the cache
 	// took since pick shows here. A later one queues a Reconcile, and so
 	// does this grant's arrival in the grant cache: whichever of the two
@@ -72,13 +79,23 @@ func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbr
 		return nil, err
 	}
 	tok, err := m.mintBound(ctx, req, sa, grant, seconds)
+	if err == nil {
+		m.track(grant, tok.exp)
+	}
+	return m.answer(req, info, grant, tok, err)
+}
+
+// answer logs the mint of tok for req, bound to grant, or its failure err,
+// and returns Mint's answer.
+func (m *Minter) answer(req *credbrokerv1alpha1.MintRequest, info grantInfo, grant *corev1.Secret, tok mintedToken, err error) (*credbrokerv1alpha1.MintResponse, error) {
+	sa := info.serviceAccount
+	ref, grantRef := sa.Namespace+"/"+sa.Name, sa.Namespace+"/"+grant.Name
 	if err != nil {
-		m.log.Error(err, "failed to mint spoke token", fleet.LogSubject, user, "serviceAccount", ref, "grant", grantRef)
+		m.log.Error(err, "failed to mint spoke token", fleet.LogSubject, info.hubUser, "serviceAccount", ref, "grant", grantRef)
 		return nil, err
 	}
-	m.track(grant, tok.exp)
 	m.log.Info("minted spoke token",
-		fleet.LogSubject, user,
+		fleet.LogSubject, info.hubUser,
 		"serviceAccount", ref,
 		"audiences", req.GetAudiences(),
 		"expiration", tok.exp.UTC().Format(time.RFC3339),
@@ -111,12 +128,16 @@ func (m *Minter) grantInfo(cluster fleet.ClusterRef, req *credbrokerv1alpha1.Min
 	}
 }
 
+// errNoNameOrUID is the error of a grant create that returned no object
+// to bind a token to.
+var errNoNameOrUID = errors.New("the API server returned no name or UID")
+
 // createGrant creates the grant that info describes, which the token is
 // then bound to.
 func (m *Minter) createGrant(ctx context.Context, info grantInfo) (*corev1.Secret, error) {
 	grant, err := m.grants.Create(ctx, newGrant(info))
 	if err == nil && (grant == nil || grant.Name == "" || grant.UID == "") {
-		err = errors.New("the API server returned no name or UID")
+		err = errNoNameOrUID
 	}
 	if err != nil {
 		return nil, createGrantError(ctx, info.serviceAccount.Namespace, err)
@@ -137,18 +158,14 @@ type mintedToken struct {
 // deletes grant, which revokes a token minted already.
 func (m *Minter) mintBound(ctx context.Context, req *credbrokerv1alpha1.MintRequest, sa *corev1.ServiceAccount, grant *corev1.Secret, seconds int64) (mintedToken, error) {
 	out, err := m.requestToken(ctx, req, sa, grant, seconds)
+	if errors.Is(err, errBoundGrantGone) {
+		err = m.revokedDuringMint(sa, grant)
+	}
 	if err != nil {
 		m.deleteGrant(ctx, grant)
 		return mintedToken{}, err
 	}
-	tok := mintedToken{token: out.Status.Token, exp: out.Status.ExpirationTimestamp.Time}
-	if tok.exp.IsZero() {
-		// An API server that leaves it out would have the grant collected,
-		// and the token revoked, at once; the token lives no longer than
-		// asked.
-		tok.exp = m.clock.Now().Add(time.Duration(seconds) * time.Second)
-	}
-	tok.id = token.ID(tok.token)
+	tok := m.mintedOf(out, seconds)
 	patch, err := mintedPatch(tok.id, sha256.Sum256([]byte(tok.token)), tok.exp)
 	if err == nil {
 		err = m.grants.Patch(ctx, sa.Namespace, grant.Name, patch)
@@ -165,10 +182,28 @@ func (m *Minter) mintBound(ctx context.Context, req *credbrokerv1alpha1.MintRequ
 	return tok, nil
 }
 
+// errBoundGrantGone is requestToken's error when the grant to bind the
+// token to is gone.
+var errBoundGrantGone = errors.New("the grant to bind the token to is gone")
+
+// mintedOf returns the token that out, a TokenRequest for seconds,
+// minted.
+func (m *Minter) mintedOf(out *authenticationv1.TokenRequest, seconds int64) mintedToken {
+	tok := mintedToken{token: out.Status.Token, exp: out.Status.ExpirationTimestamp.Time}
+	if tok.exp.IsZero() {
+		// An API server that leaves it out would have the grant collected,
+		// and the token revoked, at once; the token lives no longer than
+		// asked.
+		tok.exp = m.clock.Now().Add(time.Duration(seconds) * time.Second)
+	}
+	tok.id = token.ID(tok.token)
+	return tok
+}
+
 // requestToken asks the TokenRequest API for a token of sa that lives for
 // seconds, for req's audiences, bound to grant. Its error wraps a sentinel
-// (createTokenError), and ErrPermissionDenied when grant was deleted
-// meanwhile (revokedDuringMint).
+// (createTokenError), or is errBoundGrantGone when grant was deleted
+// meanwhile.
 func (m *Minter) requestToken(ctx context.Context, req *credbrokerv1alpha1.MintRequest, sa *corev1.ServiceAccount, grant *corev1.Secret, seconds int64) (*authenticationv1.TokenRequest, error) {
 	ref := sa.Namespace + "/" + sa.Name
 	tr := &authenticationv1.TokenRequest{
@@ -191,7 +226,7 @@ func (m *Minter) requestToken(ctx context.Context, req *credbrokerv1alpha1.MintR
 	if err == nil && (out == nil || out.Status.Token == "") {
 		err = fmt.Errorf("spoke API server returned no token for ServiceAccount %s: %w", ref, errdefs.ErrUnavailable)
 	} else if grantDeleted(err) {
-		err = m.revokedDuringMint(sa, grant)
+		err = errBoundGrantGone
 	} else if err != nil {
 		err = createTokenError(ctx, ref, err)
 	}

@@ -107,6 +107,12 @@ type Config struct {
 	// kept: a change to its RBAC takes that long to be seen. Zero means
 	// DefaultEscalationTTL.
 	EscalationTTL time.Duration
+	// PoolSize is how many pooled grants Run keeps ready for each
+	// ServiceAccount Mint has minted for (pool.go): a mint that finds one
+	// answers after its TokenRequest alone, and records the token's owner
+	// on the grant right after. Zero disables the pool: every mint creates
+	// its grant first. The agent's default is DefaultPoolSize.
+	PoolSize int
 	// Clock times grant expiry and the escalation answers; nil means the
 	// real clock.
 	Clock clock.WithTickerAndDelayedExecution
@@ -148,6 +154,11 @@ type Minter struct {
 	// changes holds the grants someone other than the agent changed
 	// (tamper.go).
 	changes changeTracker
+
+	// pool holds the pooled grants, and claims those claimed whose claim
+	// the grant cache does not show yet (pool.go, claim.go).
+	pool   grantPool
+	claims pendingClaims
 }
 
 // New returns a Minter, or an error if cfg is incomplete or its expiration
@@ -169,6 +180,9 @@ func New(cfg Config) (*Minter, error) {
 		if _, ok := cfg.GrantCache.GetIndexers()[name]; !ok {
 			return nil, fmt.Errorf("spoke config: GrantCache has no index %q; build it with GrantIndexers", name)
 		}
+	}
+	if cfg.PoolSize < 0 {
+		return nil, fmt.Errorf("spoke config: PoolSize %d is negative", cfg.PoolSize)
 	}
 	if cfg.CollectInterval < 0 {
 		return nil, fmt.Errorf("spoke config: CollectInterval %s is negative", cfg.CollectInterval)
@@ -215,5 +229,6 @@ func New(cfg Config) (*Minter, error) {
 		log:         cfg.Log,
 		timers:      map[types.UID]clock.Timer{},
 		subscribers: map[*func(*credbrokerv1alpha1.GrantUpdate)]struct{}{},
+		pool:        grantPool{size: cfg.PoolSize, ready: map[types.NamespacedName][]pooledGrant{}},
 	}, nil
 }

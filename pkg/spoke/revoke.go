@@ -117,6 +117,10 @@ func grantAudiences(grant *corev1.Secret) []string {
 // revokeDisallowed deletes grant, of ServiceAccount sa, if sa's policy no
 // longer allows it.
 func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount, grant *corev1.Secret) error {
+	if unclaimed(grant) {
+		// No token of it is handed out yet; its claim queues a Reconcile.
+		return nil
+	}
 	why := disallowed(sa, grant)
 	if why == "" {
 		return nil
@@ -142,20 +146,21 @@ func (m *Minter) revokeDisallowed(ctx context.Context, sa *corev1.ServiceAccount
 	return nil
 }
 
-// reconcilePolicies reconciles the ServiceAccounts PolicyChanged queues
-// until the queue shuts down, retrying failures with backoff.
-func (m *Minter) reconcilePolicies(ctx context.Context, queue workqueue.TypedRateLimitingInterface[types.NamespacedName]) {
+// work calls do with each key queue holds until it shuts down, and fail
+// with each error of do but those after ctx ended; a key whose do failed
+// is retried with the queue's backoff.
+func work[K comparable](ctx context.Context, queue workqueue.TypedRateLimitingInterface[K], do func(context.Context, K) error, fail func(error, K)) {
 	for {
 		key, shutdown := queue.Get()
 		if shutdown {
 			return
 		}
-		err := m.Reconcile(ctx, key.Namespace, key.Name)
+		err := do(ctx, key)
 		switch {
 		case err == nil || ctx.Err() != nil:
 			queue.Forget(key)
 		default:
-			m.log.Error(err, "failed to revoke the grants a ServiceAccount's policy no longer allows; retrying", "serviceAccount", key.String())
+			fail(err, key)
 			queue.AddRateLimited(key)
 		}
 		queue.Done(key)

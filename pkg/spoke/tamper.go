@@ -167,16 +167,24 @@ func foreignChange(grant *corev1.Secret) string {
 			return "label " + k + " added"
 		}
 	}
-	for _, k := range grantAnnotations {
+	required, allowed := grantAnnotations, claimedKeys
+	if unclaimed(grant) {
+		required, allowed = pooledAnnotations, pooledAnnotations
+	}
+	for _, k := range required {
 		if _, ok := grant.Annotations[k]; !ok {
 			return "annotation " + k + " removed"
 		}
 	}
-	if _, err := time.Parse(time.RFC3339, grant.Annotations[GrantExpirationAnnotation]); err != nil {
+	exp, err := time.Parse(time.RFC3339, grant.Annotations[GrantExpirationAnnotation])
+	if err != nil || unclaimed(grant) && !grant.CreationTimestamp.IsZero() &&
+		exp.After(grant.CreationTimestamp.Add(poolGrantTTL+poolClockSkew)) {
+		// A pooled grant lives poolGrantTTL; a later expiry would keep a
+		// token whose claim never landed from being collected.
 		return "annotation " + GrantExpirationAnnotation + " changed"
 	}
 	for _, k := range agentKeys(grant.Annotations) {
-		if k != GrantCredentialIDAnnotation && k != GrantTokenSHA256Annotation && !slices.Contains(grantAnnotations, k) {
+		if !slices.Contains(allowed, k) {
 			return "annotation " + k + " added"
 		}
 	}
@@ -186,10 +194,14 @@ func foreignChange(grant *corev1.Secret) string {
 // changedFrom returns what changed from old to now that the agent would
 // not have changed, or "" when nothing: the agent records a token's
 // credential id and expiry once, and never changes an owner or scope
-// annotation, also while the grant is being deleted.
-func changedFrom(old, now *corev1.Secret) string {
+// annotation, also while the grant is being deleted; except that its own
+// claim (ownClaim) of a pooled grant writes them all once, but the
+// ServiceAccount.
+func changedFrom(old, now *corev1.Secret, ownClaim bool) string {
 	keys := slices.Clone(writtenOnce)
-	if old.Annotations[GrantCredentialIDAnnotation] != "" || now.Annotations[GrantCredentialIDAnnotation] == "" {
+	if ownClaim && unclaimed(old) {
+		keys = []string{GrantServiceAccountAnnotation}
+	} else if old.Annotations[GrantCredentialIDAnnotation] != "" || now.Annotations[GrantCredentialIDAnnotation] == "" {
 		// Not the mint recording the token: the credential id and the
 		// expiry stay as they are.
 		keys = append(keys, GrantCredentialIDAnnotation, GrantTokenSHA256Annotation, GrantExpirationAnnotation)
@@ -285,30 +297,6 @@ func (m *Minter) learnCredentialID(uid types.UID, id string) {
 	}
 }
 
-// changedWith returns the grants in GrantCache that someone else changed
-// and whose credential id, as the agent wrote it, is id.
-func (m *Minter) changedWith(id string) []*corev1.Secret {
-	m.changes.mu.Lock()
-	var refs []grantRef
-	for uid, rec := range m.changes.changed {
-		if rec.credentialID == id {
-			refs = append(refs, grantRef{namespace: rec.namespace, name: rec.name, uid: uid})
-		}
-	}
-	m.changes.mu.Unlock()
-	var out []*corev1.Secret
-	for _, r := range refs {
-		obj, ok, err := m.grantCache.GetByKey(r.namespace + "/" + r.name)
-		if err != nil || !ok {
-			continue
-		}
-		if g, ok := obj.(*corev1.Secret); ok && g.UID == r.uid && isGrant(g) {
-			out = append(out, g)
-		}
-	}
-	return out
-}
-
 // recorded returns grant's credential id and ClusterProfile as the agent
 // wrote them: for a grant someone else changed, what the agent had
 // recorded before.
@@ -371,7 +359,7 @@ func (m *Minter) checkUpdate(old, now *corev1.Secret) bool {
 		}
 		return true
 	}
-	why := changedFrom(old, now)
+	why := changedFrom(old, now, m.claims.ownClaim(now))
 	if why == "" {
 		why = foreignChange(now)
 	}
@@ -420,25 +408,4 @@ func (m *Minter) deleteChanged(ctx context.Context, ref grantRef) error {
 		"change", rec.change,
 	)
 	return nil
-}
-
-// deleteChangedGrants deletes the grants queue holds until it shuts down,
-// retrying failures with backoff.
-func (m *Minter) deleteChangedGrants(ctx context.Context, queue workqueue.TypedRateLimitingInterface[grantRef]) {
-	for {
-		ref, shutdown := queue.Get()
-		if shutdown {
-			return
-		}
-		err := m.deleteChanged(ctx, ref)
-		switch {
-		case err == nil || ctx.Err() != nil:
-			queue.Forget(ref)
-		default:
-			m.log.Error(err, "failed to delete a grant that someone other than the agent changed; retrying",
-				"grant", ref.namespace+"/"+ref.name)
-			queue.AddRateLimited(ref)
-		}
-		queue.Done(ref)
-	}
 }

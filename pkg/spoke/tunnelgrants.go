@@ -36,8 +36,9 @@ const defaultRevokeReason = "revoked by the broker"
 // whose indexer is GrantCache. It tells Subscribe's subscribers of every
 // grant that gains a credential id, changes or is deleted; stops the expiry
 // timer of a deleted grant; and queues the ServiceAccount of every new
-// grant for Reconcile, so that a policy change that reached the agent
-// before the grant did still revokes it.
+// grant, and of every pooled grant when it is claimed, for Reconcile, so
+// that a policy change that reached the agent before the grant (or its
+// claim) did still revokes it.
 //
 // A grant that differs from what the agent writes (see tamper.go) was
 // changed by someone else: it queues the grant for Run to delete, which
@@ -52,7 +53,10 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			if !ok || !isGrant(g) || m.checkSeen(g) {
 				return
 			}
-			if sa := g.Annotations[GrantServiceAccountAnnotation]; sa != "" {
+			if !unclaimed(g) {
+				m.claims.forget(g.UID)
+			}
+			if sa := g.Annotations[GrantServiceAccountAnnotation]; sa != "" && !unclaimed(g) {
 				m.enqueueServiceAccount(g.Namespace, sa)
 			}
 			if g.Annotations[GrantCredentialIDAnnotation] != "" && g.DeletionTimestamp == nil {
@@ -64,6 +68,13 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			now, ok2 := newObj.(*corev1.Secret)
 			if !ok1 || !ok2 || !isGrant(now) || m.checkUpdate(old, now) {
 				return
+			}
+			if unclaimed(old) && !unclaimed(now) {
+				// A pooled grant claimed: its token's owner is known now,
+				// so a policy change that reached the agent first revokes
+				// it.
+				m.claims.forget(now.UID)
+				m.enqueueServiceAccount(now.Namespace, now.Annotations[GrantServiceAccountAnnotation])
 			}
 			oldID, newID := "", ""
 			if isGrant(old) {
@@ -97,6 +108,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 				return
 			}
 			m.stopTimer(g.UID)
+			m.claims.forget(g.UID)
 			id := g.Annotations[GrantCredentialIDAnnotation]
 			if rec, changed := m.forgetChanged(g.UID); changed {
 				id = rec.credentialID
@@ -264,7 +276,9 @@ func (m *Minter) Revoke(ctx context.Context, admitted fleet.ClusterRef, req *cre
 // id id, as the agent wrote it: a grant someone else changed counts under
 // the id the agent had recorded.
 func (m *Minter) cachedGrantsOf(id string) []*corev1.Secret {
-	out := m.changedWith(id)
+	// A grant claimed a moment ago, whose claim the cache does not show
+	// yet, counts as the agent claimed it.
+	out := append(m.changedWith(id), m.claims.with(id)...)
 	objs, err := m.grantCache.ByIndex(GrantCredentialIDIndex, id)
 	if err != nil {
 		return out // the index exists: New checks
@@ -274,6 +288,30 @@ func (m *Minter) cachedGrantsOf(id string) []*corev1.Secret {
 			if _, changed := m.changedRecord(g.UID); !changed {
 				out = append(out, g)
 			}
+		}
+	}
+	return out
+}
+
+// changedWith returns the grants in GrantCache that someone else changed
+// and whose credential id, as the agent wrote it, is id.
+func (m *Minter) changedWith(id string) []*corev1.Secret {
+	m.changes.mu.Lock()
+	var refs []grantRef
+	for uid, rec := range m.changes.changed {
+		if rec.credentialID == id {
+			refs = append(refs, grantRef{namespace: rec.namespace, name: rec.name, uid: uid})
+		}
+	}
+	m.changes.mu.Unlock()
+	var out []*corev1.Secret
+	for _, r := range refs {
+		obj, ok, err := m.grantCache.GetByKey(r.namespace + "/" + r.name)
+		if err != nil || !ok {
+			continue
+		}
+		if g, ok := obj.(*corev1.Secret); ok && g.UID == r.uid && isGrant(g) {
+			out = append(out, g)
 		}
 	}
 	return out

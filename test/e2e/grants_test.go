@@ -248,6 +248,43 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 			require.NoError(t, agent.Delete(ctx, g.Name, metav1.DeleteOptions{}))
 		}
 	})
+	t.Run("the agent may claim a pooled grant once, for its own ServiceAccount", func(t *testing.T) {
+		// A pooled grant lives ten minutes; the running agent deletes one
+		// that claims to live longer.
+		pooled := func() *corev1.Secret {
+			g := grantObject("", nil)
+			g.GenerateName = "credbroker-grant-"
+			g.Annotations[spoke.GrantExpirationAnnotation] = time.Now().Add(5 * time.Minute).UTC().Format(time.RFC3339)
+			for _, k := range []string{spoke.GrantHubUserAnnotation, spoke.GrantHubUIDAnnotation, spoke.GrantHubGroupsAnnotation,
+				spoke.GrantClusterProfileAnnotation, spoke.GrantClusterProfileUIDAnnotation, spoke.GrantAudiencesAnnotation} {
+				delete(g.Annotations, k)
+			}
+			g, err := agent.Create(ctx, g, metav1.CreateOptions{})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = agent.Delete(context.Background(), g.Name, metav1.DeleteOptions{}) })
+			return g
+		}
+		claim := func(sa, user string) []byte {
+			return fmt.Appendf(nil, `{"metadata":{"annotations":{%q:%q,%q:%q,%q:"",%q:"",%q:"fleet/a",%q:"uid-a",%q:"",%q:"JTI=x"}}}`,
+				spoke.GrantServiceAccountAnnotation, sa, spoke.GrantHubUserAnnotation, user, spoke.GrantHubUIDAnnotation,
+				spoke.GrantHubGroupsAnnotation, spoke.GrantClusterProfileAnnotation, spoke.GrantClusterProfileUIDAnnotation,
+				spoke.GrantAudiencesAnnotation, spoke.GrantCredentialIDAnnotation)
+		}
+		_, err := agent.Patch(ctx, pooled().Name, types.MergePatchType, claim("someone-else", "system:serviceaccount:hub:a"), metav1.PatchOptions{})
+		refused(t, err)
+		_, err = agent.Patch(ctx, pooled().Name, types.MergePatchType, claim("nobody", "system:serviceaccount:hub:a"), metav1.PatchOptions{})
+		require.NoError(t, err, "the agent's claim of its pooled grant")
+		// A claimed grant is never pooled again, so never claimed again
+		// ("may not rewrite whom a grant is for").
+		claimed := grantObject("claimed", nil)
+		claimed.Annotations[spoke.GrantHubUserAnnotation] = "system:serviceaccount:hub:a"
+		claimed, err = agent.Create(ctx, claimed, metav1.CreateOptions{})
+		require.NoError(t, err)
+		_, err = agent.Patch(ctx, claimed.Name, types.MergePatchType,
+			[]byte(`{"metadata":{"annotations":{"`+spoke.GrantHubUserAnnotation+`":null}}}`), metav1.PatchOptions{})
+		refused(t, err)
+		require.NoError(t, agent.Delete(ctx, claimed.Name, metav1.DeleteOptions{}))
+	})
 	t.Run("the agent may create, patch and delete a grant", func(t *testing.T) {
 		g, err := agent.Create(ctx, grantObject("a-grant", nil), metav1.CreateOptions{})
 		require.NoError(t, err)

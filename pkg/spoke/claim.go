@@ -1,0 +1,167 @@
+package spoke
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"strings"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
+)
+
+// Minting on a pooled grant (pool.go): the token is bound to a grant that
+// names only its ServiceAccount, and Mint answers before the grant says
+// whose the token is. The claim, one patch right after, writes the owner,
+// the scope, the credential id and the expiry, on the condition that the
+// grant is still the object that the agent bound the token to. If the
+// claim fails, the agent deletes the grant, which revokes the
+// token: no token lives unattributed. Until the claim lands, the agent
+// answers for the grant from memory: a revoke of its credential id deletes
+// it, and only the claim the agent wrote is taken as the agent's.
+
+// errPooledGone is the error of a mint whose pooled grant was deleted
+// before its token was bound to it: Mint creates a grant instead.
+var errPooledGone = errors.New("the pooled grant was deleted before the token was bound to it")
+
+// pendingClaims holds, by grant UID, the grants a mint claimed whose claim the
+// grant informer has not shown yet, as the claim writes them. Its zero
+// value is ready.
+type pendingClaims struct {
+	mu sync.Mutex
+	by map[types.UID]*corev1.Secret
+}
+
+func (c *pendingClaims) add(g *corev1.Secret) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.by == nil {
+		c.by = map[types.UID]*corev1.Secret{}
+	}
+	c.by[g.UID] = g
+}
+
+func (c *pendingClaims) forget(uid types.UID) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.by, uid)
+}
+
+// ownClaim reports whether now carries the claim the agent wrote on it:
+// every owner, scope and token annotation as the agent claimed it.
+func (c *pendingClaims) ownClaim(now *corev1.Secret) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	want, ok := c.by[now.UID]
+	if !ok {
+		return false
+	}
+	for _, k := range claimedKeys {
+		if now.Annotations[k] != want.Annotations[k] {
+			return false
+		}
+	}
+	return true
+}
+
+// with returns the claimed grants whose credential id is id.
+func (c *pendingClaims) with(id string) []*corev1.Secret {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []*corev1.Secret
+	for _, g := range c.by {
+		if g.Annotations[GrantCredentialIDAnnotation] == id {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+// claimedKeys are the annotations a claim writes.
+var claimedKeys = append(grantAnnotations[:len(grantAnnotations):len(grantAnnotations)],
+	GrantCredentialIDAnnotation, GrantTokenSHA256Annotation)
+
+// mintPooled mints the token of info's ServiceAccount, bound to grant, a
+// pooled grant as the grant cache has it, and claims the grant for it once
+// Mint has returned. It fails with errPooledGone when grant was deleted
+// first.
+func (m *Minter) mintPooled(ctx context.Context, req *credbrokerv1alpha1.MintRequest, info grantInfo, grant *corev1.Secret, seconds int64) (mintedToken, error) {
+	out, err := m.requestToken(ctx, req, info.serviceAccount, grant, seconds)
+	if errors.Is(err, errBoundGrantGone) {
+		return mintedToken{}, errPooledGone
+	}
+	if err != nil {
+		// A token may have been minted all the same (the answer was
+		// lost): deleting the grant revokes it.
+		m.deleteGrant(ctx, grant)
+		return mintedToken{}, err
+	}
+	tok := m.mintedOf(out, seconds)
+	claimed := claimedGrant(grant, info, tok)
+	m.claims.add(claimed)
+	go m.claim(context.WithoutCancel(ctx), claimed, tok.exp)
+	return tok, nil
+}
+
+// claimedGrant returns grant as its claim for tok, minted for info, writes
+// it.
+func claimedGrant(grant *corev1.Secret, info grantInfo, tok mintedToken) *corev1.Secret {
+	claimed := grant.DeepCopy()
+	info.expiration = tok.exp
+	want := newGrant(info)
+	claimed.Labels = maps.Clone(want.Labels)
+	claimed.Annotations = maps.Clone(want.Annotations)
+	sum := sha256.Sum256([]byte(tok.token))
+	claimed.Annotations[GrantCredentialIDAnnotation] = tok.id
+	claimed.Annotations[GrantTokenSHA256Annotation] = hex.EncodeToString(sum[:])
+	if jti, ok := strings.CutPrefix(tok.id, "JTI="); ok && len(validation.IsValidLabelValue(jti)) == 0 {
+		claimed.Labels[GrantJTILabel] = jti
+	}
+	return claimed
+}
+
+// claimPatch returns the merge patch that claims a pooled grant as claimed
+// says, on the condition that it is still the object of claimed's UID: a
+// Secret that replaced it under its name is not the token's.
+func claimPatch(claimed *corev1.Secret) ([]byte, error) {
+	b, err := json.Marshal(map[string]any{"metadata": map[string]any{
+		"uid":         claimed.UID,
+		"labels":      claimed.Labels,
+		"annotations": claimed.Annotations,
+	}})
+	if err != nil {
+		return nil, fmt.Errorf("encode grant claim: %w", err)
+	}
+	return b, nil
+}
+
+// claim writes claimed's claim onto its grant, which the token expiring
+// at exp is bound to, and arranges the grant's deletion at exp. When the
+// claim fails it deletes the grant, which revokes the token; if that fails
+// too, the sweep collects the grant once its pooled expiry passes.
+func (m *Minter) claim(ctx context.Context, claimed *corev1.Secret, exp time.Time) {
+	ctx, cancel := context.WithTimeout(ctx, cleanupTimeout)
+	defer cancel()
+	patch, err := claimPatch(claimed)
+	if err == nil {
+		err = m.grants.Patch(ctx, claimed.Namespace, claimed.Name, patch)
+	}
+	if err != nil {
+		m.deleteGrant(ctx, claimed)
+		m.claims.forget(claimed.UID)
+		m.log.Error(err, "failed to record a token's owner on its pooled grant; deleted the grant, which revokes the token",
+			"grant", claimed.Namespace+"/"+claimed.Name,
+			"credentialID", claimed.Annotations[GrantCredentialIDAnnotation])
+		return
+	}
+	m.track(claimed, exp)
+}
