@@ -4,6 +4,8 @@ import (
 	"errors"
 	"net"
 	"runtime"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -16,10 +18,14 @@ import (
 // Each TLS handshake is about a millisecond of CPU; thousands at once fill
 // the run queue, so the pings of connections already made are answered
 // seconds late, their keepalives end them, and they connect again: the
-// herd feeds itself. So each port runs at most handshakesPerCPU handshakes
-// per CPU at a time; one that waits for a turn longer than handshakeWait is
-// refused (the connection is closed), and its client backs off and comes
-// back later. Waiting handshakes are not runnable: they cost nothing.
+// herd feeds itself. So on each port at most handshakesPerCPU handshakes
+// per CPU compute at a time. A handshake holds a turn only from the moment
+// a read from its client returns until its next read: while it waits for
+// its client it holds none, so a client that sends nothing, or half a
+// ClientHello, keeps no one else waiting. One that waits for a turn longer
+// than handshakeWait is refused (the connection is closed), and its client
+// backs off and comes back later. Waiting handshakes are not runnable: they
+// cost nothing.
 const (
 	handshakesPerCPU = 16
 	handshakeWait    = 10 * time.Second
@@ -75,23 +81,82 @@ type turnTaking struct {
 }
 
 func (t *turnTaking) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	tc := &turnConn{Conn: conn, turns: t}
+	out, info, err := t.TransportCredentials.ServerHandshake(tc)
+	tc.handshaken()
+	return out, info, err
+}
+
+// take waits for a turn, for t.wait at most.
+func (t *turnTaking) take() error {
 	select {
 	case t.turns <- struct{}{}:
+		return nil
 	default:
-		t.waiting.Inc()
-		timer := time.NewTimer(t.wait)
-		select {
-		case t.turns <- struct{}{}:
-			timer.Stop()
-			t.waiting.Dec()
-		case <-timer.C:
-			t.waiting.Dec()
-			t.refused.Inc()
-			return nil, nil, errHandshakeBusy
-		}
 	}
-	defer func() { <-t.turns }()
-	return t.TransportCredentials.ServerHandshake(conn)
+	t.waiting.Inc()
+	defer t.waiting.Dec()
+	timer := time.NewTimer(t.wait)
+	defer timer.Stop()
+	select {
+	case t.turns <- struct{}{}:
+		return nil
+	case <-timer.C:
+		t.refused.Inc()
+		return errHandshakeBusy
+	}
+}
+
+func (t *turnTaking) give() { <-t.turns }
+
+// turnConn is a connection whose handshake takes a turn after each read
+// and gives it back before the next; once the handshake is over, its reads
+// are the connection's own.
+type turnConn struct {
+	net.Conn
+	turns *turnTaking
+	// held is touched only by the handshake's goroutine.
+	held bool
+	done atomic.Bool
+}
+
+func (c *turnConn) Read(b []byte) (int, error) {
+	if c.done.Load() {
+		return c.Conn.Read(b)
+	}
+	if c.held {
+		c.turns.give()
+		c.held = false
+	}
+	n, err := c.Conn.Read(b)
+	if err != nil {
+		return n, err
+	}
+	if err := c.turns.take(); err != nil {
+		return n, err
+	}
+	c.held = true
+	return n, nil
+}
+
+// SyscallConn is the connection's own, for the socket options that gRPC
+// sets and reads.
+func (c *turnConn) SyscallConn() (syscall.RawConn, error) {
+	sc, ok := c.Conn.(syscall.Conn)
+	if !ok {
+		return nil, errors.New("broker: the connection has no file descriptor")
+	}
+	return sc.SyscallConn()
+}
+
+// handshaken gives back the turn the handshake holds, if any, and lets
+// reads through from now on.
+func (c *turnConn) handshaken() {
+	if c.held {
+		c.turns.give()
+		c.held = false
+	}
+	c.done.Store(true)
 }
 
 func (t *turnTaking) Clone() credentials.TransportCredentials {
