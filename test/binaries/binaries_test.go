@@ -178,10 +178,12 @@ func TestExchange(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "system:serviceaccount:"+ns+":deployer", self.Status.UserInfo.Username)
 
-	grants, err := spoke.Client.CoreV1().Secrets(ns).List(t.Context(), metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
+	// The agent's pooled grants, to which no token is bound, are not
+	// counted.
+	grants, err := spoke.ClaimedGrants(t.Context(), ns)
 	require.NoError(t, err)
-	require.Len(t, grants.Items, 1)
-	assert.Equal(t, resp.GetCredentialId(), grants.Items[0].Annotations[spokepkg.GrantCredentialIDAnnotation])
+	require.Len(t, grants, 1)
+	assert.Equal(t, resp.GetCredentialId(), grants[0].Annotations[spokepkg.GrantCredentialIDAnnotation])
 }
 
 // The refusals through the processes, each with its code.
@@ -394,9 +396,9 @@ func TestRevokeOnConsumerDeleted(t *testing.T) {
 	require.NoError(t, err)
 	// The token works (TestExchange); it is not reviewed here, so that the
 	// spoke API server's authentication cache (10s) does not hold it.
-	grants, err := spoke.Client.CoreV1().Secrets(ns).List(t.Context(), metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
+	grants, err := spoke.ClaimedGrants(t.Context(), ns)
 	require.NoError(t, err)
-	require.Len(t, grants.Items, 1)
+	require.Len(t, grants, 1)
 
 	require.NoError(t, env.Hub.Client.CoreV1().ServiceAccounts(c.Namespace).Delete(t.Context(), c.Name, metav1.DeleteOptions{}))
 	var last string
@@ -409,9 +411,9 @@ func TestRevokeOnConsumerDeleted(t *testing.T) {
 		return !review.Authenticated, nil
 	})
 	require.NoError(t, err, "the spoke still accepts the token of a deleted consumer (last review: %s)", last)
-	grants, err = spoke.Client.CoreV1().Secrets(ns).List(t.Context(), metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
+	grants, err = spoke.ClaimedGrants(t.Context(), ns)
 	require.NoError(t, err)
-	assert.Empty(t, grants.Items)
+	assert.Empty(t, grants)
 }
 
 // Both processes still run: no test above ended one.
