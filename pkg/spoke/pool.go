@@ -54,6 +54,11 @@ type grantPool struct {
 
 	mu    sync.Mutex
 	ready map[types.NamespacedName][]pooledGrant
+	// created holds the UIDs of the pooled grants this agent created,
+	// until their deletion: only their claims must be the agent's own
+	// (checkUpdate). Another replica of the agent claims the grants it
+	// pooled itself.
+	created map[types.UID]struct{}
 	// queue is Run's while Run runs; nil otherwise, and then the pool
 	// hands out nothing.
 	queue workqueue.TypedRateLimitingInterface[types.NamespacedName]
@@ -150,6 +155,10 @@ func (m *Minter) fillPool(ctx context.Context, key types.NamespacedName) error {
 		}
 		p.mu.Lock()
 		p.ready[key] = append(p.ready[key], pooledGrant{grant: grant, created: now})
+		if p.created == nil {
+			p.created = map[types.UID]struct{}{}
+		}
+		p.created[grant.UID] = struct{}{}
 		p.mu.Unlock()
 	}
 }
@@ -194,4 +203,21 @@ func (m *Minter) startPool(ctx context.Context) (stop func()) {
 			}
 		}
 	}
+}
+
+// pooledHere reports whether this agent created the pooled grant of UID
+// uid.
+func (m *Minter) pooledHere(uid types.UID) bool {
+	m.pool.mu.Lock()
+	defer m.pool.mu.Unlock()
+	_, ok := m.pool.created[uid]
+	return ok
+}
+
+// forgetPooled drops the grant of UID uid, which is gone, from the pooled
+// grants this agent created.
+func (m *Minter) forgetPooled(uid types.UID) {
+	m.pool.mu.Lock()
+	defer m.pool.mu.Unlock()
+	delete(m.pool.created, uid)
 }

@@ -1,0 +1,73 @@
+package spoke
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"k8s.io/client-go/tools/cache"
+	testingclock "k8s.io/utils/clock/testing"
+)
+
+// The agents of a spoke are a DaemonSet: every replica watches every grant
+// of the spoke and judges every change it sees (tamper.go). A claim is a
+// change that only the replica that made it wrote.
+
+// fanOut calls every one of its handlers, as each replica's informer would.
+type fanOut []cache.ResourceEventHandler
+
+func (f fanOut) OnAdd(obj any, initial bool) {
+	for _, h := range f {
+		h.OnAdd(obj, initial)
+	}
+}
+
+func (f fanOut) OnUpdate(old, now any) {
+	for _, h := range f {
+		h.OnUpdate(old, now)
+	}
+}
+
+func (f fanOut) OnDelete(obj any) {
+	for _, h := range f {
+		h.OnDelete(obj)
+	}
+}
+
+// Agent A claims one of its pooled grants for a consumer's token; agent B,
+// another replica of the same spoke, sees the claim. Without telling a
+// claim of a grant it did not pool from a change to one it did, B took
+// A's claim for a change by someone else and deleted the grant, which
+// revoked the token A had just answered with.
+func TestAnotherAgentsClaimIsNotRevoked(t *testing.T) {
+	tokens, grants := &fakeTokens{}, newFakeGrants()
+	sas := lister(t, serviceAccount("apps", "deployer", argocd))
+	var agents []*Minter
+	var handlers fanOut
+	for range 2 {
+		m, err := New(Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, PoolSize: 2,
+			Clock: testingclock.NewFakeClock(issuedAt)})
+		require.NoError(t, err)
+		agents = append(agents, m)
+		handlers = append(handlers, m.GrantEvents())
+	}
+	grants.mu.Lock()
+	grants.events = handlers
+	grants.mu.Unlock()
+	for _, m := range agents {
+		startRun(t, m, grants, m.clock.(*testingclock.FakeClock))
+	}
+	a := agents[0]
+	fillPool(t, a, grants, deployerRequest())
+
+	_, err := a.Mint(t.Context(), poolCluster, deployerRequest())
+	require.NoError(t, err)
+	key, uid := boundTo(t, tokens, 1)
+	require.Eventually(t, func() bool { g := grants.Get(key); return g == nil || !unclaimed(g) }, 5*time.Second, time.Millisecond,
+		"the grant was never claimed")
+	assert.Never(t, func() bool { g := grants.Get(key); return g == nil || g.UID != uid }, 200*time.Millisecond, time.Millisecond,
+		"another agent of the spoke deleted the grant that agent A claimed, which revoked the token A answered")
+	_, changed := agents[1].changedRecord(uid)
+	assert.False(t, changed, "another agent took A's claim for a change by someone else")
+}
