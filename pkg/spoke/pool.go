@@ -59,6 +59,10 @@ type grantPool struct {
 	// (checkUpdate). Another replica of the agent claims the grants it
 	// pooled itself.
 	created map[types.UID]struct{}
+	// taken counts the pooled grants taken by mints whose claim (or
+	// delete) has not returned: Run returns only once they did, so that no
+	// answered token is left unclaimed by an agent that stops.
+	taken sync.WaitGroup
 	// queue is Run's while Run runs; nil otherwise, and then the pool
 	// hands out nothing.
 	queue workqueue.TypedRateLimitingInterface[types.NamespacedName]
@@ -108,6 +112,9 @@ func (m *Minter) takePooled(sa *corev1.ServiceAccount) *corev1.Secret {
 		}
 	}
 	p.ready[key] = keep
+	if got != nil {
+		p.taken.Add(1) // before stop's Wait: p.queue is not nil
+	}
 	return got
 }
 
@@ -164,7 +171,8 @@ func (m *Minter) fillPool(ctx context.Context, key types.NamespacedName) error {
 }
 
 // startPool makes queue the pool's refill queue, and returns the function
-// that stops it and deletes, best effort, the pooled grants no mint took.
+// that stops it, waits for the claims of the pooled grants mints took, and
+// deletes, best effort, the pooled grants no mint took.
 func (m *Minter) startPool(ctx context.Context) (stop func()) {
 	p := &m.pool
 	if p.size == 0 {
@@ -192,6 +200,7 @@ func (m *Minter) startPool(ctx context.Context) (stop func()) {
 		left := p.ready
 		p.ready = map[types.NamespacedName][]pooledGrant{}
 		p.mu.Unlock()
+		p.taken.Wait()
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
 		defer cancel()
 		for _, entries := range left {

@@ -129,3 +129,37 @@ func TestPooledGrantsOfOtherReplicasDoNotRefuseMints(t *testing.T) {
 	_, err := agents[1].Mint(t.Context(), poolCluster, deployerRequest())
 	assert.NoError(t, err, "the second replica's mint was refused for the first replica's idle pooled grants")
 }
+
+// The agent stops (a rollout, a drain) while the claim of a token it has
+// answered is still on its way to the API server. Once Run returns, the
+// agent's process exits: a claim still in flight then never lands, and the
+// token lives unattributed, and unrevocable by its credential id, until
+// the sweep of another agent collects its pooled grant. Without waiting
+// for its claims, Run returned with the grant neither claimed nor deleted.
+func TestRunReturnsOnlyOnceItsClaimsLanded(t *testing.T) {
+	tokens, grants := &fakeTokens{}, newFakeGrants()
+	gated := &gatedGrants{fakeGrants: grants}
+	clk := testingclock.NewFakeClock(issuedAt)
+	m, err := New(Config{Tokens: tokens, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd)),
+		Grants: gated, GrantCache: grants.cache, PoolSize: 2, Clock: clk})
+	require.NoError(t, err)
+	grants.mu.Lock()
+	grants.events = m.GrantEvents()
+	grants.mu.Unlock()
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- m.Run(ctx) }()
+	require.Eventually(t, func() bool { return grants.Lists() >= 1 && clk.HasWaiters() }, 5*time.Second, time.Millisecond)
+	fillPool(t, m, grants, deployerRequest())
+	gated.hold()
+	_, err = m.Mint(t.Context(), poolCluster, deployerRequest())
+	require.NoError(t, err)
+	key, uid := boundTo(t, tokens, 1)
+
+	cancel()
+	time.AfterFunc(100*time.Millisecond, gated.let)
+	require.NoError(t, <-done)
+	g := grants.Get(key)
+	assert.True(t, g == nil || g.UID != uid || !unclaimed(g),
+		"Run returned while the claim of an answered token was in flight: the token would live unattributed")
+}
