@@ -39,18 +39,16 @@ func (f fanOut) OnDelete(obj any) {
 	}
 }
 
-// Agent A claims one of its pooled grants for a consumer's token; agent B,
-// another replica of the same spoke, sees the claim. Without telling a
-// claim of a grant it did not pool from a change to one it did, B took
-// A's claim for a change by someone else and deleted the grant, which
-// revoked the token A had just answered with.
-func TestAnotherAgentsClaimIsNotRevoked(t *testing.T) {
-	tokens, grants := &fakeTokens{}, newFakeGrants()
+// replicas returns two agents of one spoke, with pools of two, writing
+// grants through store and both told of every change to grants, running
+// until the test ends.
+func replicas(t *testing.T, tokens TokenCreator, grants *fakeGrants, store GrantStore) []*Minter {
+	t.Helper()
 	sas := lister(t, serviceAccount("apps", "deployer", argocd))
 	var agents []*Minter
 	var handlers fanOut
 	for range 2 {
-		m, err := New(Config{Tokens: tokens, ServiceAccounts: sas, Grants: grants, GrantCache: grants.cache, PoolSize: 2,
+		m, err := New(Config{Tokens: tokens, ServiceAccounts: sas, Grants: store, GrantCache: grants.cache, PoolSize: 2,
 			Clock: testingclock.NewFakeClock(issuedAt)})
 		require.NoError(t, err)
 		agents = append(agents, m)
@@ -62,6 +60,17 @@ func TestAnotherAgentsClaimIsNotRevoked(t *testing.T) {
 	for _, m := range agents {
 		startRun(t, m, grants, m.clock.(*testingclock.FakeClock))
 	}
+	return agents
+}
+
+// Agent A claims one of its pooled grants for a consumer's token; agent B,
+// another replica of the same spoke, sees the claim. Without telling a
+// claim of a grant it did not pool from a change to one it did, B took
+// A's claim for a change by someone else and deleted the grant, which
+// revoked the token A had just answered with.
+func TestAnotherAgentsClaimIsNotRevoked(t *testing.T) {
+	tokens, grants := &fakeTokens{}, newFakeGrants()
+	agents := replicas(t, tokens, grants, grants)
 	a := agents[0]
 	fillPool(t, a, grants, deployerRequest())
 
@@ -107,23 +116,7 @@ func (q *quotaGrants) Create(ctx context.Context, grant *corev1.Secret) (*corev1
 func TestPooledGrantsOfOtherReplicasDoNotRefuseMints(t *testing.T) {
 	t.Skip("open: the pool is per replica (docs/security.md, Pooled grants (32)); remove this line to see the attack succeed")
 	tokens, grants := &fakeTokens{}, newFakeGrants()
-	store := &quotaGrants{fakeGrants: grants, limit: 3}
-	sas := lister(t, serviceAccount("apps", "deployer", argocd))
-	var agents []*Minter
-	var handlers fanOut
-	for range 2 {
-		m, err := New(Config{Tokens: tokens, ServiceAccounts: sas, Grants: store, GrantCache: grants.cache, PoolSize: 2,
-			Clock: testingclock.NewFakeClock(issuedAt)})
-		require.NoError(t, err)
-		agents = append(agents, m)
-		handlers = append(handlers, m.GrantEvents())
-	}
-	grants.mu.Lock()
-	grants.events = handlers
-	grants.mu.Unlock()
-	for _, m := range agents {
-		startRun(t, m, grants, m.clock.(*testingclock.FakeClock))
-	}
+	agents := replicas(t, tokens, grants, &quotaGrants{fakeGrants: grants, limit: 3})
 	fillPool(t, agents[0], grants, deployerRequest())
 
 	_, err := agents[1].Mint(t.Context(), poolCluster, deployerRequest())
