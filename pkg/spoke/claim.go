@@ -93,22 +93,27 @@ var claimedKeys = append(grantAnnotations[:len(grantAnnotations):len(grantAnnota
 // mintPooled mints the token of info's ServiceAccount, bound to grant, a
 // pooled grant as the grant cache has it, and claims the grant for it once
 // Mint has returned. It fails with errPooledGone when grant was deleted
-// first.
+// first. It ends the pool's count of grant as taken (grantPool.taken).
 func (m *Minter) mintPooled(ctx context.Context, req *credbrokerv1alpha1.MintRequest, info grantInfo, grant *corev1.Secret, seconds int64) (mintedToken, error) {
 	out, err := m.requestToken(ctx, req, info.serviceAccount, grant, seconds)
 	if errors.Is(err, errBoundGrantGone) {
+		m.pool.taken.Done()
 		return mintedToken{}, errPooledGone
 	}
 	if err != nil {
 		// A token may have been minted all the same (the answer was
 		// lost): deleting the grant revokes it.
 		m.deleteGrant(ctx, grant)
+		m.pool.taken.Done()
 		return mintedToken{}, err
 	}
 	tok := m.mintedOf(out, seconds)
 	claimed := claimedGrant(grant, info, tok)
 	m.claims.add(claimed)
-	go m.claim(context.WithoutCancel(ctx), claimed, tok.exp)
+	go func() {
+		defer m.pool.taken.Done()
+		m.claim(context.WithoutCancel(ctx), claimed, tok.exp)
+	}()
 	return tok, nil
 }
 

@@ -54,6 +54,15 @@ type grantPool struct {
 
 	mu    sync.Mutex
 	ready map[types.NamespacedName][]pooledGrant
+	// created holds the UIDs of the pooled grants this agent created,
+	// until their deletion: only their claims must be the agent's own
+	// (checkUpdate). Another replica of the agent claims the grants it
+	// pooled itself.
+	created map[types.UID]struct{}
+	// taken counts the pooled grants taken by mints whose claim (or
+	// delete) has not returned: Run returns only once they did, so that no
+	// answered token is left unclaimed by an agent that stops.
+	taken sync.WaitGroup
 	// queue is Run's while Run runs; nil otherwise, and then the pool
 	// hands out nothing.
 	queue workqueue.TypedRateLimitingInterface[types.NamespacedName]
@@ -103,6 +112,9 @@ func (m *Minter) takePooled(sa *corev1.ServiceAccount) *corev1.Secret {
 		}
 	}
 	p.ready[key] = keep
+	if got != nil {
+		p.taken.Add(1) // before stop's Wait: p.queue is not nil
+	}
 	return got
 }
 
@@ -150,12 +162,17 @@ func (m *Minter) fillPool(ctx context.Context, key types.NamespacedName) error {
 		}
 		p.mu.Lock()
 		p.ready[key] = append(p.ready[key], pooledGrant{grant: grant, created: now})
+		if p.created == nil {
+			p.created = map[types.UID]struct{}{}
+		}
+		p.created[grant.UID] = struct{}{}
 		p.mu.Unlock()
 	}
 }
 
 // startPool makes queue the pool's refill queue, and returns the function
-// that stops it and deletes, best effort, the pooled grants no mint took.
+// that stops it, waits for the claims of the pooled grants mints took, and
+// deletes, best effort, the pooled grants no mint took.
 func (m *Minter) startPool(ctx context.Context) (stop func()) {
 	p := &m.pool
 	if p.size == 0 {
@@ -183,6 +200,7 @@ func (m *Minter) startPool(ctx context.Context) (stop func()) {
 		left := p.ready
 		p.ready = map[types.NamespacedName][]pooledGrant{}
 		p.mu.Unlock()
+		p.taken.Wait()
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
 		defer cancel()
 		for _, entries := range left {
@@ -194,4 +212,21 @@ func (m *Minter) startPool(ctx context.Context) (stop func()) {
 			}
 		}
 	}
+}
+
+// pooledHere reports whether this agent created the pooled grant of UID
+// uid.
+func (m *Minter) pooledHere(uid types.UID) bool {
+	m.pool.mu.Lock()
+	defer m.pool.mu.Unlock()
+	_, ok := m.pool.created[uid]
+	return ok
+}
+
+// forgetPooled drops the grant of UID uid, which is gone, from the pooled
+// grants this agent created.
+func (m *Minter) forgetPooled(uid types.UID) {
+	m.pool.mu.Lock()
+	defer m.pool.mu.Unlock()
+	delete(m.pool.created, uid)
 }

@@ -359,7 +359,12 @@ func (m *Minter) checkUpdate(old, now *corev1.Secret) bool {
 		}
 		return true
 	}
-	why := changedFrom(old, now, m.claims.ownClaim(now))
+	// A claim of a pooled grant that this agent did not create is judged
+	// by its shape, as a grant first seen claimed is (checkSeen): another
+	// replica of the agent claims the grants it pooled, and only the
+	// grants this agent pooled have a claim it must have written.
+	ownClaim := m.claims.ownClaim(now) || unclaimed(old) && !m.pooledHere(now.UID)
+	why := changedFrom(old, now, ownClaim)
 	if why == "" {
 		why = foreignChange(now)
 	}

@@ -109,6 +109,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			}
 			m.stopTimer(g.UID)
 			m.claims.forget(g.UID)
+			m.forgetPooled(g.UID)
 			id := g.Annotations[GrantCredentialIDAnnotation]
 			if rec, changed := m.forgetChanged(g.UID); changed {
 				id = rec.credentialID
