@@ -2,14 +2,11 @@ package spoke
 
 import (
 	"context"
-	"errors"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/tools/cache"
 	testingclock "k8s.io/utils/clock/testing"
 )
@@ -83,44 +80,6 @@ func TestAnotherAgentsClaimIsNotRevoked(t *testing.T) {
 		"another agent of the spoke deleted the grant that agent A claimed, which revoked the token A answered")
 	_, changed := agents[1].changedRecord(uid)
 	assert.False(t, changed, "another agent took A's claim for a change by someone else")
-}
-
-// quotaGrants is a fakeGrants under a ResourceQuota of limit Secrets per
-// namespace: a create past it is refused, as the API server refuses it.
-type quotaGrants struct {
-	*fakeGrants
-	limit int
-}
-
-func (q *quotaGrants) Create(ctx context.Context, grant *corev1.Secret) (*corev1.Secret, error) {
-	q.mu.Lock()
-	n := 0
-	for _, s := range q.secrets {
-		if s.Namespace == grant.Namespace {
-			n++
-		}
-	}
-	q.mu.Unlock()
-	if n >= q.limit {
-		return nil, apierrors.NewForbidden(secretsResource, grant.GenerateName, errors.New("exceeded quota: secrets"))
-	}
-	return q.fakeGrants.Create(ctx, grant)
-}
-
-// A namespace whose Secrets are under a quota that its consumers' live
-// tokens fit in: two tokens, each on its own agent replica, and one Secret
-// to spare. Each replica keeps a pool of its own, so the first replica's
-// idle pooled grants took the quota, and the second replica's mint was
-// refused: the pooled grants of a spoke grow with its nodes, in the
-// consumers' namespaces.
-func TestPooledGrantsOfOtherReplicasDoNotRefuseMints(t *testing.T) {
-	t.Skip("open: the pool is per replica (docs/security.md, Pooled grants (32)); remove this line to see the attack succeed")
-	tokens, grants := &fakeTokens{}, newFakeGrants()
-	agents := replicas(t, tokens, grants, &quotaGrants{fakeGrants: grants, limit: 3})
-	fillPool(t, agents[0], grants, deployerRequest())
-
-	_, err := agents[1].Mint(t.Context(), poolCluster, deployerRequest())
-	assert.NoError(t, err, "the second replica's mint was refused for the first replica's idle pooled grants")
 }
 
 // The agent stops (a rollout, a drain) while the claim of a token it has

@@ -5,7 +5,8 @@
 // On the broker, a Server accepts streams, maps each agent's SPIFFE ID to one
 // ClusterProfile through a Resolver, and keeps a registry of live sessions per
 // cluster. Server.Mint sends a request down one live session of a cluster,
-// spreading requests over the sessions round robin, and waits for the answer
+// the one that the namespace of its ServiceAccount (or its subject) picks by
+// rendezvous hashing over the agent instances, and waits for the answer
 // that carries the same correlation id, or for its deadline. A session lives
 // no longer than the SVID its agent presented: the Server verifies the chain
 // again when a stream opens and on Reverify, and closes the stream at the

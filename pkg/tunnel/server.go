@@ -118,8 +118,7 @@ const MaxGrantsPerFrame = 1024
 type Server struct {
 	pb.UnsafeAgentTunnelServer
 
-	cfg  ServerConfig
-	next atomic.Uint64 // round robin over a cluster's sessions
+	cfg ServerConfig
 	// pending counts the mints and revokes waiting for an agent's answer.
 	pending atomic.Int64
 

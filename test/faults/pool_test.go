@@ -2,24 +2,29 @@ package faults
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
 
-// Two agents of one spoke, as the DaemonSet runs them, each with its grant
-// pool (the default --grant-pool-size): the tokens that either answers from
-// a pooled grant stay valid once their claims land. Before, each agent took
-// the other's claim for someone else's change and deleted the grant, which
-// revoked the token it had just answered.
-func TestPooledTokensOfTwoAgentsStayValid(t *testing.T) {
+// twoAgents creates a ClusterProfile of spoke1 that two shipped agents
+// serve, as the DaemonSet runs them, each with its grant pool (the default
+// --grant-pool-size), and n consumers of it that spoke1's ServiceAccount
+// target in a new namespace allows. It returns the profile's name, the
+// namespace, the consumers and an exchange client of the broker.
+func twoAgents(t *testing.T, prefix string, n int) (name, spokeNS string, consumers []framework.Consumer, client pb.TokenExchangeClient) {
+	t.Helper()
 	ctx := t.Context()
-	name := unique("pool")
+	name = unique(prefix)
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke1, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	t.Cleanup(func() { deleteClusterProfile(t, name) })
@@ -34,37 +39,65 @@ func TestPooledTokensOfTwoAgentsStayValid(t *testing.T) {
 			}
 		})
 	}
+	waitFor(t, time.Minute, "both agents' streams", func() bool { return deployment.Broker.Connected(framework.FleetNamespace, name) == 2 })
 	client, conn, err := deployment.ExchangeClient(deployment.Broker.ExchangeAddr())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 
-	// Consumers of one spoke ServiceAccount, each a mint of its own: the
-	// first of each agent creates its grant, the rest take pooled ones.
-	const consumers = 8
-	spokeNS := unique("pool-spoke")
-	var callers []framework.Consumer
+	spokeNS = unique(prefix + "-spoke")
 	var usernames []string
-	for range consumers {
-		c, err := env.NewConsumer(ctx, unique("pool-hub"), "consumer", "credbroker", name)
+	for range n {
+		c, err := env.NewConsumer(ctx, unique(prefix+"-hub"), "consumer", "credbroker", name)
 		require.NoError(t, err)
-		callers, usernames = append(callers, c), append(usernames, c.Username())
+		consumers, usernames = append(consumers, c), append(usernames, c.Username())
 	}
 	require.NoError(t, spoke1.EnsureNamespace(ctx, spokeNS))
 	require.NoError(t, deployment.OptIn(ctx, spoke1, spokeNS, "target", usernames...))
+	return name, spokeNS, consumers, client
+}
+
+// exchangeTarget exchanges c's hub token for a token of spokeNS/target
+// through the ClusterProfile name, trying again for up to a minute while
+// the agents learn the opt-in; a refusal for a Secret quota is final.
+func exchangeTarget(t *testing.T, client pb.TokenExchangeClient, c framework.Consumer, name, spokeNS string) (*pb.ExchangeResponse, error) {
+	t.Helper()
+	var (
+		resp *pb.ExchangeResponse
+		err  error
+	)
+	exchange := func() bool {
+		ctx, cancel := context.WithTimeout(c.Context(t.Context()), 10*time.Second)
+		defer cancel()
+		resp, err = client.Exchange(ctx, &pb.ExchangeRequest{
+			Cluster:        &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: name},
+			ServiceAccount: &pb.ObjectReference{Namespace: spokeNS, Name: "target"},
+		})
+		return err == nil
+	}
+	deadline := time.Now().Add(time.Minute)
+	for !exchange() && time.Now().Before(deadline) && !strings.Contains(err.Error(), "ResourceQuota") {
+		time.Sleep(100 * time.Millisecond)
+	}
+	return resp, err
+}
+
+// The tokens that either agent answers from a pooled grant stay valid
+// once their claims land. Before, each agent took the other's claim for
+// someone else's change and deleted the grant, which revoked the token it
+// had just answered.
+func TestPooledTokensOfTwoAgentsStayValid(t *testing.T) {
+	ctx := t.Context()
+	// Consumers of one spoke ServiceAccount, each a mint of its own: the
+	// first creates its grant, the rest take pooled ones. Every agent
+	// watches every claim.
+	const consumers = 8
+	name, spokeNS, callers, client := twoAgents(t, "pool", consumers)
 	var tokens []string
 	for _, c := range callers {
-		var resp *pb.ExchangeResponse
-		waitFor(t, time.Minute, "a token", func() bool {
-			cctx, cancel := context.WithTimeout(c.Context(ctx), 10*time.Second)
-			defer cancel()
-			resp, err = client.Exchange(cctx, &pb.ExchangeRequest{
-				Cluster:        &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: name},
-				ServiceAccount: &pb.ObjectReference{Namespace: spokeNS, Name: "target"},
-			})
-			return err == nil
-		})
+		resp, err := exchangeTarget(t, client, c, name, spokeNS)
+		require.NoError(t, err)
 		tokens = append(tokens, resp.GetToken())
-		time.Sleep(200 * time.Millisecond) // lets the pools refill between mints; not synchronization
+		time.Sleep(200 * time.Millisecond) // lets the pool refill between mints; not synchronization
 	}
 
 	// Every claim lands and stays: no agent deletes another's.
@@ -80,5 +113,50 @@ func TestPooledTokensOfTwoAgentsStayValid(t *testing.T) {
 		review, err := spoke1.ReviewToken(ctx, tok, nil)
 		require.NoError(t, err)
 		assert.True(t, review.Authenticated, "the token of consumer %d was revoked: %s", i, review.Error)
+	}
+}
+
+// Attack (docs/security.md 32.13): a namespace's Secrets are under a
+// ResourceQuota that its consumers' two live tokens fit in, with one
+// Secret to spare. Each agent keeps pooled grants of its own in the
+// namespaces it mints in, and mints went round robin over the agents: the
+// first agent's grant and its two pooled grants filled the quota, and the
+// second consumer's mint, on the other agent, was refused.
+// Defence: the broker sends a namespace's mints to one agent, which takes
+// its own pooled grant.
+func TestPooledGrantsOfOneAgentDoNotRefuseAnothersMint(t *testing.T) {
+	ctx := t.Context()
+	name, spokeNS, callers, client := twoAgents(t, "quota", 2)
+	secrets := func() int {
+		list, err := spoke1.Client.CoreV1().Secrets(spokeNS).List(ctx, metav1.ListOptions{})
+		require.NoError(t, err)
+		return len(list.Items)
+	}
+	require.Zero(t, secrets())
+	// No quota controller runs beside the test API server: the status that
+	// it would write is written here, and quota admission counts on from it.
+	three := corev1.ResourceList{corev1.ResourceSecrets: resource.MustParse("3")}
+	quota, err := spoke1.Client.CoreV1().ResourceQuotas(spokeNS).Create(ctx, &corev1.ResourceQuota{
+		ObjectMeta: metav1.ObjectMeta{Name: "secrets"},
+		Spec:       corev1.ResourceQuotaSpec{Hard: three},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	quota.Status = corev1.ResourceQuotaStatus{Hard: three, Used: corev1.ResourceList{corev1.ResourceSecrets: resource.MustParse("0")}}
+	_, err = spoke1.Client.CoreV1().ResourceQuotas(spokeNS).UpdateStatus(ctx, quota, metav1.UpdateOptions{})
+	require.NoError(t, err)
+
+	var tokens []string
+	resp, err := exchangeTarget(t, client, callers[0], name, spokeNS)
+	require.NoError(t, err)
+	tokens = append(tokens, resp.GetToken())
+	waitFor(t, 30*time.Second, "the first token's grant and its agent's two pooled grants", func() bool { return secrets() == 3 })
+
+	resp, err = exchangeTarget(t, client, callers[1], name, spokeNS)
+	require.NoError(t, err, "the second consumer's mint was refused for the other agent's pooled grants")
+	tokens = append(tokens, resp.GetToken())
+	for i, tok := range tokens {
+		review, err := spoke1.ReviewToken(ctx, tok, nil)
+		require.NoError(t, err)
+		assert.True(t, review.Authenticated, "the token of consumer %d does not authenticate: %s", i, review.Error)
 	}
 }
