@@ -94,3 +94,40 @@ func TestRefreshAheadSkipsWhatIsNotRefreshable(t *testing.T) {
 	_, err = New[int](Config{Size: 1, MaxTTL: time.Hour, RefreshWithin: -1})
 	assert.Error(t, err)
 }
+
+// Fresh answers only what Do would answer from the cache without doing
+// anything else: a caller that skips Do on its word must never skip a
+// refresh that is due.
+func TestFreshLeavesDueRefreshesToDo(t *testing.T) {
+	clk := newFakeClock()
+	c, err := New[int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: 2 * time.Second,
+		Refreshable: func(v any) bool { return v.(int) > 0 }})
+	require.NoError(t, err)
+	_, ok := c.Fresh("k")
+	assert.False(t, ok, "a missing key")
+
+	c.Add("k", 1, clk.Now().Add(10*time.Second))
+	c.Add("not-refreshable", -1, clk.Now().Add(10*time.Second))
+	v, ok := c.Fresh("k")
+	assert.Equal(t, []any{1, true}, []any{v, ok}, "8s of 10s left")
+
+	clk.Step(8 * time.Second) // 2s left: a refresh is due
+	_, ok = c.Fresh("k")
+	assert.False(t, ok, "Fresh answered an entry whose refresh is due, so no refresh would start")
+	v, ok = c.Fresh("not-refreshable")
+	assert.Equal(t, []any{-1, true}, []any{v, ok}, "an entry that is never refreshed")
+
+	release := make(chan struct{})
+	defer close(release)
+	_, _, err = c.Do(context.Background(), "k", func(context.Context) (int, time.Time, error) {
+		<-release
+		return 2, clk.Now().Add(10 * time.Second), nil
+	})
+	require.NoError(t, err)
+	v, ok = c.Fresh("k")
+	assert.Equal(t, []any{1, true}, []any{v, ok}, "its refresh has started")
+
+	clk.Step(2 * time.Second)
+	_, ok = c.Fresh("k")
+	assert.False(t, ok, "a stale entry")
+}

@@ -128,6 +128,28 @@ func (c *Cache[V]) Get(key string) (V, bool) {
 	return e.v, true
 }
 
+// Fresh returns the value stored for key when Do would return it and do
+// nothing else: it is fresh, and no refresh of it is due
+// (Config.RefreshWithin). A caller that gets false calls Do; one that gets
+// true need not build Do's fetch, which on a hot path is an allocation.
+func (c *Cache[V]) Fresh(key string) (V, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.lru.Get(key)
+	if !ok || !c.clock.Now().Before(e.freshUntil) || c.due(e) {
+		var zero V
+		return zero, false
+	}
+	return e.v, true
+}
+
+// due reports whether e is due for a refresh ahead of its end. c.mu is
+// held.
+func (c *Cache[V]) due(e entry[V]) bool {
+	return c.refreshWithin > 0 && !e.refreshing && e.freshUntil.Sub(c.clock.Now()) <= c.refreshWithin &&
+		(c.refreshable == nil || c.refreshable(e.v))
+}
+
 // Add stores v for key, fresh until freshUntil, replacing any entry for key.
 // It does nothing when freshUntil is not after Clock.Now().
 func (c *Cache[V]) Add(key string, v V, freshUntil time.Time) {
@@ -210,8 +232,7 @@ func (c *Cache[V]) refreshAhead(ctx context.Context, key string, fetch func(ctx 
 	}
 	c.mu.Lock()
 	e, ok := c.lru.Peek(key)
-	due := ok && !e.refreshing && e.freshUntil.Sub(c.clock.Now()) <= c.refreshWithin &&
-		(c.refreshable == nil || c.refreshable(e.v))
+	due := ok && c.due(e)
 	if due {
 		e.refreshing = true
 		c.lru.Add(key, e)

@@ -32,11 +32,13 @@ func CheckShape(s string) error {
 	if len(s) > MaxLength {
 		return fmt.Errorf("%w: %d bytes is longer than %d", ErrMalformed, len(s), MaxLength)
 	}
-	parts := strings.Split(s, ".")
-	if len(parts) != 3 {
-		return fmt.Errorf("%w: %d segments, want 3", ErrMalformed, len(parts))
+	if n := strings.Count(s, ".") + 1; n != 3 {
+		return fmt.Errorf("%w: %d segments, want 3", ErrMalformed, n)
 	}
-	for i, p := range parts {
+	rest := s
+	for i := range 3 {
+		var p string
+		p, rest, _ = strings.Cut(rest, ".")
 		if p == "" && i != 2 {
 			return fmt.Errorf("%w: segment %d is empty", ErrMalformed, i+1)
 		}

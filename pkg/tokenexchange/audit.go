@@ -11,10 +11,14 @@ import (
 )
 
 // auditRecord collects what one exchange learned, for its audit line.
+// It holds values, not pointers, so that what it records stays on the
+// exchange's stack.
 type auditRecord struct {
-	user     *hubauth.User
-	cacheHit bool
-	minted   *minted // the checked claims of the token answered
+	user          hubauth.User
+	authenticated bool // user is set
+	cacheHit      bool
+	minted        minted // the checked claims of the token answered
+	answered      bool   // minted is set
 }
 
 // audit writes the exchange's one audit line, which ended at now, and
@@ -45,10 +49,10 @@ func auditValues(rec *auditRecord, req *pb.ExchangeRequest, code codes.Code, err
 		"cacheHit", rec.cacheHit,
 		"latency", latency.String(),
 	}
-	if rec.user != nil {
+	if rec.authenticated {
 		kv = append(kv, "user", rec.user.Username, "uid", rec.user.UID)
 	}
-	if rec.minted != nil {
+	if rec.answered {
 		// The token's checked claims, not what the agent said beside it.
 		kv = append(kv,
 			"serviceAccount", rec.minted.serviceAccount.String(),

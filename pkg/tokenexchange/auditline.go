@@ -62,13 +62,13 @@ func appendAuditLine(dst []byte, now time.Time, rec *auditRecord, req *pb.Exchan
 	dst = append(dst, `,"latency":"`...)
 	dst = append(dst, latency.String()...)
 	dst = append(dst, '"')
-	if u := rec.user; u != nil {
+	if u := &rec.user; rec.authenticated {
 		dst = append(dst, `,"user":`...)
 		dst = appendString(dst, u.Username)
 		dst = append(dst, `,"uid":`...)
 		dst = appendString(dst, u.UID)
 	}
-	if m := rec.minted; m != nil {
+	if m := &rec.minted; rec.answered {
 		// The token's checked claims, not what the agent said beside it.
 		dst = append(dst, `,"serviceAccount":`...)
 		dst = appendPair(dst, m.serviceAccount.Namespace, m.serviceAccount.Name)

@@ -187,11 +187,12 @@ func (in auditInput) check(t *testing.T) {
 	}
 	rec := &auditRecord{cacheHit: in.hit}
 	if in.withUser {
-		rec.user = &hubauth.User{Username: in.user, UID: in.uid}
+		rec.user, rec.authenticated = hubauth.User{Username: in.user, UID: in.uid}, true
 	}
 	if in.withMinted {
-		rec.minted = &minted{serviceAccount: types.NamespacedName{Namespace: in.mintedNS, Name: in.mintedName},
+		rec.minted = minted{serviceAccount: types.NamespacedName{Namespace: in.mintedNS, Name: in.mintedName},
 			audiences: req.GetAudiences(), expiry: t0.Add(time.Hour), credentialID: in.jti}
+		rec.answered = true
 	}
 	var err error
 	if in.reason != "" {

@@ -2,14 +2,11 @@ package tokenexchange
 
 import (
 	"context"
-	"crypto/sha256"
 	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"hash"
-	"io"
 	"net"
 	"slices"
 	"strings"
@@ -37,8 +34,7 @@ type authnResult struct {
 // bearerToken reads the "authorization: Bearer <token>" metadata and checks
 // that the token has the shape of a JWT.
 func bearerToken(ctx context.Context) (string, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	values := md.Get("authorization")
+	values := metadata.ValueFromIncomingContext(ctx, "authorization")
 	if len(values) != 1 {
 		return "", fmt.Errorf("send one 'authorization: Bearer <hub ServiceAccount token>' header, got %d: %w", len(values), errdefs.ErrUnauthenticated)
 	}
@@ -68,11 +64,14 @@ func (s *Service) authenticate(ctx context.Context, bearer string) (hubauth.User
 // call was reviewing it already).
 func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (hubauth.User, bool, error) {
 	key := s.bearerKey(bearer)
-
-	var reviewed atomic.Bool
-	res, hit, err := s.authn.Do(ctx, key, func(ctx context.Context) (authnResult, time.Time, error) {
-		return s.tokenReview(ctx, bearer, &reviewed)
-	})
+	res, hit := s.authn.Fresh(key)
+	var (
+		reviewed bool
+		err      error
+	)
+	if !hit {
+		res, hit, reviewed, err = s.reviewOrWait(ctx, key, bearer)
+	}
 	s.metrics.cacheLookups.WithLabelValues("authn", cacheLabel(hit)).Inc()
 	if err != nil {
 		return hubauth.User{}, false, err
@@ -80,7 +79,18 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (huba
 	if res.reason != "" {
 		return hubauth.User{}, false, fmt.Errorf("the hub rejected the token for audience %q: %s: %w", s.cfg.Audience, res.reason, errdefs.ErrUnauthenticated)
 	}
-	return res.user, reviewed.Load(), nil
+	return res.user, reviewed, nil
+}
+
+// reviewOrWait is the authentication cache's Do for bearer, under key:
+// the cached result, or a TokenReview of its own or of a concurrent call.
+// reviewed reports that it sent the review.
+func (s *Service) reviewOrWait(ctx context.Context, key, bearer string) (res authnResult, hit, reviewed bool, err error) {
+	var sent atomic.Bool
+	res, hit, err = s.authn.Do(ctx, key, func(ctx context.Context) (authnResult, time.Time, error) {
+		return s.tokenReview(ctx, bearer, &sent)
+	})
+	return res, hit, sent.Load(), err
 }
 
 // bearerKey is the authentication cache key of bearer: its HMAC with the
@@ -88,9 +98,12 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (huba
 func (s *Service) bearerKey(bearer string) string {
 	mac := s.macs.Get().(hash.Hash)
 	mac.Reset()
-	_, _ = io.WriteString(mac, bearer)
-	var sum [sha256.Size]byte
-	key := hex.EncodeToString(mac.Sum(sum[:0]))
+	k := newKey()
+	*k.buf = append(*k.buf, bearer...)
+	_, _ = mac.Write(*k.buf)
+	*k.buf = mac.Sum((*k.buf)[:0])
+	key := string(*k.buf)
+	k.release()
 	s.macs.Put(mac)
 	return key
 }

@@ -21,12 +21,12 @@ func (s *Service) authorize(ctx context.Context, user hubauth.User, cluster type
 	k := newKey()
 	k.user(user)
 	k.add(cluster.Namespace, cluster.Name)
-	allowed, hit, err := s.authz.Do(ctx, k.sum(), func(ctx context.Context) (bool, time.Time, error) {
-		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
-			return false, time.Time{}, err
-		}
-		return s.accessReview(ctx, user, cluster)
-	})
+	key := k.sum()
+	allowed, hit := s.authz.Fresh(key)
+	var err error
+	if !hit {
+		allowed, hit, err = s.reviewAccessOrWait(ctx, key, user, cluster)
+	}
 	s.metrics.cacheLookups.WithLabelValues("authz", cacheLabel(hit)).Inc()
 	if err != nil {
 		return err
@@ -36,6 +36,18 @@ func (s *Service) authorize(ctx context.Context, user hubauth.User, cluster type
 			user.Username, hubauth.VerbCreate, hubauth.Resource, hubauth.Group, hubauth.Subresource, cluster.Name, cluster.Namespace, errdefs.ErrPermissionDenied)
 	}
 	return nil
+}
+
+// reviewAccessOrWait is the authorization cache's Do for user and
+// cluster, under key: the cached decision, or a SubjectAccessReview of its
+// own or of a concurrent call.
+func (s *Service) reviewAccessOrWait(ctx context.Context, key string, user hubauth.User, cluster types.NamespacedName) (allowed, hit bool, err error) {
+	return s.authz.Do(ctx, key, func(ctx context.Context) (bool, time.Time, error) {
+		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
+			return false, time.Time{}, err
+		}
+		return s.accessReview(ctx, user, cluster)
+	})
 }
 
 func (s *Service) accessReview(ctx context.Context, user hubauth.User, cluster types.NamespacedName) (bool, time.Time, error) {

@@ -3,8 +3,6 @@ package tokenexchange
 import (
 	"crypto/sha256"
 	"encoding/binary"
-	"encoding/hex"
-	"maps"
 	"slices"
 	"sync"
 
@@ -46,13 +44,19 @@ func (k keyBuilder) list(values []string) {
 	k.add(values...)
 }
 
-// sum returns the key, hex, and gives the buffer back.
+// sum returns the key, the 32 bytes of the SHA-256 as a string, and gives
+// the buffer back.
 func (k keyBuilder) sum() string {
 	sum := sha256.Sum256(*k.buf)
+	k.release()
+	return string(sum[:])
+}
+
+// release gives the buffer back to keyBuffers.
+func (k keyBuilder) release() {
 	if cap(*k.buf) <= 64<<10 {
 		keyBuffers.Put(k.buf)
 	}
-	return hex.EncodeToString(sum[:])
 }
 
 // userKey adds every field of a hub user that a decision may depend on.
@@ -60,7 +64,15 @@ func (k keyBuilder) user(u hubauth.User) {
 	k.add(u.UID, u.Username)
 	k.list(u.Groups)
 	k.count(len(u.Extra))
-	for _, name := range slices.Sorted(maps.Keys(u.Extra)) {
+	// The extra's names, sorted, in an array on the stack: TokenReviews
+	// name a few (the credential id, the pod's name and UID, the node's).
+	var stack [8]string
+	names := stack[:0]
+	for name := range u.Extra {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for _, name := range names {
 		k.add(name)
 		k.list(u.Extra[name])
 	}

@@ -53,7 +53,7 @@ func parseRequest(req *pb.ExchangeRequest, brokerAudience string, minExp, maxExp
 			return r, fmt.Errorf("audiences[%d]: %q is the broker's own audience and never goes into a spoke token: %w", i, a, errdefs.ErrInvalidArgument)
 		}
 	}
-	r.audiences = slices.Compact(slices.Sorted(slices.Values(req.GetAudiences())))
+	r.audiences = sortedSet(req.GetAudiences())
 
 	switch secs := req.GetExpirationSeconds(); {
 	case secs < 0:
@@ -98,3 +98,15 @@ func validAudience(a string) bool {
 }
 
 func isControl(r rune) bool { return r < 0x20 || r == 0x7f }
+
+// sortedSet returns values sorted and without duplicates: values itself
+// when it is so already (most requests name one audience or none), which
+// the caller then must not change, or else a sorted copy.
+func sortedSet(values []string) []string {
+	for i := 1; i < len(values); i++ {
+		if values[i-1] >= values[i] {
+			return slices.Compact(slices.Sorted(slices.Values(values)))
+		}
+	}
+	return values
+}

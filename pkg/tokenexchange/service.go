@@ -257,15 +257,15 @@ func (s *Service) Exchange(ctx context.Context, req *pb.ExchangeRequest) (*pb.Ex
 	resp, err := s.exchange(ctx, req, rec)
 	end := s.cfg.Clock.Now()
 	s.audit(end, rec, req, err, end.Sub(start))
+	if err == nil {
+		return resp, nil
+	}
 	if wait, ok := errdefs.RetryAfter(err); ok {
 		// Only a gRPC server has a stream to carry the trailer; the
 		// message says the wait too.
 		_ = grpc.SetTrailer(ctx, errdefs.RetryAfterTrailer(wait))
 	}
-	if err != nil {
-		return nil, errdefs.ToStatus(err).Err()
-	}
-	return resp, nil
+	return nil, errdefs.ToStatus(err).Err()
 }
 
 func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *auditRecord) (*pb.ExchangeResponse, error) {
@@ -277,7 +277,7 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 	if err != nil {
 		return nil, err
 	}
-	rec.user = &user
+	rec.user, rec.authenticated = user, true
 	// The TokenReview is done; it counts against the consumer's limit
 	// after the fact, since only it says who the consumer is. Its answer
 	// is cached, so a consumer told to wait costs no second review.
@@ -299,12 +299,15 @@ func (s *Service) exchange(ctx context.Context, req *pb.ExchangeRequest, rec *au
 	}
 
 	key := tokenKey(cluster.Ref, user, r)
-	m, hit, err := s.unrevoked(ctx, key, cluster.Ref, s.minter(req, user, cluster.Ref, r))
+	m, hit := s.tokens.Fresh(key)
+	if !hit || s.revoked(m) {
+		m, hit, err = s.unrevoked(ctx, key, cluster.Ref, s.minter(req, user, cluster.Ref, r))
+	}
 	rec.cacheHit = hit
 	if err != nil {
 		return nil, err
 	}
-	rec.minted = &m
+	rec.minted, rec.answered = m, true
 	return &pb.ExchangeResponse{
 		Token:                    m.token,
 		ExpirationTime:           timestamppb.New(m.expiry),
