@@ -3,7 +3,6 @@ package grants
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -67,7 +66,7 @@ type ServiceConfig struct {
 type Service struct {
 	pb.UnsafeGrantsServer
 	cfg       ServiceConfig
-	decisions *store.Cache[bool]
+	decisions *store.Cache[[sha256.Size]byte, bool]
 }
 
 var _ pb.GrantsServer = (*Service)(nil)
@@ -95,7 +94,7 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 	if cfg.CacheSize <= 0 {
 		cfg.CacheSize = 10000
 	}
-	decisions, err := store.New[bool](store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AllowTTL, cfg.DenyTTL), Clock: cfg.Clock})
+	decisions, err := store.New[[sha256.Size]byte, bool](store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AllowTTL, cfg.DenyTTL), Clock: cfg.Clock})
 	if err != nil {
 		return nil, fmt.Errorf("grants: %w", err)
 	}
@@ -317,7 +316,7 @@ func (s *Service) review(ctx context.Context, user hubauth.User, verb string, c 
 		return false, fmt.Errorf("grants: review cache key: %w", err)
 	}
 	sum := sha256.Sum256(key)
-	allowed, _, err := s.decisions.Do(ctx, hex.EncodeToString(sum[:]), func(ctx context.Context) (bool, time.Time, error) {
+	allowed, _, err := s.decisions.Do(ctx, sum, func(ctx context.Context) (bool, time.Time, error) {
 		now := s.cfg.Clock.Now()
 		rctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 		defer cancel()

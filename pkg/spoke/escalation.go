@@ -131,7 +131,7 @@ type escalationChecker struct {
 	clock   store.Clock
 	// cache holds, per ServiceAccount, the descriptions of the escalating
 	// permissions it has; empty for none.
-	cache *store.Cache[[]string]
+	cache *store.Cache[string, []string]
 }
 
 func newEscalationChecker(access AccessReviewer, allowed []types.NamespacedName, ttl time.Duration, clk store.Clock) (*escalationChecker, error) {
@@ -154,7 +154,7 @@ func newEscalationChecker(access AccessReviewer, allowed []types.NamespacedName,
 	if ttl == 0 {
 		ttl = DefaultEscalationTTL
 	}
-	c, err := store.New[[]string](store.Config{Size: escalationCacheSize, MaxTTL: ttl, Clock: clk})
+	c, err := store.New[string, []string](store.Config{Size: escalationCacheSize, MaxTTL: ttl, Clock: clk})
 	if err != nil {
 		return nil, fmt.Errorf("spoke config: escalation cache: %w", err)
 	}

@@ -13,7 +13,7 @@ import (
 // once over 1,000 keys: the broker's cached exchanges do three (authn,
 // authz, token) and a rate-limit lookup on each miss.
 func BenchmarkDoHit(b *testing.B) {
-	c, err := New[int](Config{Size: 10000, MaxTTL: time.Hour})
+	c, err := New[string, int](Config{Size: 10000, MaxTTL: time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -38,7 +38,7 @@ func BenchmarkDoHit(b *testing.B) {
 
 // BenchmarkDoMiss is a lookup that misses and stores a new entry.
 func BenchmarkDoMiss(b *testing.B) {
-	c, err := New[int](Config{Size: 10000, MaxTTL: time.Hour})
+	c, err := New[string, int](Config{Size: 10000, MaxTTL: time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}

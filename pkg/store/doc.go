@@ -5,7 +5,7 @@
 //
 // Create one Cache per kind of value, once, at start-up:
 //
-//	cache, err := store.New[Decision](store.Config{Size: 10000, MaxTTL: 10 * time.Minute, Clock: clk})
+//	cache, err := store.New[string, Decision](store.Config{Size: 10000, MaxTTL: 10 * time.Minute, Clock: clk})
 //
 // Each entry is fresh until the time given when it was stored, judged by
 // Config.Clock (any k8s.io/utils/clock clock satisfies Clock). Get returns an

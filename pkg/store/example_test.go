@@ -14,7 +14,7 @@ type token struct {
 }
 
 func ExampleCache_Do() {
-	cache, err := store.New[token](store.Config{Size: 1000, MaxTTL: time.Hour})
+	cache, err := store.New[string, token](store.Config{Size: 1000, MaxTTL: time.Hour})
 	if err != nil {
 		panic(err)
 	}

@@ -14,7 +14,7 @@ import (
 // while callers keep getting it from the cache.
 func TestRefreshAhead(t *testing.T) {
 	clk := newFakeClock()
-	c, err := New[int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: 2 * time.Second,
+	c, err := New[string, int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: 2 * time.Second,
 		Refreshable: func(v any) bool { return v.(int) > 0 }})
 	require.NoError(t, err)
 	ctx := context.Background()
@@ -62,7 +62,7 @@ func TestRefreshAhead(t *testing.T) {
 
 func TestRefreshAheadFailureLeavesTheEntry(t *testing.T) {
 	clk := newFakeClock()
-	c, err := New[int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: 2 * time.Second})
+	c, err := New[string, int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: 2 * time.Second})
 	require.NoError(t, err)
 	c.Add("k", 1, clk.Now().Add(time.Second))
 	done := make(chan struct{})
@@ -80,7 +80,7 @@ func TestRefreshAheadFailureLeavesTheEntry(t *testing.T) {
 
 func TestRefreshAheadSkipsWhatIsNotRefreshable(t *testing.T) {
 	clk := newFakeClock()
-	c, err := New[int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: time.Hour,
+	c, err := New[string, int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: time.Hour,
 		Refreshable: func(v any) bool { return v.(int) > 0 }})
 	require.NoError(t, err)
 	c.Add("denied", 0, clk.Now().Add(time.Second))
@@ -91,7 +91,7 @@ func TestRefreshAheadSkipsWhatIsNotRefreshable(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, hit)
 
-	_, err = New[int](Config{Size: 1, MaxTTL: time.Hour, RefreshWithin: -1})
+	_, err = New[string, int](Config{Size: 1, MaxTTL: time.Hour, RefreshWithin: -1})
 	assert.Error(t, err)
 }
 
@@ -100,7 +100,7 @@ func TestRefreshAheadSkipsWhatIsNotRefreshable(t *testing.T) {
 // refresh that is due.
 func TestFreshLeavesDueRefreshesToDo(t *testing.T) {
 	clk := newFakeClock()
-	c, err := New[int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: 2 * time.Second,
+	c, err := New[string, int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk, RefreshWithin: 2 * time.Second,
 		Refreshable: func(v any) bool { return v.(int) > 0 }})
 	require.NoError(t, err)
 	_, ok := c.Fresh("k")

@@ -68,11 +68,27 @@ type entry[V any] struct {
 	refreshing bool
 }
 
+// Key is what a Cache is keyed by: a string, or the 32 bytes of a hash
+// (such as a SHA-256), which cost no allocation to make.
+type Key interface {
+	string | [32]byte
+}
+
+// flightKey is key as the string that singleflight groups calls by.
+func flightKey[K Key](key K) string {
+	switch k := any(key).(type) {
+	case [32]byte:
+		return string(k[:])
+	default:
+		return any(key).(string)
+	}
+}
+
 // Cache is a bounded cache whose entries are each fresh until their own
 // time. It is safe for concurrent use.
-type Cache[V any] struct {
+type Cache[K Key, V any] struct {
 	clock Clock
-	lru   *expirable.LRU[string, entry[V]]
+	lru   *expirable.LRU[K, entry[V]]
 	group singleflight.Group
 	// refreshWithin and refreshable are Config's.
 	refreshWithin time.Duration
@@ -84,11 +100,11 @@ type Cache[V any] struct {
 
 	// testHookJoined, when set, is called by Do after the caller has joined
 	// (or started) the fetch for key and before it waits.
-	testHookJoined func(key string)
+	testHookJoined func(key K)
 }
 
 // New returns an empty Cache.
-func New[V any](cfg Config) (*Cache[V], error) {
+func New[K Key, V any](cfg Config) (*Cache[K, V], error) {
 	if cfg.Size <= 0 {
 		return nil, fmt.Errorf("store: Config.Size must be > 0, got %d", cfg.Size)
 	}
@@ -102,9 +118,9 @@ func New[V any](cfg Config) (*Cache[V], error) {
 	if cfg.RefreshWithin < 0 {
 		return nil, fmt.Errorf("store: Config.RefreshWithin must not be negative, got %v", cfg.RefreshWithin)
 	}
-	return &Cache[V]{
+	return &Cache[K, V]{
 		clock:         clk,
-		lru:           expirable.NewLRU[string, entry[V]](cfg.Size, nil, cfg.MaxTTL),
+		lru:           expirable.NewLRU[K, entry[V]](cfg.Size, nil, cfg.MaxTTL),
 		refreshWithin: cfg.RefreshWithin,
 		refreshable:   cfg.Refreshable,
 	}, nil
@@ -112,7 +128,7 @@ func New[V any](cfg Config) (*Cache[V], error) {
 
 // Get returns the value stored for key if Clock.Now() is before its
 // freshUntil. A stale entry is removed and reported missing.
-func (c *Cache[V]) Get(key string) (V, bool) {
+func (c *Cache[K, V]) Get(key K) (V, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e, ok := c.lru.Get(key)
@@ -132,7 +148,7 @@ func (c *Cache[V]) Get(key string) (V, bool) {
 // nothing else: it is fresh, and no refresh of it is due
 // (Config.RefreshWithin). A caller that gets false calls Do; one that gets
 // true need not build Do's fetch, which on a hot path is an allocation.
-func (c *Cache[V]) Fresh(key string) (V, bool) {
+func (c *Cache[K, V]) Fresh(key K) (V, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e, ok := c.lru.Get(key)
@@ -145,14 +161,14 @@ func (c *Cache[V]) Fresh(key string) (V, bool) {
 
 // due reports whether e is due for a refresh ahead of its end. c.mu is
 // held.
-func (c *Cache[V]) due(e entry[V]) bool {
+func (c *Cache[K, V]) due(e entry[V]) bool {
 	return c.refreshWithin > 0 && !e.refreshing && e.freshUntil.Sub(c.clock.Now()) <= c.refreshWithin &&
 		(c.refreshable == nil || c.refreshable(e.v))
 }
 
 // Add stores v for key, fresh until freshUntil, replacing any entry for key.
 // It does nothing when freshUntil is not after Clock.Now().
-func (c *Cache[V]) Add(key string, v V, freshUntil time.Time) {
+func (c *Cache[K, V]) Add(key K, v V, freshUntil time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !freshUntil.After(c.clock.Now()) {
@@ -162,13 +178,13 @@ func (c *Cache[V]) Add(key string, v V, freshUntil time.Time) {
 }
 
 // Remove removes the entry for key, if any.
-func (c *Cache[V]) Remove(key string) {
+func (c *Cache[K, V]) Remove(key K) {
 	c.lru.Remove(key)
 }
 
 // Len returns the number of entries held in memory, including stale entries
 // that no Get has looked at yet.
-func (c *Cache[V]) Len() int {
+func (c *Cache[K, V]) Len() int {
 	return c.lru.Len()
 }
 
@@ -188,7 +204,7 @@ type flight[V any] struct {
 // if that ends first. Errors from fetch are returned as they are and not
 // cached. A panic in fetch is returned to every waiter as an error wrapping
 // ErrFetchPanicked.
-func (c *Cache[V]) Do(ctx context.Context, key string, fetch func(ctx context.Context) (V, time.Time, error)) (v V, hit bool, err error) {
+func (c *Cache[K, V]) Do(ctx context.Context, key K, fetch func(ctx context.Context) (V, time.Time, error)) (v V, hit bool, err error) {
 	if v, ok := c.Get(key); ok {
 		c.refreshAhead(ctx, key, fetch)
 		return v, true, nil
@@ -197,7 +213,7 @@ func (c *Cache[V]) Do(ctx context.Context, key string, fetch func(ctx context.Co
 		return v, false, fmt.Errorf("store: not waiting for fetch: %w", err)
 	}
 	fetchCtx := context.WithoutCancel(ctx)
-	ch := c.group.DoChan(key, func() (any, error) {
+	ch := c.group.DoChan(flightKey(key), func() (any, error) {
 		// A fetch for key may have finished between our Get and DoChan.
 		if v, ok := c.Get(key); ok {
 			return flight[V]{v: v, hit: true}, nil
@@ -226,7 +242,7 @@ func (c *Cache[V]) Do(ctx context.Context, key string, fetch func(ctx context.Co
 
 // refreshAhead starts the background refresh of key's entry when it is
 // due (Config.RefreshWithin), once per stored entry.
-func (c *Cache[V]) refreshAhead(ctx context.Context, key string, fetch func(ctx context.Context) (V, time.Time, error)) {
+func (c *Cache[K, V]) refreshAhead(ctx context.Context, key K, fetch func(ctx context.Context) (V, time.Time, error)) {
 	if c.refreshWithin <= 0 {
 		return
 	}
@@ -249,7 +265,7 @@ func (c *Cache[V]) refreshAhead(ctx context.Context, key string, fetch func(ctx 
 	// terms rather than wait on a refresh that may wait for budget.
 	go func() {
 		defer cancel()
-		_, _, _ = c.group.Do("\x00refresh\x00"+key, func() (any, error) {
+		_, _, _ = c.group.Do("\x00refresh\x00"+flightKey(key), func() (any, error) {
 			v, freshUntil, err := safeFetch(rctx, fetch)
 			if err == nil {
 				c.Add(key, v, freshUntil)

@@ -39,10 +39,10 @@ func (f *fakeClock) Step(d time.Duration) {
 
 // newCache returns a cache whose MaxTTL is far longer than any test, so only
 // the fake clock decides freshness.
-func newCache[V any](t *testing.T, size int) (*Cache[V], *fakeClock) {
+func newCache[V any](t *testing.T, size int) (*Cache[string, V], *fakeClock) {
 	t.Helper()
 	clk := newFakeClock()
-	c, err := New[V](Config{Size: size, MaxTTL: time.Hour, Clock: clk})
+	c, err := New[string, V](Config{Size: size, MaxTTL: time.Hour, Clock: clk})
 	require.NoError(t, err)
 	return c, clk
 }
@@ -81,7 +81,7 @@ func TestNew(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c, err := New[int](tt.cfg)
+			c, err := New[string, int](tt.cfg)
 			if tt.wantErr != "" {
 				require.EqualError(t, err, tt.wantErr)
 				assert.Nil(t, c)
@@ -94,7 +94,7 @@ func TestNew(t *testing.T) {
 }
 
 func TestNewDefaultsToRealClock(t *testing.T) {
-	c, err := New[string](Config{Size: 1, MaxTTL: time.Hour})
+	c, err := New[string, string](Config{Size: 1, MaxTTL: time.Hour})
 	require.NoError(t, err)
 	c.Add("k", "v", time.Now().Add(time.Hour))
 	v, ok := c.Get("k")
@@ -339,6 +339,34 @@ func TestDoDifferentKeysFetchSeparately(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, "v-"+k, v)
 	}
+	assert.Equal(t, 2, c.Len())
+}
+
+// Keys of 32 bytes (hashes) share one flight per key, as strings do, and
+// only per key.
+func TestDoHashKeys(t *testing.T) {
+	clk := newFakeClock()
+	c, err := New[[32]byte, int](Config{Size: 10, MaxTTL: time.Hour, Clock: clk})
+	require.NoError(t, err)
+	a, b := [32]byte{1}, [32]byte{2}
+	release := make(chan struct{})
+	var fetches atomic.Int32
+	fetch := func(context.Context) (int, time.Time, error) {
+		fetches.Add(1)
+		<-release
+		return 1, clk.Now().Add(time.Minute), nil
+	}
+	var wg sync.WaitGroup
+	for _, k := range [][32]byte{a, a, a, b} {
+		wg.Go(func() {
+			_, _, err := c.Do(t.Context(), k, fetch)
+			assert.NoError(t, err)
+		})
+	}
+	require.Eventually(t, func() bool { return fetches.Load() == 2 }, 5*time.Second, time.Millisecond)
+	close(release)
+	wg.Wait()
+	assert.Equal(t, int32(2), fetches.Load(), "one fetch per key")
 	assert.Equal(t, 2, c.Len())
 }
 

@@ -85,7 +85,7 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (huba
 // reviewOrWait is the authentication cache's Do for bearer, under key:
 // the cached result, or a TokenReview of its own or of a concurrent call.
 // reviewed reports that it sent the review.
-func (s *Service) reviewOrWait(ctx context.Context, key, bearer string) (res authnResult, hit, reviewed bool, err error) {
+func (s *Service) reviewOrWait(ctx context.Context, key cacheKey, bearer string) (res authnResult, hit, reviewed bool, err error) {
 	var sent atomic.Bool
 	res, hit, err = s.authn.Do(ctx, key, func(ctx context.Context) (authnResult, time.Time, error) {
 		return s.tokenReview(ctx, bearer, &sent)
@@ -95,14 +95,14 @@ func (s *Service) reviewOrWait(ctx context.Context, key, bearer string) (res aut
 
 // bearerKey is the authentication cache key of bearer: its HMAC with the
 // service's key, so that the cache holds no token, made with a pooled MAC.
-func (s *Service) bearerKey(bearer string) string {
+func (s *Service) bearerKey(bearer string) cacheKey {
 	mac := s.macs.Get().(hash.Hash)
 	mac.Reset()
 	k := newKey()
 	*k.buf = append(*k.buf, bearer...)
 	_, _ = mac.Write(*k.buf)
-	*k.buf = mac.Sum((*k.buf)[:0])
-	key := string(*k.buf)
+	var key cacheKey
+	copy(key[:], mac.Sum((*k.buf)[:0]))
 	k.release()
 	s.macs.Put(mac)
 	return key

@@ -41,7 +41,7 @@ func (s *Service) authorize(ctx context.Context, user hubauth.User, cluster type
 // reviewAccessOrWait is the authorization cache's Do for user and
 // cluster, under key: the cached decision, or a SubjectAccessReview of its
 // own or of a concurrent call.
-func (s *Service) reviewAccessOrWait(ctx context.Context, key string, user hubauth.User, cluster types.NamespacedName) (allowed, hit bool, err error) {
+func (s *Service) reviewAccessOrWait(ctx context.Context, key cacheKey, user hubauth.User, cluster types.NamespacedName) (allowed, hit bool, err error) {
 	return s.authz.Do(ctx, key, func(ctx context.Context) (bool, time.Time, error) {
 		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
 			return false, time.Time{}, err

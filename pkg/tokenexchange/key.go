@@ -44,12 +44,15 @@ func (k keyBuilder) list(values []string) {
 	k.add(values...)
 }
 
-// sum returns the key, the 32 bytes of the SHA-256 as a string, and gives
-// the buffer back.
-func (k keyBuilder) sum() string {
+// cacheKey is the key of the exchange's caches: a SHA-256 (keyBuilder)
+// or an HMAC-SHA-256 (Service.bearerKey), which cost no allocation.
+type cacheKey = [sha256.Size]byte
+
+// sum returns the key and gives the buffer back.
+func (k keyBuilder) sum() cacheKey {
 	sum := sha256.Sum256(*k.buf)
 	k.release()
-	return string(sum[:])
+	return sum
 }
 
 // release gives the buffer back to keyBuffers.
@@ -80,7 +83,7 @@ func (k keyBuilder) user(u hubauth.User) {
 
 // tokenKey identifies the minted tokens that one request may reuse: the same
 // ClusterProfile incarnation, consumer, spoke ServiceAccount and audiences.
-func tokenKey(cluster fleet.ClusterRef, user hubauth.User, r request) string {
+func tokenKey(cluster fleet.ClusterRef, user hubauth.User, r request) cacheKey {
 	k := newKey()
 	k.add(string(cluster.UID), cluster.Namespace, cluster.Name, user.UID, user.Username, r.serviceAccount.Namespace, r.serviceAccount.Name)
 	k.list(r.audiences)

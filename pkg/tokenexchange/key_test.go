@@ -14,13 +14,13 @@ import (
 // another key; the same user gives the same key whatever the order of its
 // extra map.
 func TestKeysDoNotCollide(t *testing.T) {
-	key := func(build func(k keyBuilder)) string {
+	key := func(build func(k keyBuilder)) cacheKey {
 		k := newKey()
 		build(k)
 		return k.sum()
 	}
 	user := func(u hubauth.User) func(keyBuilder) { return func(k keyBuilder) { k.user(u); k.add("fleet", "a") } }
-	for schema, keys := range map[string]map[string]string{
+	for schema, keys := range map[string]map[string]cacheKey{
 		"two strings": {
 			"ab|c": key(func(k keyBuilder) { k.add("ab", "c") }),
 			"a|bc": key(func(k keyBuilder) { k.add("a", "bc") }),
@@ -40,7 +40,7 @@ func TestKeysDoNotCollide(t *testing.T) {
 			"nothing":     key(user(hubauth.User{Username: "u"})),
 		},
 	} {
-		seen := map[string]string{}
+		seen := map[cacheKey]string{}
 		for name, k := range keys {
 			if other, ok := seen[k]; ok {
 				t.Errorf("%s: %s and %s share a key", schema, name, other)

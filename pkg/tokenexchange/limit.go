@@ -41,7 +41,7 @@ func spend(ctx context.Context, lim *rate.Limiter, now time.Time, refusal string
 
 // limiterFor returns the limiter that limiters holds for key, made with
 // limit and burst on first use.
-func limiterFor(ctx context.Context, limiters *store.Cache[*rate.Limiter], key string, limit rate.Limit, burst int, now time.Time) (*rate.Limiter, error) {
+func limiterFor[K store.Key](ctx context.Context, limiters *store.Cache[K, *rate.Limiter], key K, limit rate.Limit, burst int, now time.Time) (*rate.Limiter, error) {
 	lim, _, err := limiters.Do(ctx, key, func(context.Context) (*rate.Limiter, time.Time, error) {
 		return rate.NewLimiter(limit, burst), now.Add(time.Hour), nil
 	})

@@ -156,18 +156,18 @@ type Service struct {
 	pb.UnsafeTokenExchangeServer
 
 	cfg      Config
-	authn    *store.Cache[authnResult]
-	authz    *store.Cache[bool]
-	tokens   *store.Cache[minted]
-	limiters *store.Cache[*rate.Limiter]
+	authn    *store.Cache[cacheKey, authnResult]
+	authz    *store.Cache[cacheKey, bool]
+	tokens   *store.Cache[cacheKey, minted]
+	limiters *store.Cache[cacheKey, *rate.Limiter]
 	reviews  *rate.Limiter
 	// macs holds HMACs keyed with HMACKey, for the authentication cache
 	// keys (bearerKey).
 	macs sync.Pool
 	// peerReviews holds a TokenReview limiter per peer address, and
 	// namespaceReviews one per hub namespace.
-	peerReviews      *store.Cache[*rate.Limiter]
-	namespaceReviews *store.Cache[*rate.Limiter]
+	peerReviews      *store.Cache[string, *rate.Limiter]
+	namespaceReviews *store.Cache[string, *rate.Limiter]
 	metrics          *metrics
 }
 
@@ -222,22 +222,22 @@ func New(cfg Config) (*Service, error) {
 	authn, authz := decisions, decisions
 	authn.RefreshWithin, authn.Refreshable = cfg.AuthnTTL/refreshShare, func(v any) bool { return v.(authnResult).reason == "" }
 	authz.RefreshWithin, authz.Refreshable = cfg.AllowTTL/refreshShare, func(v any) bool { return v.(bool) }
-	if s.authn, err = store.New[authnResult](authn); err != nil {
+	if s.authn, err = store.New[cacheKey, authnResult](authn); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
-	if s.authz, err = store.New[bool](authz); err != nil {
+	if s.authz, err = store.New[cacheKey, bool](authz); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
-	if s.tokens, err = store.New[minted](store.Config{Size: cfg.CacheSize, MaxTTL: cfg.MaxExpiration, Clock: cfg.Clock}); err != nil {
+	if s.tokens, err = store.New[cacheKey, minted](store.Config{Size: cfg.CacheSize, MaxTTL: cfg.MaxExpiration, Clock: cfg.Clock}); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
-	if s.limiters, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
+	if s.limiters, err = store.New[cacheKey, *rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
-	if s.peerReviews, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
+	if s.peerReviews, err = store.New[string, *rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
-	if s.namespaceReviews, err = store.New[*rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
+	if s.namespaceReviews, err = store.New[string, *rate.Limiter](store.Config{Size: cfg.CacheSize, MaxTTL: time.Hour, Clock: cfg.Clock}); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
 	return s, nil
@@ -353,7 +353,7 @@ func (s *Service) minter(req *pb.ExchangeRequest, user hubauth.User, cluster fle
 
 // unrevoked returns the token of key from the cache, or one that mint
 // mints on cluster, and whether it came from the cache.
-func (s *Service) unrevoked(ctx context.Context, key string, cluster fleet.ClusterRef, mint func(context.Context) (minted, time.Time, error)) (minted, bool, error) {
+func (s *Service) unrevoked(ctx context.Context, key cacheKey, cluster fleet.ClusterRef, mint func(context.Context) (minted, time.Time, error)) (minted, bool, error) {
 	m, hit, err := s.tokens.Do(ctx, key, mint)
 	// A revoked token is never handed out: its cache entry goes, and a new
 	// token is minted in its place. A token the agent answers with that is

@@ -111,7 +111,7 @@ func (b *bench) spokeLoad(t *testing.T) {
 // rounds, by a pkg/store cache on a fake clock, for tokens living lifetime.
 func simulateHalfLife(t *testing.T, keys, rounds int, period, lifetime time.Duration) int {
 	clk := clocktesting.NewFakePassiveClock(time.Now())
-	cache, err := store.New[int](store.Config{Size: keys + 1, MaxTTL: 24 * time.Hour, Clock: clk})
+	cache, err := store.New[string, int](store.Config{Size: keys + 1, MaxTTL: 24 * time.Hour, Clock: clk})
 	require.NoError(t, err)
 	mints := 0
 	for range rounds {
