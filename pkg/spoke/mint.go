@@ -338,7 +338,7 @@ func createGrantError(ctx context.Context, namespace string, err error) error {
 		return fmt.Errorf("%s in namespace %s: %v: %w", what, namespace, err, ctx.Err())
 	case apierrors.IsForbidden(err) && strings.Contains(err.Error(), "exceeded quota"):
 		return fmt.Errorf("the ResourceQuota of namespace %s allows no more Secrets, so the agent cannot %s and no token is minted; "+
-			"raise the quota, or lower the agents' --grant-pool-size (each agent keeps that many ready grants per ServiceAccount it minted for): %v: %w",
+			"raise the quota, or lower the agents' --grant-pool-size (the agent that serves the namespace keeps that many ready grants per ServiceAccount it minted for there): %v: %w",
 			namespace, what, err, errdefs.ErrResourceExhausted)
 	case apierrors.IsForbidden(err):
 		return fmt.Errorf("spoke API server forbids the agent to %s in namespace %s, so no token is minted; "+

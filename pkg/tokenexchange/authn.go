@@ -94,7 +94,9 @@ func (s *Service) reviewOrWait(ctx context.Context, key cacheKey, bearer string)
 }
 
 // bearerKey is the authentication cache key of bearer: its HMAC with the
-// service's key, so that the cache holds no token, made with a pooled MAC.
+// service's key, so that the cache holds no token. The MAC and the buffer
+// that bearer is copied into for it are pooled: the key costs no
+// allocation.
 func (s *Service) bearerKey(bearer string) cacheKey {
 	mac := s.macs.Get().(hash.Hash)
 	mac.Reset()
