@@ -32,8 +32,7 @@ func (s *Service) audit(now time.Time, rec *auditRecord, req *pb.ExchangeRequest
 	} else if s.cfg.Audit.Enabled() {
 		s.cfg.Audit.Info("exchange", auditValues(rec, req, code, err, latency)...)
 	}
-	s.metrics.exchanges.WithLabelValues(code.String(), cacheLabel(rec.cacheHit)).Inc()
-	s.metrics.exchangeDuration.WithLabelValues(code.String()).Observe(latency.Seconds())
+	s.metrics.exchanged(code, rec.cacheHit, latency)
 }
 
 // auditValues are the audit line's keys and values for a logr Audit, which

@@ -72,7 +72,7 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (huba
 	if !hit {
 		res, hit, reviewed, err = s.reviewOrWait(ctx, key, bearer)
 	}
-	s.metrics.cacheLookups.WithLabelValues("authn", cacheLabel(hit)).Inc()
+	s.metrics.lookedUp(authnCache, hit)
 	if err != nil {
 		return hubauth.User{}, false, err
 	}

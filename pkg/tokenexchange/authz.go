@@ -27,7 +27,7 @@ func (s *Service) authorize(ctx context.Context, user hubauth.User, cluster type
 	if !hit {
 		allowed, hit, err = s.reviewAccessOrWait(ctx, key, user, cluster)
 	}
-	s.metrics.cacheLookups.WithLabelValues("authz", cacheLabel(hit)).Inc()
+	s.metrics.lookedUp(authzCache, hit)
 	if err != nil {
 		return err
 	}

@@ -1,7 +1,10 @@
 package tokenexchange
 
 import (
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
 
 	promreg "github.com/credbroker/credbroker/internal/metrics"
 )
@@ -12,7 +15,26 @@ type metrics struct {
 	exchanges        *prometheus.CounterVec
 	exchangeDuration *prometheus.HistogramVec
 	cacheLookups     *prometheus.CounterVec
+
+	// The series that every answered exchange counts, looked up once
+	// rather than by label values on every call: exchanges and their
+	// latency with code OK, by token cache miss (0) and hit (1), and the
+	// lookups of each decision cache by miss and hit.
+	answered   [2]prometheus.Counter
+	answeredIn prometheus.Observer
+	lookups    [decisionCaches][2]prometheus.Counter
 }
+
+// decisionCache names a cache of hub decisions in cacheLookups.
+type decisionCache int
+
+const (
+	authnCache decisionCache = iota // TokenReviews
+	authzCache                      // SubjectAccessReviews
+	decisionCaches
+)
+
+var decisionCacheLabels = [decisionCaches]string{authnCache: "authn", authzCache: "authz"}
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
@@ -36,7 +58,39 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	if err := promreg.Register(reg, m.exchanges, m.exchangeDuration, m.cacheLookups); err != nil {
 		return nil, err
 	}
+	ok := codes.OK.String()
+	for _, hit := range []bool{false, true} {
+		m.answered[hitIndex(hit)] = m.exchanges.WithLabelValues(ok, cacheLabel(hit))
+		for c, label := range decisionCacheLabels {
+			m.lookups[c][hitIndex(hit)] = m.cacheLookups.WithLabelValues(label, cacheLabel(hit))
+		}
+	}
+	m.answeredIn = m.exchangeDuration.WithLabelValues(ok)
 	return m, nil
+}
+
+// exchanged counts an exchange that ended with code after latency, and
+// whether its token came from the cache.
+func (m *metrics) exchanged(code codes.Code, hit bool, latency time.Duration) {
+	if code == codes.OK {
+		m.answered[hitIndex(hit)].Inc()
+		m.answeredIn.Observe(latency.Seconds())
+		return
+	}
+	m.exchanges.WithLabelValues(code.String(), cacheLabel(hit)).Inc()
+	m.exchangeDuration.WithLabelValues(code.String()).Observe(latency.Seconds())
+}
+
+// lookedUp counts a lookup of the decision cache c.
+func (m *metrics) lookedUp(c decisionCache, hit bool) {
+	m.lookups[c][hitIndex(hit)].Inc()
+}
+
+func hitIndex(hit bool) int {
+	if hit {
+		return 1
+	}
+	return 0
 }
 
 func cacheLabel(hit bool) string {

@@ -70,13 +70,48 @@ func parseRef(field string, ref *pb.ObjectReference, isName func(string) []strin
 	if ref == nil {
 		return types.NamespacedName{}, fmt.Errorf("%s is required: %w", field, errdefs.ErrInvalidArgument)
 	}
-	if errs := validation.IsDNS1123Label(ref.GetNamespace()); len(errs) > 0 {
-		return types.NamespacedName{}, fmt.Errorf("%s.namespace %q: %s: %w", field, clip(ref.GetNamespace()), errs[0], errdefs.ErrInvalidArgument)
+	if msg := invalid(ref.GetNamespace(), validation.IsDNS1123Label); msg != "" {
+		return types.NamespacedName{}, fmt.Errorf("%s.namespace %q: %s: %w", field, clip(ref.GetNamespace()), msg, errdefs.ErrInvalidArgument)
 	}
-	if errs := isName(ref.GetName()); len(errs) > 0 {
-		return types.NamespacedName{}, fmt.Errorf("%s.name %q: %s: %w", field, clip(ref.GetName()), errs[0], errdefs.ErrInvalidArgument)
+	if msg := invalid(ref.GetName(), isName); msg != "" {
+		return types.NamespacedName{}, fmt.Errorf("%s.name %q: %s: %w", field, clip(ref.GetName()), msg, errdefs.ErrInvalidArgument)
 	}
 	return types.NamespacedName{Namespace: ref.GetNamespace(), Name: ref.GetName()}, nil
+}
+
+// invalid returns the first of check's complaints about s, or "" when it
+// has none. check is apimachinery's validation of a DNS label or
+// subdomain, both of which accept every DNS label: isLabel accepts most
+// names without check's regular expression, which a cached exchange
+// would otherwise run twice.
+func invalid(s string, check func(string) []string) string {
+	if isLabel(s) {
+		return ""
+	}
+	if errs := check(s); len(errs) > 0 {
+		return errs[0]
+	}
+	return ""
+}
+
+// isLabel reports whether s is a DNS label (RFC 1123): 1 to 63 lowercase
+// letters, digits and '-', starting and ending with a letter or digit. It
+// may be stricter than validation.IsDNS1123Label, never laxer
+// (FuzzIsLabel).
+func isLabel(s string) bool {
+	if len(s) == 0 || len(s) > validation.DNS1123LabelMaxLength {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 'a' && c <= 'z' || c >= '0' && c <= '9' {
+			continue
+		}
+		if c != '-' || i == 0 || i == len(s)-1 {
+			return false
+		}
+	}
+	return true
 }
 
 // maxClip is how many bytes of a caller's string clip keeps.

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/metadata"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -115,4 +116,28 @@ func FuzzParseRequest(f *testing.F) {
 			}
 		}
 	})
+}
+
+// isLabel lets a name skip apimachinery's validation: it must never
+// accept what that validation refuses, as a DNS label or as a subdomain.
+func FuzzIsLabel(f *testing.F) {
+	for _, s := range []string{"", "a", "apps", "fleet-1", "-a", "a-", "A", "a.b", "a_b", strings.Repeat("a", 63), strings.Repeat("a", 64), "é", "a\x00"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		if !isLabel(s) {
+			return
+		}
+		assert.Empty(t, validation.IsDNS1123Label(s), "isLabel accepted %q, which is no DNS label", s)
+		assert.Empty(t, validation.IsDNS1123Subdomain(s), "isLabel accepted %q, which is no DNS subdomain", s)
+	})
+}
+
+func TestIsLabel(t *testing.T) {
+	for s, want := range map[string]bool{
+		"apps": true, "fleet-1": true, "0": true, strings.Repeat("a", 63): true,
+		"": false, "-a": false, "a-": false, "A": false, "a.b": false, strings.Repeat("a", 64): false,
+	} {
+		assert.Equal(t, want, isLabel(s), "%q", s)
+	}
 }
