@@ -228,7 +228,10 @@ func (c *Config) Validate() error {
 
 // Agent is the assembled spoke side.
 type Agent struct {
-	cfg       Config
+	cfg Config
+	// instance names this agent process on every broker stream, so that
+	// every broker replica ranks it alike for a namespace's mints.
+	instance  string
 	svid      identity.Source
 	informers informers.SharedInformerFactory
 	grants    cache.SharedIndexInformer
@@ -262,7 +265,7 @@ func New(cfg Config) (_ *Agent, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("agent: invalid config: %w", err)
 	}
-	a := &Agent{cfg: cfg, clock: clock.RealClock{}}
+	a := &Agent{cfg: cfg, clock: clock.RealClock{}, instance: tunnel.NewInstance()}
 	if cfg.Clock != nil {
 		a.clock = cfg.Clock
 	}

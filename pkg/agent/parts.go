@@ -196,6 +196,7 @@ func (a *Agent) clientConfig(p *parts, target, addr string, onBrokerDrain func()
 	cfg := a.cfg
 	return tunnel.ClientConfig{
 		Address:          addr,
+		Instance:         a.instance,
 		Credentials:      p.creds,
 		Minter:           instrumented{a.minter, a.metrics},
 		Grants:           a.minter,

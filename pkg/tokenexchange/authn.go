@@ -105,6 +105,7 @@ func (s *Service) bearerKey(bearer string) cacheKey {
 	_, _ = mac.Write(*k.buf)
 	var key cacheKey
 	copy(key[:], mac.Sum((*k.buf)[:0]))
+	clear((*k.buf)[:len(bearer)]) // no token goes back to the pool
 	k.release()
 	s.macs.Put(mac)
 	return key

@@ -151,12 +151,15 @@ func (s *Server) recvHello(ctx context.Context, stream grpc.BidiStreamingServer[
 	}
 }
 
+// maxInstance bounds an instanceHeader.
+const maxInstance = 64
+
 // instanceOf returns the instanceHeader of an agent's stream, if it sent a
 // usable one.
 func instanceOf(ctx context.Context) string {
 	md, _ := metadata.FromIncomingContext(ctx)
 	v := md.Get(instanceHeader)
-	if len(v) != 1 || len(v[0]) == 0 || len(v[0]) > 64 {
+	if len(v) != 1 || len(v[0]) == 0 || len(v[0]) > maxInstance {
 		return ""
 	}
 	return v[0]

@@ -66,6 +66,12 @@ type ClientConfig struct {
 	// ClusterProfile annotation cannot make the agent serve the wrong
 	// cluster. Default: serve whichever ClusterProfile the broker names.
 	Cluster string
+	// Instance names the agent process to the broker (instanceHeader), 1
+	// to 64 bytes. Give every Client of one agent the same one
+	// (NewInstance): broker replicas pick the agent of a namespace's mints
+	// by it (Server.Mint), and they agree only if the agent has one name
+	// for all of them. Default: a new one per Client.
+	Instance string
 	// MintTimeout bounds one Minter call. Default 10s.
 	MintTimeout time.Duration
 	// MaxInFlight bounds concurrent Minter and Grants.Revoke calls per
@@ -133,6 +139,12 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.Address == "" || cfg.Credentials == nil || cfg.Minter == nil {
 		return nil, errors.New("tunnel: Address, Credentials and Minter are required")
 	}
+	if len(cfg.Instance) > maxInstance {
+		return nil, fmt.Errorf("tunnel: Instance is %d bytes, more than %d", len(cfg.Instance), maxInstance)
+	}
+	if cfg.Instance == "" {
+		cfg.Instance = NewInstance()
+	}
 	if cfg.Hello == nil {
 		cfg.Hello = &pb.Hello{}
 	}
@@ -146,8 +158,12 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	cfg.Keepalive = orDefault(cfg.Keepalive, DefaultKeepalive)
 	cfg.KeepaliveTimeout = orDefault(cfg.KeepaliveTimeout, DefaultKeepaliveTimeout)
 	cfg.DrainTimeout = orDefault(cfg.DrainTimeout, DefaultDrainTimeout)
-	return &Client{cfg: cfg, instance: newCorrelationID(), rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
+	return &Client{cfg: cfg, instance: cfg.Instance, rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
 }
+
+// NewInstance returns a random name for an agent process: its
+// ClientConfig.Instance.
+func NewInstance() string { return newCorrelationID() }
 
 // Rotate tells the Client that the SVID that Credentials presents has
 // changed. Run opens a stream over a new connection, whose handshake

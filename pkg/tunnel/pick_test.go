@@ -4,12 +4,14 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/credentials/insecure"
 
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -96,4 +98,41 @@ func TestPickIsTheSameOnEveryReplica(t *testing.T) {
 		}
 	}
 	assert.Nil(t, pick(sessions[:1], "k", map[*session]bool{sessions[0]: true}), "a tried session was picked again")
+}
+
+// Two broker replicas, and two agents with a stream to each: an agent
+// that names all its streams alike (ClientConfig.Instance) is ranked
+// alike by both replicas, so a namespace's mints through either go to it.
+func TestReplicasSendANamespaceToTheSameAgent(t *testing.T) {
+	replicas := []*harness{newHarness(t, time.Second), newHarness(t, time.Second)}
+	minters := []*fakeMinter{{}, {}}
+	for _, m := range minters {
+		instance := NewInstance()
+		for _, h := range replicas {
+			h.agent(t, agentA, m, func(c *ClientConfig) { c.Instance = instance })
+		}
+	}
+	for _, h := range replicas {
+		waitConnected(t, h, clusterA, 2)
+	}
+	for i := range 16 {
+		req := mintIn(fmt.Sprintf("ns-%d", i))
+		var picked []int
+		for _, h := range replicas {
+			before := []int32{minters[0].calls.Load(), minters[1].calls.Load()}
+			_, err := h.srv.Mint(context.Background(), clusterA, req)
+			require.NoError(t, err)
+			for j, m := range minters {
+				if m.calls.Load() > before[j] {
+					picked = append(picked, j)
+				}
+			}
+		}
+		assert.Equal(t, picked[0], picked[1], "namespace ns-%d went to two agents through two replicas", i)
+	}
+}
+
+func TestClientInstanceIsBounded(t *testing.T) {
+	_, err := NewClient(ClientConfig{Address: "a", Credentials: insecure.NewCredentials(), Minter: &fakeMinter{}, Instance: strings.Repeat("i", 65)})
+	assert.ErrorContains(t, err, "Instance is 65 bytes, more than 64")
 }

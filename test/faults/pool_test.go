@@ -18,20 +18,26 @@ import (
 
 // twoAgents creates a ClusterProfile of spoke1 that two shipped agents
 // serve, as the DaemonSet runs them, each with its grant pool (the default
-// --grant-pool-size), and n consumers of it that spoke1's ServiceAccount
-// target in a new namespace allows. It returns the profile's name, the
-// namespace, the consumers and an exchange client of the broker.
-func twoAgents(t *testing.T, prefix string, n int) (name, spokeNS string, consumers []framework.Consumer, client pb.TokenExchangeClient) {
+// --grant-pool-size) and a stream to each broker address (the deployment's
+// broker when none is given), and n consumers of it that spoke1's
+// ServiceAccount target in a new namespace allows. It returns the
+// profile's name, the namespace, the agents, the consumers and an
+// exchange client of the deployment's broker.
+func twoAgents(t *testing.T, prefix string, n int, brokers ...string) (name, spokeNS string, agents []*framework.Process, consumers []framework.Consumer, client pb.TokenExchangeClient) {
 	t.Helper()
 	ctx := t.Context()
 	name = unique(prefix)
 	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, deployment.ProfileAccess(spoke1, framework.FleetNamespace, name))
 	require.NoError(t, err)
 	t.Cleanup(func() { deleteClusterProfile(t, name) })
+	if len(brokers) == 0 {
+		brokers = []string{deployment.Broker.AgentAddr()}
+	}
 	for range 2 {
 		agent, err := deployment.StartAgentProcess(ctx, spoke1, framework.AgentProcessOptions{
-			Bin: agentBin, ClusterProfile: name, BrokerAddresses: []string{deployment.Broker.AgentAddr()}})
+			Bin: agentBin, ClusterProfile: name, BrokerAddresses: brokers})
 		require.NoError(t, err)
+		agents = append(agents, agent)
 		t.Cleanup(agent.Stop)
 		t.Cleanup(func() {
 			if t.Failed() {
@@ -53,7 +59,7 @@ func twoAgents(t *testing.T, prefix string, n int) (name, spokeNS string, consum
 	}
 	require.NoError(t, spoke1.EnsureNamespace(ctx, spokeNS))
 	require.NoError(t, deployment.OptIn(ctx, spoke1, spokeNS, "target", usernames...))
-	return name, spokeNS, consumers, client
+	return name, spokeNS, agents, consumers, client
 }
 
 // exchangeTarget exchanges c's hub token for a token of spokeNS/target
@@ -91,7 +97,7 @@ func TestPooledTokensOfTwoAgentsStayValid(t *testing.T) {
 	// first creates its grant, the rest take pooled ones. Every agent
 	// watches every claim.
 	const consumers = 8
-	name, spokeNS, callers, client := twoAgents(t, "pool", consumers)
+	name, spokeNS, _, callers, client := twoAgents(t, "pool", consumers)
 	var tokens []string
 	for _, c := range callers {
 		resp, err := exchangeTarget(t, client, c, name, spokeNS)
@@ -126,7 +132,7 @@ func TestPooledTokensOfTwoAgentsStayValid(t *testing.T) {
 // its own pooled grant.
 func TestPooledGrantsOfOneAgentDoNotRefuseAnothersMint(t *testing.T) {
 	ctx := t.Context()
-	name, spokeNS, callers, client := twoAgents(t, "quota", 2)
+	name, spokeNS, _, callers, client := twoAgents(t, "quota", 2)
 	secrets := func() int {
 		list, err := spoke1.Client.CoreV1().Secrets(spokeNS).List(ctx, metav1.ListOptions{})
 		require.NoError(t, err)
@@ -159,4 +165,70 @@ func TestPooledGrantsOfOneAgentDoNotRefuseAnothersMint(t *testing.T) {
 		require.NoError(t, err)
 		assert.True(t, review.Authenticated, "the token of consumer %d does not authenticate: %s", i, review.Error)
 	}
+}
+
+// Attack (docs/security.md 32.13, across replicas): agents reach every
+// broker replica, and each replica picks a namespace's agent on its own,
+// by the agents' instance names. An agent named each of its broker
+// streams anew, so the replicas ranked it apart: a namespace's mints
+// through two replicas went to two agents, each keeping pooled grants in
+// the namespace (and for each namespace, both replicas picked the same
+// agent only half the time).
+// Defence: an agent has one instance name for all its broker streams.
+func TestReplicasSendANamespacesMintsToOneAgent(t *testing.T) {
+	ctx := t.Context()
+	var exchangeAddr, agentAddr, metricsAddr string
+	for _, p := range []*string{&exchangeAddr, &agentAddr, &metricsAddr} {
+		var err error
+		*p, err = framework.FreeAddr()
+		require.NoError(t, err)
+	}
+	replica, err := deployment.StartBrokerProcess(framework.BrokerProcessOptions{
+		Bin: brokerBin, ExchangeAddress: exchangeAddr, AgentAddress: agentAddr, MetricsAddress: metricsAddr,
+	})
+	require.NoError(t, err)
+	t.Cleanup(replica.Stop)
+	name, firstNS, agents, consumers, client := twoAgents(t, "replicas", 1, deployment.Broker.AgentAddr(), agentAddr)
+	other, conn, err := deployment.ExchangeClient(exchangeAddr)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+
+	// One consumer, one namespace after another, through either replica:
+	// each replica's token cache misses, so each replica mints.
+	const namespaces = 6
+	c := consumers[0]
+	spokeNSs := []string{firstNS}
+	for len(spokeNSs) < namespaces {
+		ns := unique("replicas-spoke")
+		require.NoError(t, spoke1.EnsureNamespace(ctx, ns))
+		require.NoError(t, deployment.OptIn(ctx, spoke1, ns, "target", c.Username()))
+		spokeNSs = append(spokeNSs, ns)
+	}
+	for _, ns := range spokeNSs {
+		for _, broker := range []pb.TokenExchangeClient{client, other} {
+			_, err := exchangeTarget(t, broker, c, name, ns)
+			require.NoError(t, err)
+		}
+	}
+	for _, ns := range spokeNSs {
+		var minters int
+		for _, a := range agents {
+			if mintedFor(a.Output(), ns+"/target") > 0 {
+				minters++
+			}
+		}
+		assert.Equal(t, 1, minters, "the mints of namespace %s through two replicas went to %d agents", ns, minters)
+	}
+}
+
+// mintedFor counts the "minted spoke token" lines of an agent's log for
+// the ServiceAccount sa (namespace/name).
+func mintedFor(log, sa string) int {
+	n := 0
+	for line := range strings.Lines(log) {
+		if strings.Contains(line, `"minted spoke token"`) && strings.Contains(line, `serviceAccount="`+sa+`"`) {
+			n++
+		}
+	}
+	return n
 }
