@@ -30,20 +30,14 @@ func TestAcknowledgedRevokeSurvivesReplicaKill(t *testing.T) {
 	cluster := &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: profile}
 
 	// Replica A, the broker binary.
-	var exchangeAddr, agentAddr, metricsAddr string
-	for _, p := range []*string{&exchangeAddr, &agentAddr, &metricsAddr} {
-		*p, err = framework.FreeAddr()
-		require.NoError(t, err)
-	}
-	replicaA, err := deployment.StartBrokerProcess(framework.BrokerProcessOptions{
-		Bin: brokerBin, ExchangeAddress: exchangeAddr, AgentAddress: agentAddr, MetricsAddress: metricsAddr,
-	})
+	optsA := replicaOptions(t)
+	replicaA, err := deployment.StartBrokerProcess(optsA)
 	require.NoError(t, err)
 	t.Cleanup(replicaA.Stop)
 	replicaB := deployment.Broker
 
 	// The profile's one agent reaches each replica through a proxy of its own.
-	toA, err := faultproxy.New(agentAddr)
+	toA, err := faultproxy.New(optsA.AgentAddress)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = toA.Close() })
 	toB, err := faultproxy.New(replicaB.AgentAddr())
@@ -69,7 +63,7 @@ func TestAcknowledgedRevokeSurvivesReplicaKill(t *testing.T) {
 	exchangeB, connB, err := deployment.ExchangeClient(replicaB.ExchangeAddr())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = connB.Close() })
-	_, connA, err := deployment.ExchangeClient(exchangeAddr)
+	_, connA, err := deployment.ExchangeClient(optsA.ExchangeAddress)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = connA.Close() })
 	grantsA := pb.NewGrantsClient(connA)

@@ -108,3 +108,16 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
 	return s[min(len(s)-1, int(float64(len(s))*p/100))]
 }
+
+// replicaOptions returns the options of another broker replica, the
+// shipped binary on free addresses.
+func replicaOptions(t *testing.T) framework.BrokerProcessOptions {
+	t.Helper()
+	opts := framework.BrokerProcessOptions{Bin: brokerBin}
+	for _, p := range []*string{&opts.ExchangeAddress, &opts.AgentAddress, &opts.MetricsAddress} {
+		var err error
+		*p, err = framework.FreeAddr()
+		require.NoError(t, err)
+	}
+	return opts
+}

@@ -67,13 +67,7 @@ func TestAgentKilledWithMintsInFlight(t *testing.T) {
 // replica see nothing meanwhile.
 func TestBrokerKilledAndRestarted(t *testing.T) {
 	ctx := t.Context()
-	var exchangeAddr, agentAddr, metricsAddr string
-	for _, p := range []*string{&exchangeAddr, &agentAddr, &metricsAddr} {
-		var err error
-		*p, err = framework.FreeAddr()
-		require.NoError(t, err)
-	}
-	opts := framework.BrokerProcessOptions{Bin: brokerBin, ExchangeAddress: exchangeAddr, AgentAddress: agentAddr, MetricsAddress: metricsAddr}
+	opts := replicaOptions(t)
 	p, err := deployment.StartBrokerProcess(opts)
 	require.NoError(t, err)
 	t.Cleanup(func() { p.Stop() })
@@ -81,7 +75,7 @@ func TestBrokerKilledAndRestarted(t *testing.T) {
 	stop, err := deployment.StartAgentWith(ctx, spoke2, framework.AgentOptions{
 		ID: framework.AgentID(spoke2.Name),
 		Tune: func(c *agent.Config) {
-			c.BrokerAddresses = []string{deployment.Broker.AgentAddr(), agentAddr}
+			c.BrokerAddresses = []string{deployment.Broker.AgentAddr(), opts.AgentAddress}
 			c.InitialBackoff, c.MaxBackoff = 100*time.Millisecond, 2*time.Second
 		},
 	})
@@ -89,7 +83,7 @@ func TestBrokerKilledAndRestarted(t *testing.T) {
 	t.Cleanup(stop)
 
 	c := newCaller(t, 2, spoke2)
-	viaProcess, conn, err := deployment.ExchangeClient(exchangeAddr)
+	viaProcess, conn, err := deployment.ExchangeClient(opts.ExchangeAddress)
 	require.NoError(t, err)
 	defer conn.Close()
 	other := &caller{Consumer: c.Consumer, client: viaProcess, targetNS: c.targetNS, targets: c.targets}

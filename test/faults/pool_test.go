@@ -177,19 +177,12 @@ func TestPooledGrantsOfOneAgentDoNotRefuseAnothersMint(t *testing.T) {
 // Defence: an agent has one instance name for all its broker streams.
 func TestReplicasSendANamespacesMintsToOneAgent(t *testing.T) {
 	ctx := t.Context()
-	var exchangeAddr, agentAddr, metricsAddr string
-	for _, p := range []*string{&exchangeAddr, &agentAddr, &metricsAddr} {
-		var err error
-		*p, err = framework.FreeAddr()
-		require.NoError(t, err)
-	}
-	replica, err := deployment.StartBrokerProcess(framework.BrokerProcessOptions{
-		Bin: brokerBin, ExchangeAddress: exchangeAddr, AgentAddress: agentAddr, MetricsAddress: metricsAddr,
-	})
+	opts := replicaOptions(t)
+	replica, err := deployment.StartBrokerProcess(opts)
 	require.NoError(t, err)
 	t.Cleanup(replica.Stop)
-	name, firstNS, agents, consumers, client := twoAgents(t, "replicas", 1, deployment.Broker.AgentAddr(), agentAddr)
-	other, conn, err := deployment.ExchangeClient(exchangeAddr)
+	name, firstNS, agents, consumers, client := twoAgents(t, "replicas", 1, deployment.Broker.AgentAddr(), opts.AgentAddress)
+	other, conn, err := deployment.ExchangeClient(opts.ExchangeAddress)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 
