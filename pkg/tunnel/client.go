@@ -142,9 +142,6 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	if len(cfg.Instance) > maxInstance {
 		return nil, fmt.Errorf("tunnel: Instance is %d bytes, more than %d", len(cfg.Instance), maxInstance)
 	}
-	if cfg.Instance == "" {
-		cfg.Instance = NewInstance()
-	}
 	if cfg.Hello == nil {
 		cfg.Hello = &pb.Hello{}
 	}
@@ -158,7 +155,11 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	cfg.Keepalive = orDefault(cfg.Keepalive, DefaultKeepalive)
 	cfg.KeepaliveTimeout = orDefault(cfg.KeepaliveTimeout, DefaultKeepaliveTimeout)
 	cfg.DrainTimeout = orDefault(cfg.DrainTimeout, DefaultDrainTimeout)
-	return &Client{cfg: cfg, instance: cfg.Instance, rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
+	instance := cfg.Instance
+	if instance == "" {
+		instance = NewInstance()
+	}
+	return &Client{cfg: cfg, instance: instance, rotate: make(chan struct{}, 1), connected: make(chan struct{})}, nil
 }
 
 // NewInstance returns a random name for an agent process: its
