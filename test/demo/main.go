@@ -32,6 +32,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -996,9 +997,16 @@ func (d *demo) traceAndRevoke(ctx context.Context) error {
 	}
 	jti, _ := strings.CutPrefix(audited, "JTI=")
 	selector := spoke.GrantJTILabel + "=" + jti
-	grants, err := s.Client.CoreV1().Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: selector})
-	if err != nil {
-		return err
+	// A token minted on a pooled grant is answered before the claim that
+	// labels its grant lands: give the claim a few seconds.
+	var grants *corev1.SecretList
+	for wait := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if grants, err = s.Client.CoreV1().Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: selector}); err != nil {
+			return err
+		}
+		if len(grants.Items) > 0 || time.Now().After(wait) {
+			break
+		}
 	}
 	if len(grants.Items) != 1 {
 		return fmt.Errorf("kubectl get secrets -A -l %s: %d grants, want 1", selector, len(grants.Items))

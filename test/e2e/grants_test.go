@@ -376,10 +376,7 @@ func TestDeletingGrantRevokesIssuedToken(t *testing.T) {
 	// The spoke admin's one command, from the audit event to the grant:
 	// kubectl get secrets -A -l credbroker.io/jti=<jti>.
 	jti, _ := strings.CutPrefix(audited, "JTI=")
-	list, err := cluster.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spoke.GrantJTILabel + "=" + jti})
-	require.NoError(t, err)
-	require.Len(t, list.Items, 1, "no grant carries credential id %s", id)
-	grant := list.Items[0]
+	grant := claimedGrant(ctx, t, cluster, jti)
 	assert.Equal(t, id, grant.Annotations[spoke.GrantCredentialIDAnnotation])
 	assert.Equal(t, spoke.GrantType, grant.Type)
 	assert.Empty(t, grant.Data)
@@ -471,4 +468,20 @@ func TestWithdrawnOptInRevokesIssuedTokens(t *testing.T) {
 		assert.True(t, authenticated(t, stsTok, []string{"sts.example"}), "a token for a still-allowed audience was revoked")
 		assert.True(t, authenticated(t, defaultTok, nil), "a token for the default audiences was revoked")
 	})
+}
+
+// claimedGrant returns the one grant on cluster labelled with the token's
+// jti, waiting for it: a token minted on a pooled grant is answered
+// before the claim that labels its grant lands.
+func claimedGrant(ctx context.Context, t *testing.T, cluster *framework.Cluster, jti string) corev1.Secret {
+	t.Helper()
+	var list *corev1.SecretList
+	require.Eventually(t, func() bool {
+		var err error
+		list, err = cluster.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spoke.GrantJTILabel + "=" + jti})
+		require.NoError(t, err)
+		return len(list.Items) > 0
+	}, 10*time.Second, 50*time.Millisecond, "no grant carries credential id JTI=%s", jti)
+	require.Len(t, list.Items, 1, "grants with credential id JTI=%s", jti)
+	return list.Items[0]
 }

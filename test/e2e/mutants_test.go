@@ -10,7 +10,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	rbacv1 "k8s.io/api/rbac/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	spokepkg "github.com/credbroker/credbroker/pkg/spoke"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -80,10 +79,8 @@ func TestSecondConsumerGetsATokenOfItsOwn(t *testing.T) {
 	for user, resp := range got {
 		jti, ok := strings.CutPrefix(resp.GetCredentialId(), "JTI=")
 		require.True(t, ok, resp.GetCredentialId())
-		list, err := cluster.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spokepkg.GrantJTILabel + "=" + jti})
-		require.NoError(t, err)
-		require.Len(t, list.Items, 1, "no grant carries credential id %s", resp.GetCredentialId())
-		assert.Equal(t, user, list.Items[0].Annotations[spokepkg.GrantHubUserAnnotation])
+		grant := claimedGrant(ctx, t, cluster, jti)
+		assert.Equal(t, user, grant.Annotations[spokepkg.GrantHubUserAnnotation])
 	}
 
 	// Each consumer still reuses its own token.
