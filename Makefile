@@ -105,7 +105,7 @@ bench-fleet: testbin build ## Benchmark scenario f apart from make bench: one br
 
 .PHONY: bench-go
 bench-go: ## Run the packages' Go benchmarks (compare runs with benchstat) and the in-process exchange benchmark.
-	$(GO) test -run '^$$' -bench . -benchmem -count $(or $(COUNT),6) ./pkg/store/ ./pkg/tokenexchange/ ./pkg/spoke/
+	$(GO) test -run '^$$' -bench . -benchmem -count $(or $(COUNT),6) ./pkg/store/ ./pkg/tokenexchange/ ./pkg/spoke/ ./pkg/clusterprofile/
 	$(ASSETS) $(GO) test -run '^$$' -bench . $(BENCH_FLAGS) ./test/e2e/...
 
 .PHONY: soak

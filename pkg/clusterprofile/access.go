@@ -19,6 +19,12 @@ import (
 // provider has none; a CA given as a file path (certificate-authority) is
 // ignored, since such a path means nothing on the hub.
 func Access(cp *v1alpha1.ClusterProfile, preferred string) (server string, caData []byte, ok bool) {
+	server, caData, ok = accessOf(cp, preferred)
+	return server, bytes.Clone(caData), ok
+}
+
+// accessOf is Access without the copy: caData is cp's own.
+func accessOf(cp *v1alpha1.ClusterProfile, preferred string) (server string, caData []byte, ok bool) {
 	if cp == nil {
 		return "", nil, false
 	}
@@ -36,7 +42,7 @@ func Access(cp *v1alpha1.ClusterProfile, preferred string) (server string, caDat
 				continue
 			}
 			if preferred != "" && p.Name == preferred {
-				return p.Cluster.Server, bytes.Clone(p.Cluster.CertificateAuthorityData), true
+				return p.Cluster.Server, p.Cluster.CertificateAuthorityData, true
 			}
 			if first == nil {
 				first = p
@@ -46,5 +52,5 @@ func Access(cp *v1alpha1.ClusterProfile, preferred string) (server string, caDat
 	if first == nil {
 		return "", nil, false
 	}
-	return first.Cluster.Server, bytes.Clone(first.Cluster.CertificateAuthorityData), true
+	return first.Cluster.Server, first.Cluster.CertificateAuthorityData, true
 }

@@ -49,6 +49,11 @@ type Index struct {
 
 	mu        sync.RWMutex
 	callbacks []func(key types.NamespacedName, uid types.UID)
+
+	// facts holds, per ClusterProfile, what Lookup derived from its
+	// current object (lookup.go).
+	factsMu sync.RWMutex
+	facts   map[types.NamespacedName]*profileFacts
 }
 
 // New returns an Index over cfg.Informer. It adds an indexer named "agentID"
@@ -67,6 +72,7 @@ func New(cfg Config) (*Index, error) {
 		indexer:  cfg.Informer.GetIndexer(),
 		td:       cfg.TrustDomain,
 		log:      cfg.Log,
+		facts:    map[types.NamespacedName]*profileFacts{},
 	}
 	if err := cfg.Informer.AddIndexers(cache.Indexers{agentIDIndex: i.indexAgentID}); err != nil {
 		return nil, fmt.Errorf("clusterprofile index: add indexer %q: %v: %w", agentIDIndex, err, errdefs.ErrInvalidArgument)
@@ -135,14 +141,13 @@ func (i *Index) ForAgent(id spiffeid.ID) (*v1alpha1.ClusterProfile, error) {
 	if err := i.synced(); err != nil {
 		return nil, err
 	}
-	claimants, err := i.claimants(id)
+	holder, err := i.holder(id)
 	if err != nil {
 		return nil, err
 	}
-	if len(claimants) == 0 {
+	if holder == nil {
 		return nil, fmt.Errorf("no ClusterProfile accepts agent %s: %w", id, errdefs.ErrPermissionDenied)
 	}
-	holder := claimants[0]
 	if holder.DeletionTimestamp != nil {
 		return nil, fmt.Errorf("agent %s belongs to clusterprofile %s, which is being deleted: %w",
 			id, keyOf(holder), errdefs.ErrPermissionDenied)
@@ -152,26 +157,55 @@ func (i *Index) ForAgent(id spiffeid.ID) (*v1alpha1.ClusterProfile, error) {
 
 // CheckAgent reports whether an agent can serve cp. It fails with
 // errdefs.ErrFailedPrecondition when cp's agent ID annotation is invalid, or
-// when another ClusterProfile claimed the same agent ID first and so holds
-// it; the error names the holder.
+// when another ClusterProfile claimed the same agent ID first and holds it.
 func (i *Index) CheckAgent(cp *v1alpha1.ClusterProfile) error {
-	id, err := agentID(i.td, cp)
+	id, err := agentIDFault(agentID(i.td, cp))
+	return i.checkHolder(cp, id, err)
+}
+
+// agentIDFault is agentID's answer with its error made the ClusterProfile's
+// fault, as CheckAgent reports it.
+func agentIDFault(id spiffeid.ID, err error) (spiffeid.ID, error) {
 	if err != nil {
 		// The annotation is the ClusterProfile's fault, not the request's.
-		return fmt.Errorf("%w; no agent can serve this ClusterProfile: %w", err, errdefs.ErrFailedPrecondition)
+		return id, fmt.Errorf("%w; no agent can serve this ClusterProfile: %w", err, errdefs.ErrFailedPrecondition)
+	}
+	return id, nil
+}
+
+// checkHolder is CheckAgent for cp whose agent ID is id, or idErr.
+func (i *Index) checkHolder(cp *v1alpha1.ClusterProfile, id spiffeid.ID, idErr error) error {
+	if idErr != nil {
+		return idErr
 	}
 	if err := i.synced(); err != nil {
 		return err
 	}
-	claimants, err := i.claimants(id)
+	holder, err := i.holder(id)
 	if err != nil {
 		return err
 	}
-	if len(claimants) > 0 && claimants[0].UID != cp.UID {
+	if holder != nil && holder.UID != cp.UID {
 		return fmt.Errorf("clusterprofile %s claims agent %s, which clusterprofile %s claimed first and holds; "+
-			"give one of them another %s: %w", keyOf(cp), id, keyOf(claimants[0]), AgentSPIFFEIDAnnotation, errdefs.ErrFailedPrecondition)
+			"give one of them another %s: %w", keyOf(cp), id, keyOf(holder), AgentSPIFFEIDAnnotation, errdefs.ErrFailedPrecondition)
 	}
 	return nil
+}
+
+// holder returns the ClusterProfile that holds the agent ID id, live or
+// being deleted: the first of its claimants, or nil when there is none.
+func (i *Index) holder(id spiffeid.ID) (*v1alpha1.ClusterProfile, error) {
+	objs, err := i.indexer.ByIndex(agentIDIndex, id.String())
+	if err != nil {
+		return nil, fmt.Errorf("clusterprofiles of agent %s: %w", id, err)
+	}
+	var first *v1alpha1.ClusterProfile
+	for _, obj := range objs {
+		if cp, ok := obj.(*v1alpha1.ClusterProfile); ok && (first == nil || claimedFirst(cp, first) < 0) {
+			first = cp
+		}
+	}
+	return first, nil
 }
 
 // claimants returns the ClusterProfiles whose agent ID is id, live or being
@@ -270,6 +304,7 @@ func (i *Index) onUpdate(oldObj, newObj any) {
 	}
 	i.checkAgentID(newer)
 	key := keyOf(newer)
+	i.forgetFacts(key) // they would keep the old object alive
 	var changed []change
 	if older.UID != newer.UID {
 		changed = append(changed, change{key, older.UID})
@@ -287,7 +322,9 @@ func (i *Index) onDelete(obj any) {
 				i.log.Error(err, "clusterprofile tombstone has an unusable key", "key", tomb.Key)
 				return
 			}
-			i.notify([]change{{types.NamespacedName{Namespace: ns, Name: name}, ""}}, nil)
+			key := types.NamespacedName{Namespace: ns, Name: name}
+			i.forgetFacts(key)
+			i.notify([]change{{key, ""}}, nil)
 			return
 		}
 	}
@@ -296,6 +333,7 @@ func (i *Index) onDelete(obj any) {
 		return
 	}
 	key := keyOf(cp)
+	i.forgetFacts(key)
 	i.notify([]change{{key, cp.UID}}, i.peers(key, cp))
 }
 

@@ -60,3 +60,29 @@ func TestOnUpdateSkipsResyncs(t *testing.T) {
 		})
 	}
 }
+
+// The facts that Lookup derived from a ClusterProfile object go when the
+// informer replaces or deletes the object, so that they do not keep it
+// alive.
+func TestFactsGoWithTheirObject(t *testing.T) {
+	i := &Index{td: spiffeid.RequireTrustDomainFromString("fleet.example"), facts: map[types.NamespacedName]*profileFacts{}}
+	i.indexer = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{agentIDIndex: i.indexAgentID})
+	key := types.NamespacedName{Namespace: "fleet", Name: "east-1"}
+	cp := func(rv string) *v1alpha1.ClusterProfile {
+		return &v1alpha1.ClusterProfile{ObjectMeta: metav1.ObjectMeta{Namespace: "fleet", Name: "east-1", UID: "uid-1", ResourceVersion: rv}}
+	}
+	older, newer := cp("10"), cp("11")
+
+	i.factsOf(key, older, "credbroker")
+	assert.Len(t, i.facts, 1)
+	i.onUpdate(older, newer)
+	assert.Empty(t, i.facts, "after an update")
+
+	i.factsOf(key, newer, "credbroker")
+	i.onDelete(newer)
+	assert.Empty(t, i.facts, "after a delete")
+
+	i.factsOf(key, newer, "credbroker")
+	i.onDelete(cache.DeletedFinalStateUnknown{Key: "fleet/east-1"})
+	assert.Empty(t, i.facts, "after a tombstone without its object")
+}

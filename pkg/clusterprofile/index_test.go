@@ -135,7 +135,7 @@ func (s *source) Unseen(t *testing.T, change func(objs map[string]*v1alpha1.Clus
 	s.waitWatch(t)
 }
 
-func (s *source) waitWatch(t *testing.T) {
+func (s *source) waitWatch(t testing.TB) {
 	t.Helper()
 	select {
 	case <-s.watches:
@@ -193,7 +193,7 @@ type harness struct {
 
 // start runs an informer over a source holding cps and returns it with an
 // Index over it, synced.
-func start(t *testing.T, cps ...*v1alpha1.ClusterProfile) *harness {
+func start(t testing.TB, cps ...*v1alpha1.ClusterProfile) *harness {
 	t.Helper()
 	h := &harness{src: newSource(cps...), logs: &logs{}, changes: &changes{}}
 	informer := cache.NewSharedIndexInformer(h.src, &v1alpha1.ClusterProfile{}, 0,

@@ -27,7 +27,8 @@ type Cluster struct {
 	Ref ClusterRef
 	// Server and CAData tell the consumer how to reach the spoke. Server
 	// is never empty: the consumer's plugin hands the token only to it, so
-	// a lookup refuses a ClusterProfile without one.
+	// a lookup refuses a ClusterProfile without one. CAData may be shared
+	// with the informer's cache: read it, never modify it.
 	Server string
 	CAData []byte
 }

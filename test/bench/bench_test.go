@@ -313,6 +313,11 @@ func (b *bench) cached(t *testing.T) {
 		if n == 64 {
 			targetEcho, targetTR, targetP99 = "≥ 0.80 of echo", "≥ 20× TokenRequest", "p99 ≤ 2 ms"
 			vEcho, vTR, vP99 = verdict(vsEcho >= 0.8), verdict(vsTR >= 20), verdict(ex.q(0.99) <= 2*time.Millisecond)
+			if ceiling := ec.rps() / tr.rps(); vsTR < 20 && ceiling < 20 {
+				// No exchange outruns the echo: on this machine the
+				// target is out of reach of any broker.
+				vTR = fmt.Sprintf("missed; the echo itself is %.1f×", ceiling)
+			}
 		}
 		addRow(row{scen, "throughput vs echo", fmt.Sprintf("%.0f/s", ex.rps()), fmt.Sprintf("echo %.0f/s", ec.rps()),
 			fmt.Sprintf("%.2f", vsEcho), targetEcho, vEcho})
