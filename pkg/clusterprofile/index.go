@@ -157,7 +157,8 @@ func (i *Index) ForAgent(id spiffeid.ID) (*v1alpha1.ClusterProfile, error) {
 
 // CheckAgent reports whether an agent can serve cp. It fails with
 // errdefs.ErrFailedPrecondition when cp's agent ID annotation is invalid, or
-// when another ClusterProfile claimed the same agent ID first and holds it.
+// when another ClusterProfile claimed the same agent ID first and so holds
+// it; the error names the holder.
 func (i *Index) CheckAgent(cp *v1alpha1.ClusterProfile) error {
 	id, err := agentIDFault(agentID(i.td, cp))
 	return i.checkHolder(cp, id, err)

@@ -75,6 +75,12 @@ func (i *Index) factsOf(key types.NamespacedName, cp *v1alpha1.ClusterProfile, p
 
 // forgetFacts drops the facts of key, a ClusterProfile that is gone.
 func (i *Index) forgetFacts(key types.NamespacedName) {
+	i.factsMu.RLock()
+	_, ok := i.facts[key]
+	i.factsMu.RUnlock()
+	if !ok {
+		return // as for every lookup of a name that never existed
+	}
 	i.factsMu.Lock()
 	delete(i.facts, key)
 	i.factsMu.Unlock()
