@@ -113,6 +113,7 @@ func addExchangeFlags(f cmdflags.Fields, cfg *broker.Config) {
 	f.FlagSet.StringVar(&cfg.PendingRevokesNamespace, "pending-revokes-namespace", "", "namespace of the ConfigMap credbroker-pending-revokes, where the replicas record the revokes no agent confirmed yet, for every replica to send again (default: the broker's own namespace in a pod, else credbroker-system)")
 	f.Duration(&cfg.MaxExpiration, "max-expiration", "longest lifetime of a minted spoke token (at least 10m)")
 	f.Duration(&cfg.MintTimeout, "mint-timeout", "how long to wait for an agent's answer")
+	f.Duration(&cfg.AgentReturnWait, "agent-return-wait", "how long an exchange that needs an agent waits for one when its cluster's last agent stream ended less than this long ago, as when a stream breaks and its agent reconnects (under --mint-timeout; 0: refuse at once)")
 	f.Duration(&cfg.AgentMaxConnectionAge, "agent-max-connection-age", "renew each agent connection after about this long, so that handshakes use current SVIDs and bundle")
 	f.Duration(&cfg.AgentMaxConnectionAgeGrace, "agent-max-connection-age-grace", "how long a renewed agent connection may finish its mints (at least --mint-timeout)")
 	f.Duration(&cfg.AgentKeepaliveTime, "agent-keepalive-time", "ping an agent after its connection has been silent this long")

@@ -92,6 +92,11 @@ type Config struct {
 	MaxExpiration time.Duration
 	// MintTimeout bounds the wait for an agent's answer.
 	MintTimeout time.Duration
+	// AgentReturnWait is how long a mint waits, within MintTimeout, for
+	// an agent of its cluster when the cluster's last agent stream ended
+	// less than this long ago (tunnel.ServerConfig.ReturnWait). Zero:
+	// refuse at once.
+	AgentReturnWait time.Duration
 	// AgentMaxConnectionAge ends an agent's connection after about this
 	// long (gRPC adds ±10% jitter), so that every handshake is made again
 	// with current SVIDs and bundle; the agent reconnects.
@@ -232,6 +237,7 @@ func Default() Config {
 		PendingRevokesNamespace:     "credbroker-system",
 		MaxExpiration:               tokenexchange.DefaultMaxExpiration,
 		MintTimeout:                 tunnel.DefaultMintTimeout,
+		AgentReturnWait:             tunnel.DefaultReturnWait,
 		AgentMaxConnectionAge:       time.Hour,
 		AgentMaxConnectionAgeGrace:  30 * time.Second,
 		AgentKeepaliveTime:          5 * time.Second,
@@ -286,6 +292,8 @@ func (c *Config) Validate() error {
 		"the namespace of the pending revokes must be a namespace name (the broker's own), got %q", c.PendingRevokesNamespace)
 	need(c.MaxExpiration >= token.MinExpiration, "the maximum expiration must be at least 10m (TokenRequest's floor), got %s", c.MaxExpiration)
 	need(c.MintTimeout > 0, "the mint timeout must be positive")
+	need(c.AgentReturnWait >= 0 && c.AgentReturnWait < c.MintTimeout,
+		"the agent return wait (%s) must be at least 0 and under the mint timeout (%s), which bounds it and the mint after it", c.AgentReturnWait, c.MintTimeout)
 	need(c.AgentReconnectWindow >= 0, "the agent reconnect window must not be negative")
 	need(c.ShutdownGrace > 0 && c.ShutdownDelay >= 0 && c.ShutdownDelay < c.ShutdownGrace,
 		"the shutdown grace must be positive, and the shutdown delay less than it (%s, %s)", c.ShutdownGrace, c.ShutdownDelay)

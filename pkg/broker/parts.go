@@ -122,6 +122,7 @@ func (b *Broker) newTunnel(*hubClients) (err error) {
 		Peer:                 identity.PeerSVID,
 		Bundles:              b.svid,
 		MintTimeout:          cfg.MintTimeout,
+		ReturnWait:           cfg.AgentReturnWait,
 		MaxStreamsPerCluster: cfg.MaxStreamsPerCluster,
 		Log:                  cfg.Log.WithName("tunnel"),
 		Audit:                cfg.Audit,

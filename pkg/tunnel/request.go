@@ -47,12 +47,15 @@ func mintKey(req *pb.MintRequest) string {
 func call[T any](s *Server, ctx context.Context, cluster fleet.ClusterRef, key string, req *pb.BrokerFrame,
 	answer func(*pb.AgentFrame) (T, error), observe func(time.Time, error)) (T, error) {
 	var zero T
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
+	defer cancel()
 	sessions := s.live(cluster)
+	if len(sessions) == 0 {
+		sessions = s.awaitReturn(ctx, cluster)
+	}
 	if len(sessions) == 0 {
 		return zero, fmt.Errorf("no agent is connected for cluster %s: %w", cluster, errdefs.ErrUnavailable)
 	}
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.MintTimeout)
-	defer cancel()
 	s.pending.Add(1)
 	defer s.pending.Add(-1)
 	start := time.Now()
@@ -72,8 +75,11 @@ func call[T any](s *Server, ctx context.Context, cluster fleet.ClusterRef, key s
 			break
 		}
 		// The sessions of the cluster now, which may include a stream
-		// opened since, such as the one that replaced a drained stream.
-		sessions = s.live(cluster)
+		// opened since, such as the one that replaced a drained stream,
+		// or the agent's next stream, when this one was its last.
+		if sessions = s.live(cluster); len(sessions) == 0 {
+			sessions = s.awaitReturn(ctx, cluster)
+		}
 	}
 	var v T
 	if err == nil {

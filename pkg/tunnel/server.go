@@ -61,6 +61,13 @@ type ServerConfig struct {
 	MintTimeout time.Duration
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
+	// ReturnWait is how long a mint or revoke waits, within MintTimeout,
+	// for a stream of its cluster when the cluster's last stream ended
+	// less than ReturnWait ago: an agent whose stream broke reconnects
+	// within its first backoff (250–500 ms by DefaultInitialBackoff). A cluster
+	// whose last stream ended longer ago, or that never had one, fails at
+	// once with Unavailable. Zero: never wait.
+	ReturnWait time.Duration
 	// MaxStreamsPerCluster bounds the streams one cluster's agents may hold
 	// to this broker; more are refused with ResourceExhausted. Default
 	// DefaultMaxStreamsPerCluster.
@@ -125,6 +132,11 @@ type Server struct {
 	mu       sync.RWMutex
 	sessions map[types.NamespacedName][]*session
 	draining bool // set by Drain and Close; no stream is admitted after
+	// gone holds when the last stream of a cluster ended, and arrived,
+	// per cluster that calls wait for (awaitReturn), a channel that the
+	// next admission of a stream of it closes.
+	gone    map[types.NamespacedName]time.Time
+	arrived map[types.NamespacedName]chan struct{}
 
 	metrics *metrics
 }
@@ -135,6 +147,9 @@ var _ pb.AgentTunnelServer = (*Server)(nil)
 const (
 	DefaultMintTimeout  = 10 * time.Second
 	DefaultHelloTimeout = 10 * time.Second
+	// DefaultReturnWait covers an agent's first two reconnects after its
+	// stream broke (backoffs of 250–500 ms and 500 ms–1 s).
+	DefaultReturnWait = 2 * time.Second
 	// DefaultMaxStreamsPerCluster is 512: a DaemonSet of agents holds one
 	// stream per node to every replica, and two while an agent rotates its
 	// SVID, so 200 nodes fit.
@@ -155,7 +170,8 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Grants == nil {
 		cfg.Grants = noGrants{}
 	}
-	s := &Server{cfg: cfg, sessions: map[types.NamespacedName][]*session{}}
+	s := &Server{cfg: cfg, sessions: map[types.NamespacedName][]*session{},
+		gone: map[types.NamespacedName]time.Time{}, arrived: map[types.NamespacedName]chan struct{}{}}
 	var err error
 	if s.metrics, err = newMetrics(cfg.Registerer, s); err != nil {
 		return nil, err

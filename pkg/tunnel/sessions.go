@@ -53,6 +53,11 @@ func (s *Server) add(sess *session) error {
 		return fmt.Errorf("cluster %s already has %d agent streams to this broker: %w", sess.cluster, n, errdefs.ErrResourceExhausted)
 	}
 	s.sessions[key] = append(s.sessions[key], sess)
+	delete(s.gone, key)
+	if ch, ok := s.arrived[key]; ok {
+		close(ch)
+		delete(s.arrived, key)
+	}
 	return nil
 }
 
@@ -69,8 +74,60 @@ func (s *Server) remove(sess *session) {
 	}
 	if len(list) == 0 {
 		delete(s.sessions, key)
+		s.gone[key] = s.cfg.Clock.Now()
 	} else {
 		s.sessions[key] = list
+	}
+}
+
+// awaitReturn waits, until ctx ends or for ReturnWait after the last stream
+// of cluster ended, for a live stream of it, and returns the live sessions
+// then; none when the cluster's last stream ended longer ago, or never was.
+// A cluster whose streams are all ending (closed or said goodbye, not yet
+// removed) counts as just gone. A draining Server waits for none: its
+// agents are leaving for another replica.
+func (s *Server) awaitReturn(ctx context.Context, cluster fleet.ClusterRef) []*session {
+	if s.cfg.ReturnWait <= 0 {
+		return nil
+	}
+	key := cluster.NamespacedName
+	s.mu.Lock()
+	if s.draining {
+		s.mu.Unlock()
+		return nil
+	}
+	now := s.cfg.Clock.Now()
+	ended, ok := s.gone[key]
+	if !ok && len(s.sessions[key]) > 0 {
+		ended, ok = now, true
+	}
+	if !ok || now.Sub(ended) >= s.cfg.ReturnWait {
+		delete(s.gone, key) // long gone: the next call fails at once too
+		s.mu.Unlock()
+		return nil
+	}
+	s.mu.Unlock()
+	timer := s.cfg.Clock.NewTimer(ended.Add(s.cfg.ReturnWait).Sub(now))
+	defer timer.Stop()
+	for {
+		s.mu.Lock()
+		arrived, ok := s.arrived[key]
+		if !ok {
+			arrived = make(chan struct{})
+			s.arrived[key] = arrived
+		}
+		s.mu.Unlock()
+		// A stream admitted since the caller looked is live already.
+		if live := s.live(cluster); len(live) > 0 {
+			return live
+		}
+		select {
+		case <-arrived: // a stream of the cluster, maybe of another incarnation
+		case <-timer.C():
+			return nil
+		case <-ctx.Done():
+			return nil
+		}
 	}
 }
 
