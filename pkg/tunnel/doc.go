@@ -51,8 +51,9 @@
 // Goodbye frame), answers its requests in flight within
 // ClientConfig.DrainTimeout, and half-closes the stream; from the goodbye on,
 // the Server sends nothing new down that stream and counts it no more
-// (Connected), so mints go to the cluster's other streams, or are
-// Unavailable at once when there is none. ClientConfig.Serving learns when a
+// (Connected), so mints go to the cluster's other streams, or, when there
+// is none, wait up to ServerConfig.ReturnWait for the agent's next stream
+// and are Unavailable after it. ClientConfig.Serving learns when a
 // stream starts and stops serving, which the agent's readiness counts.
 //
 // When the agent's SVID rotates, it calls Client.Rotate: the Client opens a
