@@ -5,6 +5,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
@@ -63,7 +64,10 @@ func TestOnUpdateSkipsResyncs(t *testing.T) {
 
 // The facts that Lookup derived from a ClusterProfile object go when the
 // informer replaces or deletes the object, so that they do not keep it
-// alive.
+// alive; and facts derived from an object the informer no longer holds (a
+// lookup that raced its update or delete) are not kept at all. The
+// informer updates its store before it calls the handlers; so does the
+// test.
 func TestFactsGoWithTheirObject(t *testing.T) {
 	i := &Index{td: spiffeid.RequireTrustDomainFromString("fleet.example"), facts: map[types.NamespacedName]*profileFacts{}}
 	i.indexer = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{agentIDIndex: i.indexAgentID})
@@ -73,16 +77,26 @@ func TestFactsGoWithTheirObject(t *testing.T) {
 	}
 	older, newer := cp("10"), cp("11")
 
+	require.NoError(t, i.indexer.Add(older))
 	i.factsOf(key, older, "credbroker")
 	assert.Len(t, i.facts, 1)
+	require.NoError(t, i.indexer.Update(newer))
 	i.onUpdate(older, newer)
 	assert.Empty(t, i.facts, "after an update")
+	i.factsOf(key, older, "credbroker")
+	assert.Empty(t, i.facts, "kept for an object the informer replaced")
 
 	i.factsOf(key, newer, "credbroker")
+	assert.Len(t, i.facts, 1)
+	require.NoError(t, i.indexer.Delete(newer))
 	i.onDelete(newer)
 	assert.Empty(t, i.facts, "after a delete")
-
 	i.factsOf(key, newer, "credbroker")
+	assert.Empty(t, i.facts, "kept for an object the informer deleted")
+
+	require.NoError(t, i.indexer.Add(newer))
+	i.factsOf(key, newer, "credbroker")
+	require.NoError(t, i.indexer.Delete(newer))
 	i.onDelete(cache.DeletedFinalStateUnknown{Key: "fleet/east-1"})
 	assert.Empty(t, i.facts, "after a tombstone without its object")
 }

@@ -68,8 +68,13 @@ func (i *Index) factsOf(key types.NamespacedName, cp *v1alpha1.ClusterProfile, p
 	f.agent, f.agentErr = agentIDFault(agentID(i.td, cp))
 	f.cluster, f.accessErr = access(cp, provider)
 	i.factsMu.Lock()
-	i.facts[key] = f
-	i.factsMu.Unlock()
+	defer i.factsMu.Unlock()
+	// Keep them only while cp is still the informer's object: once the
+	// informer has replaced or deleted it (and dropped its facts),
+	// keeping them would keep cp alive, for good if the name is gone.
+	if obj, exists, err := i.indexer.GetByKey(key.String()); err == nil && exists && obj == any(cp) {
+		i.facts[key] = f
+	}
 	return f
 }
 

@@ -48,6 +48,10 @@ func (s *Server) stopAdmitting() []*session {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.draining = true
+	for key, ch := range s.arrived {
+		close(ch) // the mints waiting for an agent to return fail now
+		delete(s.arrived, key)
+	}
 	var all []*session
 	for _, list := range s.sessions {
 		all = append(all, list...)

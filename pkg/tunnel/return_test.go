@@ -7,9 +7,11 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"k8s.io/apimachinery/pkg/types"
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
+	"github.com/credbroker/credbroker/pkg/fleet"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -48,6 +50,16 @@ func TestMintWaitsForAnAgentThatReturns(t *testing.T) {
 			waitConnected(t, h, clusterA, 0)
 		},
 		during: func(_ *testing.T, _ *harness, clk *testingclock.FakeClock) { clk.Step(wait) },
+		waits:  true,
+	}, {
+		name: "its stream ended, and the broker drains meanwhile",
+		before: func(t *testing.T, h *harness, _ *testingclock.FakeClock) {
+			_, stop := h.agent(t, agentA, &fakeMinter{})
+			waitConnected(t, h, clusterA, 1)
+			stop()
+			waitConnected(t, h, clusterA, 0)
+		},
+		during: func(_ *testing.T, h *harness, _ *testingclock.FakeClock) { h.srv.Drain() },
 		waits:  true,
 	}, {
 		name: "its stream ended because the broker is closing",
@@ -99,4 +111,42 @@ func TestMintWaitsForAnAgentThatReturns(t *testing.T) {
 			assert.Contains(t, err.Error(), "no agent is connected for cluster fleet/a")
 		})
 	}
+}
+
+// What the Server keeps of the clusters whose last stream ended goes once
+// ReturnWait has passed, at the next stream's end, so that clusters that
+// come and go (ClusterProfiles created and deleted) leave nothing behind.
+func TestGoneClustersAreForgotten(t *testing.T) {
+	const wait = time.Minute
+	clk := testingclock.NewFakeClock(time.Now())
+	h := newHarness(t, 2*wait, func(cfg *ServerConfig) { cfg.Clock, cfg.ReturnWait = clk, wait })
+	clusterB := fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "b"}, UID: "uid-b"}
+	agentB := "spiffe://test.example/clusterprofile/fleet/b"
+	h.resolver.set(agentB, &clusterB)
+	comeAndGo := func(id string, c fleet.ClusterRef) {
+		_, stop := h.agent(t, id, &fakeMinter{})
+		waitConnected(t, h, c, 1)
+		stop()
+		waitConnected(t, h, c, 0)
+	}
+	kept := func() (gone, arrived int) {
+		h.srv.mu.RLock()
+		defer h.srv.mu.RUnlock()
+		return len(h.srv.gone), len(h.srv.arrived)
+	}
+
+	comeAndGo(agentA, clusterA)
+	done := make(chan error, 1)
+	go func() {
+		_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+		done <- err
+	}()
+	require.Eventually(t, func() bool { _, arrived := kept(); return arrived == 1 }, 10*time.Second, time.Millisecond)
+	clk.Step(wait)
+	require.ErrorIs(t, <-done, errdefs.ErrUnavailable)
+
+	comeAndGo(agentB, clusterB)
+	gone, arrived := kept()
+	assert.Equal(t, 1, gone, "only cluster b's end is kept")
+	assert.Zero(t, arrived)
 }

@@ -61,7 +61,7 @@ type ServerConfig struct {
 	MintTimeout time.Duration
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
-	// ReturnWait is how long a mint or revoke waits, within MintTimeout,
+	// ReturnWait is how long a mint waits, within MintTimeout,
 	// for a stream of its cluster when the cluster's last stream ended
 	// less than ReturnWait ago: an agent whose stream broke reconnects
 	// within its first backoff (250–500 ms by DefaultInitialBackoff). A cluster
@@ -132,11 +132,13 @@ type Server struct {
 	mu       sync.RWMutex
 	sessions map[types.NamespacedName][]*session
 	draining bool // set by Drain and Close; no stream is admitted after
-	// gone holds when the last stream of a cluster ended, and arrived,
-	// per cluster that calls wait for (awaitReturn), a channel that the
-	// next admission of a stream of it closes.
-	gone    map[types.NamespacedName]time.Time
-	arrived map[types.NamespacedName]chan struct{}
+	// gone holds when the last stream of a cluster ended, within
+	// ReturnWait, and goneOrder its entries oldest first (forgetGone);
+	// arrived, per cluster that mints wait for (awaitReturn), a channel
+	// that the next admission of a stream of it closes.
+	gone      map[types.NamespacedName]time.Time
+	goneOrder []goneAt
+	arrived   map[types.NamespacedName]chan struct{}
 
 	metrics *metrics
 }

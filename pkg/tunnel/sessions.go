@@ -8,6 +8,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -72,45 +73,73 @@ func (s *Server) remove(sess *session) {
 			break
 		}
 	}
-	if len(list) == 0 {
-		delete(s.sessions, key)
-		s.gone[key] = s.cfg.Clock.Now()
-	} else {
+	if len(list) > 0 {
 		s.sessions[key] = list
+		return
+	}
+	delete(s.sessions, key)
+	if s.cfg.ReturnWait > 0 {
+		now := s.cfg.Clock.Now()
+		s.forgetGone(now)
+		s.gone[key] = now
+		s.goneOrder = append(s.goneOrder, goneAt{key, now})
+	}
+}
+
+// goneAt is when the last stream of a cluster ended.
+type goneAt struct {
+	key types.NamespacedName
+	at  time.Time
+}
+
+// forgetGone drops what gone and arrived hold of the clusters whose last
+// stream ended ReturnWait or more before now, oldest first, so that they
+// hold no more than the clusters gone within ReturnWait; s.mu is held.
+func (s *Server) forgetGone(now time.Time) {
+	for len(s.goneOrder) > 0 && now.Sub(s.goneOrder[0].at) >= s.cfg.ReturnWait {
+		g := s.goneOrder[0]
+		s.goneOrder = s.goneOrder[1:]
+		if at, ok := s.gone[g.key]; ok && at.Equal(g.at) {
+			delete(s.gone, g.key)
+			delete(s.arrived, g.key) // its waiters' timers have fired
+		}
 	}
 }
 
 // awaitReturn waits, until ctx ends or for ReturnWait after the last stream
 // of cluster ended, for a live stream of it, and returns the live sessions
 // then; none when the cluster's last stream ended longer ago, or never was.
-// A cluster whose streams are all ending (closed or said goodbye, not yet
-// removed) counts as just gone. A draining Server waits for none: its
-// agents are leaving for another replica.
+// A cluster whose last streams of this incarnation are closing (not yet
+// removed) counts as just gone; one whose agents said goodbye does not: an
+// agent that leaves opens its next stream first. A draining Server waits
+// for none, and its Drain ends the waits: its agents are leaving for
+// another replica.
 func (s *Server) awaitReturn(ctx context.Context, cluster fleet.ClusterRef) []*session {
 	if s.cfg.ReturnWait <= 0 {
 		return nil
 	}
 	key := cluster.NamespacedName
-	s.mu.Lock()
-	if s.draining {
-		s.mu.Unlock()
-		return nil
-	}
+	s.mu.RLock()
 	now := s.cfg.Clock.Now()
 	ended, ok := s.gone[key]
-	if !ok && len(s.sessions[key]) > 0 {
+	if !ok && slices.ContainsFunc(s.sessions[key], func(sess *session) bool {
+		return sess.cluster.UID == cluster.UID && sess.ctx.Err() != nil && !sess.isLeaving()
+	}) {
 		ended, ok = now, true
 	}
-	if !ok || now.Sub(ended) >= s.cfg.ReturnWait {
-		delete(s.gone, key) // long gone: the next call fails at once too
-		s.mu.Unlock()
+	draining := s.draining
+	s.mu.RUnlock()
+	if draining || !ok || now.Sub(ended) >= s.cfg.ReturnWait {
 		return nil
 	}
-	s.mu.Unlock()
 	timer := s.cfg.Clock.NewTimer(ended.Add(s.cfg.ReturnWait).Sub(now))
 	defer timer.Stop()
 	for {
 		s.mu.Lock()
+		if s.draining {
+			s.mu.Unlock()
+			return nil
+		}
 		arrived, ok := s.arrived[key]
 		if !ok {
 			arrived = make(chan struct{})
@@ -122,7 +151,7 @@ func (s *Server) awaitReturn(ctx context.Context, cluster fleet.ClusterRef) []*s
 			return live
 		}
 		select {
-		case <-arrived: // a stream of the cluster, maybe of another incarnation
+		case <-arrived: // a stream of the cluster, maybe of another incarnation, or Drain
 		case <-timer.C():
 			return nil
 		case <-ctx.Done():
