@@ -61,12 +61,12 @@ type ServerConfig struct {
 	MintTimeout time.Duration
 	// HelloTimeout bounds the wait for an agent's first frame. Default 10s.
 	HelloTimeout time.Duration
-	// ReturnWait is how long a mint waits, within MintTimeout,
-	// for a stream of its cluster when the cluster's last stream ended
-	// less than ReturnWait ago: an agent whose stream broke reconnects
-	// within its first backoff (250–500 ms by DefaultInitialBackoff). A cluster
-	// whose last stream ended longer ago, or that never had one, fails at
-	// once with Unavailable. Zero: never wait.
+	// ReturnWait is how long a mint waits, within MintTimeout, for a
+	// stream of its cluster when the cluster's last stream ended less than
+	// ReturnWait ago: an agent whose stream broke reconnects within its
+	// first backoff (250–500 ms by DefaultInitialBackoff). A cluster whose
+	// last stream ended longer ago, or that never had one, fails at once
+	// with Unavailable. Zero: never wait.
 	ReturnWait time.Duration
 	// MaxStreamsPerCluster bounds the streams one cluster's agents may hold
 	// to this broker; more are refused with ResourceExhausted. Default
