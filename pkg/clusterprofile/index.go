@@ -196,17 +196,11 @@ func (i *Index) checkHolder(cp *v1alpha1.ClusterProfile, id spiffeid.ID, idErr e
 // holder returns the ClusterProfile that holds the agent ID id, live or
 // being deleted: the first of its claimants, or nil when there is none.
 func (i *Index) holder(id spiffeid.ID) (*v1alpha1.ClusterProfile, error) {
-	objs, err := i.indexer.ByIndex(agentIDIndex, id.String())
-	if err != nil {
-		return nil, fmt.Errorf("clusterprofiles of agent %s: %w", id, err)
+	claimants, err := i.claimants(id)
+	if err != nil || len(claimants) == 0 {
+		return nil, err
 	}
-	var first *v1alpha1.ClusterProfile
-	for _, obj := range objs {
-		if cp, ok := obj.(*v1alpha1.ClusterProfile); ok && (first == nil || claimedFirst(cp, first) < 0) {
-			first = cp
-		}
-	}
-	return first, nil
+	return claimants[0], nil
 }
 
 // claimants returns the ClusterProfiles whose agent ID is id, live or being

@@ -9,6 +9,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
 	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 )
 
@@ -99,4 +100,34 @@ func TestFactsGoWithTheirObject(t *testing.T) {
 	require.NoError(t, i.indexer.Delete(newer))
 	i.onDelete(cache.DeletedFinalStateUnknown{Key: "fleet/east-1"})
 	assert.Empty(t, i.facts, "after a tombstone without its object")
+}
+
+// Facts are derived once per object and provider: a second lookup of the
+// same object gets the same facts, and another provider, or a newer object
+// that the informer holds before its handler ran, gets its own.
+func TestFactsAreKeptPerObjectAndProvider(t *testing.T) {
+	i := &Index{td: spiffeid.RequireTrustDomainFromString("fleet.example"), facts: map[types.NamespacedName]*profileFacts{}}
+	i.indexer = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{agentIDIndex: i.indexAgentID})
+	key := types.NamespacedName{Namespace: "fleet", Name: "east-1"}
+	cp := func(rv, server string) *v1alpha1.ClusterProfile {
+		c := &v1alpha1.ClusterProfile{ObjectMeta: metav1.ObjectMeta{Namespace: "fleet", Name: "east-1", UID: "uid-1", ResourceVersion: rv}}
+		c.Status.AccessProviders = []v1alpha1.AccessProvider{
+			{Name: "credbroker", Cluster: clientcmdv1.Cluster{Server: server}},
+			{Name: "other", Cluster: clientcmdv1.Cluster{Server: server + "/other"}},
+		}
+		return c
+	}
+	older, newer := cp("10", "https://old.example"), cp("11", "https://new.example")
+	require.NoError(t, i.indexer.Add(older))
+
+	first := i.factsOf(key, older, "credbroker")
+	assert.Same(t, first, i.factsOf(key, older, "credbroker"), "derived again for the same object")
+	other := i.factsOf(key, older, "other")
+	assert.Equal(t, "https://old.example/other", other.cluster.Server)
+
+	// The informer's store holds the newer object; its handler has not
+	// run yet, so the older object's facts are still kept.
+	i.factsOf(key, older, "credbroker")
+	require.NoError(t, i.indexer.Update(newer))
+	assert.Equal(t, "https://new.example", i.factsOf(key, newer, "credbroker").cluster.Server)
 }

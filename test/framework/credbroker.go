@@ -589,14 +589,18 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 	d.agents[spoke.Name] = append(d.agents[spoke.Name], a)
 	d.mu.Unlock()
 	stopAgent := func() {
+		var revoked map[string]bool
 		if !opts.KeepGrants {
-			d.revokeGrants(spoke, id)
+			revoked = d.revokeGrants(spoke, id)
 		}
 		d.mu.Lock()
 		d.agents[spoke.Name] = slices.DeleteFunc(d.agents[spoke.Name], func(x *agent.Agent) bool { return x == a })
 		d.mu.Unlock()
 		cancel()
 		<-done
+		if !opts.KeepGrants {
+			d.deleteLateGrants(spoke, id, revoked)
+		}
 	}
 	if opts.NoWait {
 		return stopAgent, nil
@@ -635,14 +639,10 @@ func (d *Deployment) ensureAgentAccount(ctx context.Context, spoke *Cluster) err
 // that ClusterProfile on spoke (for 20s at most): a grant minted through
 // another replica reaches it in the agent's grant update, a moment after the
 // exchange. Failures leave them to the end of the suite, which counts them.
-func (d *Deployment) revokeGrants(spoke *Cluster, id string) {
-	rest, ok := strings.CutPrefix(id, "spiffe://"+TrustDomain+fleet.AgentIDPathPrefix)
-	ns, name, ok2 := strings.Cut(rest, "/")
-	if !ok || !ok2 {
-		return
-	}
-	if d.Broker == nil {
-		return
+func (d *Deployment) revokeGrants(spoke *Cluster, id string) (revoked map[string]bool) {
+	ns, name, ok := profileOfAgent(id)
+	if !ok || d.Broker == nil {
+		return nil
 	}
 	ctx, cancel := context.WithTimeout(d.ctx, 50*time.Second)
 	defer cancel()
@@ -666,8 +666,12 @@ func (d *Deployment) revokeGrants(spoke *Cluster, id string) {
 		}
 		return true, nil
 	})
+	revoked = map[string]bool{}
+	for _, g := range live {
+		revoked[g.GetCredentialId()] = true
+	}
 	if len(live) == 0 {
-		return
+		return revoked
 	}
 	// An agent whose streams rotate (short SVIDs) may leave a revoke
 	// unanswered on a stream that closed under it: it stays pending until
@@ -676,6 +680,42 @@ func (d *Deployment) revokeGrants(spoke *Cluster, id string) {
 		_, live = reg.Revoke(ctx, live, "the test agent stopped")
 		return len(live) == 0, nil
 	})
+	return revoked
+}
+
+// deleteLateGrants deletes, as the spoke's admin, the grants of the
+// ClusterProfile whose default agent ID is id that its stopped agent
+// claimed after revokeGrants looked, and so are not among revoked: an
+// exchange answered from a pooled grant just before the agent stopped is
+// claimed a moment later, and the agent's Run waits for its claims to land
+// before it returns. Deleting a grant revokes its token, as the agent
+// would.
+func (d *Deployment) deleteLateGrants(spoke *Cluster, id string, revoked map[string]bool) {
+	ns, name, ok := profileOfAgent(id)
+	if !ok || revoked == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(d.ctx, 20*time.Second)
+	defer cancel()
+	list, err := spoke.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
+	if err != nil {
+		return // the end of the suite counts what is left
+	}
+	for _, g := range list.Items {
+		if cid := g.Annotations[spokepkg.GrantCredentialIDAnnotation]; cid != "" && !revoked[cid] &&
+			g.Annotations[spokepkg.GrantClusterProfileAnnotation] == ns+"/"+name {
+			_ = spoke.Client.CoreV1().Secrets(g.Namespace).Delete(ctx, g.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &g.UID}})
+		}
+	}
+}
+
+// profileOfAgent returns the ClusterProfile whose default agent ID is id.
+func profileOfAgent(id string) (namespace, name string, ok bool) {
+	rest, ok := strings.CutPrefix(id, "spiffe://"+TrustDomain+fleet.AgentIDPathPrefix)
+	if !ok {
+		return "", "", false
+	}
+	return strings.Cut(rest, "/")
 }
 
 // WaitForServiceAccount waits until every running agent of spoke sees sa as
