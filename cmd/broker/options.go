@@ -78,6 +78,9 @@ func (o *options) complete(cfg *broker.Config) (err error) {
 	if cfg.PendingRevokesNamespace == "" {
 		cfg.PendingRevokesNamespace = ownNamespace()
 	}
+	if cfg.PublishLeaseNamespace == "" {
+		cfg.PublishLeaseNamespace = ownNamespace()
+	}
 	if cfg.Hub, err = clientcmd.BuildConfigFromFlags("", o.kubeconfig); err != nil {
 		return fmt.Errorf("hub config: %w", err)
 	}
@@ -132,7 +135,7 @@ func addExchangeFlags(f cmdflags.Fields, cfg *broker.Config) {
 // and of the wait for the agents before readiness.
 func addPublishFlags(f cmdflags.Fields, cfg *broker.Config) {
 	f.Bool(&cfg.PublishAccessProvider, "publish-access-provider", "keep the --access-provider entry (server and CA that the agent advertises, and the exec extension) and the CredentialBrokerConnected condition in the status of every ClusterProfile with a connected agent; needs patch on clusterprofiles/status and a Lease (deploy/components/publish-access-provider)")
-	f.String(&cfg.PublishLeaseNamespace, "publish-lease-namespace", "namespace of the Lease that picks the one replica that publishes (the broker's own namespace)")
+	f.String(&cfg.PublishLeaseNamespace, "publish-lease-namespace", "namespace of the Lease that picks the one replica that publishes (default: the broker's own namespace in a pod, else credbroker-system)")
 	f.String(&cfg.PublishLeaseName, "publish-lease-name", "name of that Lease")
 	f.String(&cfg.PublishIdentity, "publish-identity", "this replica's name in the Leases of the publisher and of the revocation triggers, such as the pod name (default: random)")
 	f.Duration(&cfg.AgentReconnectWindow, "agent-reconnect-window", "how long a starting replica waits, at most, for the agents to find it before /readyz reports ready; sooner once every ClusterProfile the publishing replica reports connected has a stream here; 0 does not wait")
@@ -200,7 +203,8 @@ func (v *positiveUint32Value) Type() string   { return "uint32" }
 const serviceAccountNamespace = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 // ownNamespace is the broker's pod's namespace, or outside a pod the
-// default of broker.Config.PendingRevokesNamespace.
+// default of broker.Config.PendingRevokesNamespace: where the broker keeps
+// its Leases and pending revokes unless a flag names another namespace.
 func ownNamespace() string {
 	if raw, err := os.ReadFile(serviceAccountNamespace); err == nil {
 		if ns := strings.TrimSpace(string(raw)); ns != "" {

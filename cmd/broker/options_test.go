@@ -118,6 +118,21 @@ func TestParseFlagsGrantTriggers(t *testing.T) {
 	require.ErrorContains(t, err, "the RBAC debounce must be positive and at most its maximum (10s, 5s)")
 }
 
+// The Leases and the pending revokes live in the broker's own namespace
+// unless a flag names another; outside a pod, credbroker-system.
+func TestParseFlagsNamespaces(t *testing.T) {
+	required := requiredFlags(t)
+	cfg, _, err := parseFlags(append(required, "--publish-access-provider"))
+	require.NoError(t, err)
+	assert.Equal(t, "credbroker-system", cfg.PublishLeaseNamespace)
+	assert.Equal(t, "credbroker-system", cfg.PendingRevokesNamespace)
+
+	cfg, _, err = parseFlags(append(required, "--publish-access-provider", "--publish-lease-namespace=fleet-ops", "--pending-revokes-namespace=fleet-ops"))
+	require.NoError(t, err)
+	assert.Equal(t, "fleet-ops", cfg.PublishLeaseNamespace)
+	assert.Equal(t, "fleet-ops", cfg.PendingRevokesNamespace)
+}
+
 func TestParseFlagsSVIDSource(t *testing.T) {
 	base := []string{"--tls-cert-file", "/tls/tls.crt", "--tls-key-file", "/tls/tls.key", "--trust-domain", "fleet.example", "--kubeconfig", kubeconfig(t)}
 	files := []string{"--svid-cert-file", "/svid/cert.pem", "--svid-key-file", "/svid/key.pem", "--trust-bundle-file", "/svid/bundle.pem"}

@@ -197,9 +197,9 @@ type Config struct {
 	ProxyCAData  []byte
 	// ProxyMaxRequestsPerCluster and ProxyMaxRequestsPerConsumer bound the
 	// proxied requests in flight to one ClusterProfile and of one hub
-	// consumer; ProxyResponseHeaderTimeout bounds the wait for a spoke's
-	// answer to start, and ProxyIdleTimeout how long a consumer's idle
-	// keep-alive connection stays open.
+	// consumer to one ClusterProfile; ProxyResponseHeaderTimeout bounds
+	// the wait for a spoke's answer to start, and ProxyIdleTimeout how long
+	// a consumer's idle keep-alive connection stays open.
 	ProxyMaxRequestsPerCluster, ProxyMaxRequestsPerConsumer int
 	ProxyResponseHeaderTimeout, ProxyIdleTimeout            time.Duration
 
