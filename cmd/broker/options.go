@@ -180,7 +180,7 @@ func addProxyFlags(f cmdflags.Fields, cfg *broker.Config, o *options) {
 	f.String(&cfg.ProxyURL, "proxy-url", "https base URL of --proxy-address as consumers reach it, such as https://credbroker.credbroker-system.svc:8445; with --publish-access-provider, published with /clusters/<namespace>/<name> for a ClusterProfile whose agents offer a data path and advertise no server")
 	f.String(&o.proxyCA, "proxy-ca-file", "PEM CA bundle that verifies --proxy-url, published with it")
 	f.Int(&cfg.ProxyMaxRequestsPerCluster, "proxy-max-requests-per-cluster", "proxied requests in flight to one ClusterProfile (watches and upgraded connections included)")
-	f.Int(&cfg.ProxyMaxRequestsPerConsumer, "proxy-max-requests-per-consumer", "proxied requests in flight of one hub consumer")
+	f.Int(&cfg.ProxyMaxRequestsPerConsumer, "proxy-max-requests-per-consumer", "proxied requests in flight of one hub consumer to one ClusterProfile")
 	f.Duration(&cfg.ProxyResponseHeaderTimeout, "proxy-response-header-timeout", "how long the API proxy waits for a spoke API server's answer to start")
 	f.Duration(&cfg.ProxyIdleTimeout, "proxy-idle-timeout", "how long the API proxy keeps a consumer's idle connection open")
 }

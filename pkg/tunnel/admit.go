@@ -82,9 +82,8 @@ func (s *Server) admit(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 		pending: map[string]chan *pb.AgentFrame{},
 	}
 	sess.setSpokeHealth(hello.GetSpokeHealth())
-	// The session takes requests before the agent learns it was admitted:
-	// an agent that drains its older stream once this one is admitted finds
-	// the broker already sending new requests here.
+	// The session counts against the cluster's streams from here on, and
+	// takes requests once Connect's checks pass (startServing).
 	if err := s.add(sess); err != nil {
 		cancel(nil)
 		return nil, time.Time{}, s.refuse(log, "agent refused", who, err)

@@ -7,10 +7,12 @@
 // cluster. Server.Mint sends a request down one live session of a cluster,
 // the one that the namespace of its ServiceAccount (or its subject) picks by
 // rendezvous hashing over the agent instances, and waits for the answer
-// that carries the same correlation id, or for its deadline. A session lives
-// no longer than the SVID its agent presented: the Server verifies the chain
-// again when a stream opens and on Reverify, and closes the stream at the
-// chain's earliest NotAfter. An agent's refusal keeps its code only if it is
+// that carries the same correlation id, or for its deadline. A session
+// takes requests only once its agent passed every check after its hello
+// (its ClusterProfile still accepts it, its chain still verifies), and
+// lives no longer than the SVID its agent presented: the Server verifies
+// the chain again when a stream opens and on Reverify, and closes the
+// stream at the chain's earliest NotAfter. An agent's refusal keeps its code only if it is
 // one an agent may give, and its message reaches the consumer without
 // control characters or links, clipped to 1 KiB; the agent logs the full
 // text.

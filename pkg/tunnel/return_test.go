@@ -2,11 +2,19 @@ package tunnel
 
 import (
 	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/types"
 	testingclock "k8s.io/utils/clock/testing"
 
@@ -149,4 +157,148 @@ func TestGoneClustersAreForgotten(t *testing.T) {
 	gone, arrived := kept()
 	assert.Equal(t, 1, gone, "only cluster b's end is kept")
 	assert.Zero(t, arrived)
+}
+
+// gatedResolver is its inner Resolver, except that every call after the
+// first pass holds until open is closed, and tells entered when it starts.
+type gatedResolver struct {
+	inner   Resolver
+	pass    atomic.Int32
+	entered chan struct{}
+	open    chan struct{}
+}
+
+func (r *gatedResolver) ResolveAgent(id spiffeid.ID) (fleet.ClusterRef, error) {
+	if r.pass.Add(-1) < 0 {
+		r.entered <- struct{}{}
+		<-r.open
+	}
+	return r.inner.ResolveAgent(id)
+}
+
+// A stream takes requests only once the checks after its hello pass: one
+// whose agent no longer maps to the cluster by then (its ClusterProfile
+// changed, or its SVID was revoked, while the broker awaited the hello)
+// never counts as the cluster's agent, and a mint waiting for the cluster's
+// agent to return is not sent down it, but to the agent that does return.
+func TestStreamServesOnlyOnceItsChecksPass(t *testing.T) {
+	gate := &gatedResolver{entered: make(chan struct{}, 1), open: make(chan struct{})}
+	gate.pass.Store(1 << 20)
+	h := newHarness(t, time.Minute, func(cfg *ServerConfig) { gate.inner, cfg.Resolver, cfg.ReturnWait = cfg.Resolver, gate, 30*time.Second })
+	_, stop := h.agent(t, agentA, &fakeMinter{})
+	waitConnected(t, h, clusterA, 1)
+	stop()
+	waitConnected(t, h, clusterA, 0)
+	done := make(chan error, 1)
+	go func() {
+		_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+		done <- err
+	}()
+
+	// The stream's admission passes; the check after its hello holds
+	// until the agent's ClusterProfile no longer accepts it.
+	gate.pass.Store(1)
+	stream := h.rawStream(t, agentA)
+	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}))
+	select {
+	case <-gate.entered:
+	case <-time.After(10 * time.Second):
+		require.FailNow(t, "the broker did not check the stream after its hello")
+	}
+	assert.Never(t, func() bool { return h.srv.Connected(clusterA) > 0 }, 200*time.Millisecond, 5*time.Millisecond,
+		"a stream counted as the cluster's agent before its checks passed")
+	h.resolver.set(agentA, nil)
+	gate.pass.Store(1 << 20)
+	close(gate.open)
+	f, err := stream.Recv()
+	require.Error(t, err, "the refused stream was sent %v", f)
+	assert.Equal(t, codes.PermissionDenied, status.Code(err))
+
+	h.resolver.set(agentA, &clusterA)
+	h.agent(t, agentA, &fakeMinter{})
+	require.NoError(t, <-done, "the mint did not go to the agent that returned")
+}
+
+// serverStream is an agent stream as Connect sees it: Send records each
+// frame, and Recv waits for the stream to end.
+type serverStream struct {
+	grpc.ServerStream
+	ctx  context.Context
+	mu   sync.Mutex
+	sent []*pb.BrokerFrame
+}
+
+func (s *serverStream) Context() context.Context { return s.ctx }
+
+func (s *serverStream) Send(f *pb.BrokerFrame) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.sent = append(s.sent, f)
+	return nil
+}
+
+func (s *serverStream) Recv() (*pb.AgentFrame, error) {
+	<-s.ctx.Done()
+	return nil, s.ctx.Err()
+}
+
+// A session closed with requests still queued for it, as when its agent is
+// refused after they were queued, sends none of them: its agent may be
+// the one refused. serve picks among the ready cases at random, so the
+// test asks many times.
+func TestClosedSessionSendsNoQueuedRequest(t *testing.T) {
+	h := newHarness(t, time.Minute)
+	for range 32 {
+		ctx, cancel := context.WithCancel(context.Background())
+		stream := &serverStream{ctx: ctx}
+		sctx, refuse := context.WithCancelCause(ctx)
+		sess := &session{cluster: clusterA, log: logr.Discard(), out: make(chan *pb.BrokerFrame, 16), ctx: sctx, cancel: refuse}
+		for range cap(sess.out) {
+			sess.out <- &pb.BrokerFrame{CorrelationId: "queued", Body: &pb.BrokerFrame_MintRequest{MintRequest: &pb.MintRequest{}}}
+		}
+		refuse(fmt.Errorf("agent refused: %w", errdefs.ErrPermissionDenied))
+		_, err := h.srv.serve(stream, sess)
+		cancel()
+		require.Equal(t, codes.PermissionDenied, status.Code(err))
+		require.Empty(t, stream.sent, "a closed session sent what was queued for it")
+	}
+}
+
+// A stream refused after its hello was never the cluster's agent: its end
+// does not make the cluster's mints wait for an agent to return.
+func TestRefusedStreamIsNoAgentToWaitFor(t *testing.T) {
+	const wait = time.Minute
+	clk := testingclock.NewFakeClock(time.Now())
+	gate := &gatedResolver{entered: make(chan struct{}, 1), open: make(chan struct{})}
+	gate.pass.Store(1 << 20)
+	h := newHarness(t, 2*wait, func(cfg *ServerConfig) {
+		gate.inner, cfg.Resolver, cfg.Clock, cfg.ReturnWait = cfg.Resolver, gate, clk, wait
+	})
+	_, stop := h.agent(t, agentA, &fakeMinter{})
+	waitConnected(t, h, clusterA, 1)
+	stop()
+	waitConnected(t, h, clusterA, 0)
+	clk.Step(wait)
+
+	gate.pass.Store(1)
+	stream := h.rawStream(t, agentA)
+	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}))
+	<-gate.entered
+	h.resolver.set(agentA, nil)
+	gate.pass.Store(1 << 20)
+	close(gate.open)
+	_, err := stream.Recv()
+	require.Equal(t, codes.PermissionDenied, status.Code(err))
+
+	done := make(chan error, 1)
+	go func() {
+		_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, errdefs.ErrUnavailable)
+	case <-time.After(10 * time.Second):
+		require.FailNow(t, "the mint waits for the refused stream's agent to return")
+	}
 }

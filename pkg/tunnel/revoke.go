@@ -106,15 +106,15 @@ type revokeVote struct {
 }
 
 // revokeTargets returns the streams a revoke of cluster goes to: every
-// open stream that has not said goodbye, of every agent instance, the
-// draining streams of an instance included (another holder of the
-// instance's SPIFFE ID may have named itself with its instance value).
+// open stream (isOpen) of every agent instance, the draining streams of an
+// instance included (another holder of the instance's SPIFFE ID may have
+// named itself with its instance value).
 func (s *Server) revokeTargets(cluster fleet.ClusterRef) []*session {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	var out []*session
 	for _, sess := range s.sessions[cluster.NamespacedName] {
-		if sess.cluster.UID == cluster.UID && sess.ctx.Err() == nil && !sess.isLeaving() {
+		if sess.cluster.UID == cluster.UID && sess.isOpen() {
 			out = append(out, sess)
 		}
 	}

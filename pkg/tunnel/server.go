@@ -194,22 +194,25 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.Broke
 		s.remove(sess)
 		s.sessionsChanged(key)
 	}()
-	s.sessionsChanged(key)
-	// Headers tell the agent it was admitted.
-	if err := stream.SendHeader(metadata.Pairs(admittedHeader, sess.cluster.String(), admittedUIDHeader, string(sess.cluster.UID))); err != nil {
-		return err
-	}
 	// The ClusterProfile or the trust bundle may have changed while the
 	// hello was awaited, before Revalidate or Reverify could see this
-	// session.
+	// session; the session takes requests only once it passed both.
 	s.revalidate(sess)
 	if _, err := s.verify(sess.agent, sess.chain); err != nil {
 		sess.cancel(err)
 	}
-	if sess.ctx.Err() == nil {
-		if err := s.cfg.Grants.Hello(sess.ctx, sess.cluster, sess.hello.GetGrants()); err != nil {
-			return s.refuse(sess.log, "agent refused", sess.stream(), fmt.Errorf("agent stream: %w", err))
-		}
+	if !s.startServing(sess) {
+		return s.refuse(sess.log, "agent refused", sess.stream(), context.Cause(sess.ctx))
+	}
+	s.sessionsChanged(key)
+	if err := s.cfg.Grants.Hello(sess.ctx, sess.cluster, sess.hello.GetGrants()); err != nil {
+		return s.refuse(sess.log, "agent refused", sess.stream(), fmt.Errorf("agent stream: %w", err))
+	}
+	// Headers tell the agent it was admitted; the session takes requests
+	// already, so an agent that drains its older stream once this one is
+	// admitted finds the broker sending new requests here.
+	if err := stream.SendHeader(metadata.Pairs(admittedHeader, sess.cluster.String(), admittedUIDHeader, string(sess.cluster.UID))); err != nil {
+		return err
 	}
 	// The stream ends with the agent's identity; the agent reconnects with
 	// whatever SVID it holds by then.
@@ -241,11 +244,19 @@ func (s *Server) serve(stream grpc.BidiStreamingServer[pb.AgentFrame, pb.BrokerF
 	for {
 		select {
 		case f := <-sess.out:
+			if sess.ctx.Err() != nil {
+				continue // a closed session sends nothing more: its agent may be refused now
+			}
 			if err := stream.Send(f); err != nil {
 				sess.log.Info("agent stream send failed", fleet.LogErr, err.Error())
 				return err, err
 			}
 		case err := <-recvErr:
+			if ctx.Err() != nil {
+				// The agent went away; Recv's error says no more, and
+				// may come first when both are ready.
+				return ctx.Err(), ctx.Err()
+			}
 			if errors.Is(err, errAgentFrame) {
 				sess.log.Info("agent stream closed by broker", fleet.LogErr, err.Error())
 				return err, errdefs.ToStatus(err).Err()

@@ -34,6 +34,10 @@ type session struct {
 	mu      sync.Mutex
 	pending map[string]chan *pb.AgentFrame
 
+	// serving is set once Connect's checks of the admitted stream passed
+	// (startServing): only then does it take requests or count as the
+	// cluster's agent.
+	serving atomic.Bool
 	// leaving is set when the agent says goodbye: no new request goes down
 	// the stream, and the agent closes it once it has answered those in
 	// flight.
@@ -54,12 +58,28 @@ func (s *Server) add(sess *session) error {
 		return fmt.Errorf("cluster %s already has %d agent streams to this broker: %w", sess.cluster, n, errdefs.ErrResourceExhausted)
 	}
 	s.sessions[key] = append(s.sessions[key], sess)
+	return nil
+}
+
+// startServing makes sess, admitted by add, take requests once Connect's
+// checks passed: from now on live counts it, and the mints waiting for its
+// cluster's agent to return wake. It reports false, and changes nothing,
+// when sess was closed meanwhile. Until then sess takes no request, so an
+// agent refused by those checks is never sent one.
+func (s *Server) startServing(sess *session) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if sess.ctx.Err() != nil {
+		return false
+	}
+	sess.serving.Store(true)
+	key := sess.cluster.NamespacedName
 	delete(s.gone, key)
 	if ch, ok := s.arrived[key]; ok {
 		close(ch)
 		delete(s.arrived, key)
 	}
-	return nil
+	return true
 }
 
 func (s *Server) remove(sess *session) {
@@ -78,7 +98,7 @@ func (s *Server) remove(sess *session) {
 		return
 	}
 	delete(s.sessions, key)
-	if s.cfg.ReturnWait > 0 {
+	if s.cfg.ReturnWait > 0 && sess.serving.Load() {
 		now := s.cfg.Clock.Now()
 		s.forgetGone(now)
 		s.gone[key] = now
@@ -123,7 +143,7 @@ func (s *Server) awaitReturn(ctx context.Context, cluster fleet.ClusterRef) []*s
 	now := s.cfg.Clock.Now()
 	ended, ok := s.gone[key]
 	if !ok && slices.ContainsFunc(s.sessions[key], func(sess *session) bool {
-		return sess.cluster.UID == cluster.UID && sess.ctx.Err() != nil && !sess.isLeaving()
+		return sess.cluster.UID == cluster.UID && sess.serving.Load() && sess.ctx.Err() != nil && !sess.isLeaving()
 	}) {
 		ended, ok = now, true
 	}
@@ -167,9 +187,8 @@ func (s *Server) sessionsChanged(key types.NamespacedName) {
 	}
 }
 
-// live returns the sessions that serve cluster and take new requests: open,
-// whose agent has not said goodbye, and of those of one agent instance, the
-// newest.
+// live returns the sessions that serve cluster and take new requests: the
+// open ones (isOpen), and of those of one agent instance, the newest.
 func (s *Server) live(cluster fleet.ClusterRef) []*session {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
@@ -178,7 +197,7 @@ func (s *Server) live(cluster fleet.ClusterRef) []*session {
 	newest := map[agentInstance]bool{}
 	for i := len(list) - 1; i >= 0; i-- { // newest first
 		sess := list[i]
-		if sess.cluster.UID != cluster.UID || sess.ctx.Err() != nil || sess.isLeaving() {
+		if sess.cluster.UID != cluster.UID || !sess.isOpen() {
 			continue
 		}
 		if sess.instance != "" {
@@ -197,6 +216,12 @@ func (s *Server) live(cluster fleet.ClusterRef) []*session {
 // isLeaving reports whether the agent of the session said goodbye.
 func (sess *session) isLeaving() bool { return sess.leaving.Load() }
 
+// isOpen reports whether the session serves: its checks passed, it is not
+// closed, and its agent has not said goodbye.
+func (sess *session) isOpen() bool {
+	return sess.serving.Load() && sess.ctx.Err() == nil && !sess.isLeaving()
+}
+
 // agentInstance names one agent's Client: its SPIFFE ID and instanceHeader.
 type agentInstance struct {
 	id       spiffeid.ID
@@ -210,13 +235,13 @@ func (s *Server) Pending() int { return int(s.pending.Load()) }
 func (s *Server) Connected(cluster fleet.ClusterRef) int { return len(s.live(cluster)) }
 
 // ConnectedClusters reports how many clusters have at least one open
-// session whose agent has not said goodbye.
+// session (isOpen).
 func (s *Server) ConnectedClusters() int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	n := 0
 	for _, list := range s.sessions {
-		if slices.ContainsFunc(list, func(sess *session) bool { return sess.ctx.Err() == nil && !sess.isLeaving() }) {
+		if slices.ContainsFunc(list, (*session).isOpen) {
 			n++
 		}
 	}
