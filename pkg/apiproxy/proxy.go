@@ -263,6 +263,10 @@ func (req *request) rewrite(pr *httputil.ProxyRequest) {
 	// a WebSocket subprotocol can carry a bearer.
 	pr.Out.Header.Set("Authorization", "Bearer "+req.bearer)
 	dropBearerProtocols(pr.Out.Header)
+	// The spoke's audit log takes its source IPs from X-Forwarded-For, then
+	// X-Real-Ip: both say the consumer's address, never what it claims.
+	pr.Out.Header.Del("X-Real-Ip")
+	pr.SetXForwarded()
 }
 
 // authorize returns the live grant of the bearer, which must be for

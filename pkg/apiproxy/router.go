@@ -153,13 +153,23 @@ func (r *Router) server(cluster fleet.ClusterRef) (*anpserver.ProxyServer, bool)
 	return c.srv, true
 }
 
-// join adds one agent stream to cluster's proxy server, making it if needed
-// (a new incarnation replaces the old one, whose streams Readmit ends), and
-// returns the server and the func that takes the stream out again.
-func (r *Router) join(cluster fleet.ClusterRef) (*anpserver.ProxyServer, func(), error) {
+// join adds one agent stream, admitted as adm, to its cluster's proxy
+// server, making it if needed (a new incarnation replaces the old one,
+// whose streams Readmit ends), and returns the server and the func that
+// takes the stream out again. A stream of another incarnation than the
+// server's, with streams, replaces it only if it is admitted still: one
+// admitted for an incarnation that was replaced meanwhile would otherwise
+// take the newer incarnation's place, and its leaving drop it.
+func (r *Router) join(adm fleet.Admission) (*anpserver.ProxyServer, func(), error) {
+	cluster := adm.Cluster
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	c, ok := r.clusters[cluster.NamespacedName]
+	if ok && c.uid != cluster.UID && c.backends > 0 {
+		if err := r.cfg.Admitter.Readmit(adm); err != nil {
+			return nil, nil, err
+		}
+	}
 	if ok && c.uid == cluster.UID && c.backends >= r.cfg.MaxStreamsPerCluster {
 		return nil, nil, fmt.Errorf("ClusterProfile %s holds %d data path streams to this broker, the most it allows (--max-streams-per-cluster): %w",
 			cluster, c.backends, errdefs.ErrResourceExhausted)
@@ -195,7 +205,7 @@ func (r *Router) Connect(stream agentpb.AgentService_ConnectServer) error {
 		return errdefs.ToStatus(err).Err()
 	}
 	log := r.cfg.Log.WithValues(fleet.LogAgent, adm.Agent.String(), fleet.LogCluster, adm.Cluster.String())
-	srv, leave, err := r.join(adm.Cluster)
+	srv, leave, err := r.join(adm)
 	if err != nil {
 		log.Info("data path stream refused", fleet.LogErr, err.Error())
 		return errdefs.ToStatus(err).Err()

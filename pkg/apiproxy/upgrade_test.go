@@ -175,6 +175,26 @@ func TestProxyForwardsOnlyTheCheckedToken(t *testing.T) {
 	assert.Equal(t, "v5.channel.k8s.io", got.Get("Sec-WebSocket-Protocol"), "a bearer subprotocol reached the spoke")
 }
 
+// The spoke's audit log names the consumer's own address: kube-apiserver
+// takes a request's source IPs from X-Forwarded-For, then X-Real-Ip, then
+// the connection, so a consumer's X-Real-Ip would have come first there.
+func TestProxyTellsTheSpokeTheConsumersAddress(t *testing.T) {
+	addr, _ := dataPath(t, upgradeServer(t))
+	req, err := http.NewRequest(http.MethodGet, "http://"+addr+URL("", testCluster.NamespacedName)+"/api", nil)
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+testToken)
+	req.Header.Set("X-Real-Ip", "203.0.113.9")
+	req.Header.Set("X-Forwarded-For", "198.51.100.7")
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	_ = resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	got, _ := lastHeaders.Load().(http.Header)
+	require.NotNil(t, got)
+	assert.Empty(t, got.Values("X-Real-Ip"), "the consumer's X-Real-Ip reached the spoke")
+	assert.Equal(t, []string{"127.0.0.1"}, got.Values("X-Forwarded-For"))
+}
+
 // exec, attach and port-forward switch to WebSocket (kubectl 1.31 and
 // later) or SPDY; the proxy carries both ways of the switched connection.
 func TestUpgradedConnections(t *testing.T) {

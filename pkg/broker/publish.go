@@ -35,11 +35,15 @@ func (s tunnelSource) Advertised(key types.NamespacedName) ([]publish.Advertisem
 	for _, a := range ads {
 		out = append(out, publish.Advertisement{Server: a.Server, CAData: a.CAData, Streams: a.Streams})
 	}
-	// Agents that advertise no server of their own, and all offer their
-	// API server through the data path, are reached through the API proxy.
-	// The data path they offer is published with it, and so pinned: the
-	// proxy verifies the spoke API server with what is published only.
-	if len(ads) == 0 && s.b.cfg.ProxyURL != "" {
+	// An agent that advertises no server of its own and offers its API
+	// server through the data path is reached through the API proxy: that
+	// is its vote, beside the servers other streams advertise, so that a
+	// stream advertising a server of its own cannot win the first
+	// publication while the cluster's agents offer the data path (case
+	// 19.5). The data path is published with the proxy's URL, and so
+	// pinned: the proxy verifies the spoke API server with what is
+	// published only.
+	if s.b.cfg.ProxyURL != "" {
 		for _, o := range s.b.tunnel.DataPaths(ref) {
 			out = append(out, publish.Advertisement{
 				Server: apiproxy.URL(s.b.cfg.ProxyURL, key), CAData: s.b.cfg.ProxyCAData, Streams: o.Streams,

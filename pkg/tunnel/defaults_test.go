@@ -157,6 +157,25 @@ func TestHelloReachesTheBroker(t *testing.T) {
 	assert.Equal(t, 5, live)
 }
 
+// A stream's vote for the published server is the server it advertises,
+// or, when it advertises none, the data path it offers: DataPaths counts
+// only the streams that advertise no server, so that agents that both
+// advertise a server and offer a data path agree on their server.
+func TestDataPathsCountStreamsWithoutAServer(t *testing.T) {
+	h := newHarness(t, 5*time.Second, func(c *ServerConfig) { c.MaxStreamsPerCluster = 8 })
+	dp := &pb.DataPath{ServerName: "spoke.internal", CertificateAuthorityData: []byte("spoke CA")}
+	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) {
+		c.Hello = &pb.Hello{AgentVersion: "test", Server: "https://spoke.example:6443", DataPath: dp}
+	})
+	waitConnected(t, h, clusterA, 1)
+	assert.Empty(t, h.srv.DataPaths(clusterA), "a stream that advertises a server votes for it alone")
+
+	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) { c.Hello = &pb.Hello{AgentVersion: "test", DataPath: dp} })
+	h.agent(t, agentA, &fakeMinter{}, func(c *ClientConfig) { c.Hello = &pb.Hello{AgentVersion: "test"} })
+	waitConnected(t, h, clusterA, 3)
+	assert.Equal(t, []DataPathOffer{{ServerName: "spoke.internal", CAData: []byte("spoke CA"), Streams: 1}}, h.srv.DataPaths(clusterA))
+}
+
 // Each reconnect waits between half the backoff and the whole of it, and
 // reaches both ends (the whole less a nanosecond for an odd one).
 func TestJitterStaysWithinTheBackoff(t *testing.T) {

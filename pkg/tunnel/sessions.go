@@ -257,12 +257,13 @@ type DataPathOffer struct {
 }
 
 // DataPaths returns every distinct data path offer of the live sessions of
-// cluster, oldest first. Like Advertised, it picks none.
+// cluster that advertise no server (Advertised counts those that do),
+// oldest first. Like Advertised, it picks none.
 func (s *Server) DataPaths(cluster fleet.ClusterRef) (offers []DataPathOffer) {
 	list := s.live(cluster)
 	for _, sess := range list {
 		dp := sess.hello.GetDataPath()
-		if dp == nil {
+		if dp == nil || sess.hello.GetServer() != "" {
 			continue
 		}
 		i := slices.IndexFunc(offers, func(o DataPathOffer) bool {

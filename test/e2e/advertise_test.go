@@ -158,6 +158,40 @@ func disagreement(cp *v1alpha1.ClusterProfile) bool {
 	return c != nil && c.Status == metav1.ConditionTrue && strings.Contains(c.Message, "disagree")
 }
 
+// publishedNothing waits for the publisher's first condition on the
+// ClusterProfile that get returns, and checks that no server was
+// published, and that the condition says the agents disagree: one of them
+// advertises decoyURL.
+func publishedNothing(t *testing.T, get func() *v1alpha1.ClusterProfile, decoyURL string) {
+	t.Helper()
+	var cp *v1alpha1.ClusterProfile
+	require.Eventually(t, func() bool {
+		cp = get()
+		return findCondition(cp, publish.ConditionType) != nil
+	}, 30*time.Second, 100*time.Millisecond, "the publisher never wrote the condition")
+	if e := findProvider(cp, plugin.Name); e != nil {
+		t.Errorf("%s was published while the agents disagree (the decoy is %s)", e.Cluster.Server, decoyURL)
+	}
+	assert.True(t, disagreement(cp), "the condition does not say that the agents disagree")
+}
+
+// holdLease has someone other than a broker hold the Lease default/name,
+// so that a publisher of that Lease does not publish until release.
+func holdLease(t *testing.T, name string) (release func()) {
+	t.Helper()
+	leases := env.Hub.Client.CoordinationV1().Leases("default")
+	now := metav1.NewMicroTime(time.Now())
+	_, err := leases.Create(context.Background(), &coordinationv1.Lease{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: coordinationv1.LeaseSpec{
+			HolderIdentity: ptr.To("someone-else"), LeaseDurationSeconds: ptr.To[int32](3600),
+			AcquireTime: &now, RenewTime: &now,
+		},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	return func() { require.NoError(t, leases.Delete(context.Background(), name, metav1.DeleteOptions{})) }
+}
+
 // Trust boundary: no agent picks where consumers send tokens. The honest
 // agent of a ClusterProfile is connected and its server published; a
 // second process that holds the same agent's SVID (and no spoke
@@ -244,16 +278,7 @@ func TestDisagreeingAgentsPublishNothing(t *testing.T) {
 	}
 
 	// Someone else holds the publisher's Lease until both agents are in.
-	leases := env.Hub.Client.CoordinationV1().Leases("default")
-	now := metav1.NewMicroTime(time.Now())
-	_, err = leases.Create(ctx, &coordinationv1.Lease{
-		ObjectMeta: metav1.ObjectMeta{Name: name},
-		Spec: coordinationv1.LeaseSpec{
-			HolderIdentity: ptr.To("someone-else"), LeaseDurationSeconds: ptr.To[int32](3600),
-			AcquireTime: &now, RenewTime: &now,
-		},
-	}, metav1.CreateOptions{})
-	require.NoError(t, err)
+	release := holdLease(t, name)
 	b, _ := startPublisher(t, name, "", nil)
 	startAdvertisingAgent(t, spoke, name, b)
 	decoy := startDecoy(t)
@@ -261,17 +286,9 @@ func TestDisagreeingAgentsPublishNothing(t *testing.T) {
 	require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 2 },
 		10*time.Second, 20*time.Millisecond, "the publisher holds both streams")
 	require.Empty(t, get().Status.Conditions, "the publisher wrote before it held the Lease")
-	require.NoError(t, leases.Delete(ctx, name, metav1.DeleteOptions{}))
+	release()
 
-	var cp *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool {
-		cp = get()
-		return findCondition(cp, publish.ConditionType) != nil
-	}, 30*time.Second, 100*time.Millisecond, "the publisher never wrote the condition")
-	if e := findProvider(cp, plugin.Name); e != nil {
-		t.Errorf("%s was published while the agents disagree (the decoy is %s)", e.Cluster.Server, decoy.URL)
-	}
-	assert.True(t, disagreement(cp), "the condition does not say that the agents disagree")
+	publishedNothing(t, get, decoy.URL)
 	assert.Equal(t, 1.0, conflicts(t, b), "the disagreement is counted")
 	assert.Zero(t, decoy.requests.Load())
 

@@ -24,13 +24,16 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"sigs.k8s.io/cluster-inventory-api/apis/v1alpha1"
 	ctrlclient "sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/credbroker/credbroker/pkg/agent"
 	"github.com/credbroker/credbroker/pkg/apiproxy"
+	"github.com/credbroker/credbroker/pkg/broker"
 	"github.com/credbroker/credbroker/pkg/brokerclient"
 	"github.com/credbroker/credbroker/pkg/client"
 	"github.com/credbroker/credbroker/pkg/grants"
+	"github.com/credbroker/credbroker/pkg/plugin"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
 )
@@ -254,6 +257,52 @@ func TestStolenAgentIdentityCannotRedirectTheDataPath(t *testing.T) {
 	assert.Zero(t, decoy.bearers.Load(), "the thief's listener received a token")
 	assert.Zero(t, decoy.requests.Load(), "the proxy sent a request to the thief's listener")
 	assert.Positive(t, served, "the consumer never reached the spoke")
+}
+
+// Trust boundary: a stream that advertises a server of its own does not win
+// the first publication while the ClusterProfile's honest agents offer the
+// data path and advertise none (security.md 19.5). A process holding the
+// agent's SVID connects beside the honest data-path agent before the
+// publisher first looks: nothing is published while they disagree, and
+// once it goes, the API proxy's URL is.
+func TestStolenAgentIdentityCannotPublishOverTheDataPath(t *testing.T) {
+	ctx := context.Background()
+	spoke := env.Spokes[0]
+	name := uniqueName(t, "datapath-first")
+	key := types.NamespacedName{Namespace: framework.FleetNamespace, Name: name}
+	_, err := env.Hub.CreateClusterProfile(ctx, framework.FleetNamespace, name, nil)
+	require.NoError(t, err)
+	get := func() *v1alpha1.ClusterProfile {
+		cp, err := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Get(ctx, name, metav1.GetOptions{})
+		require.NoError(t, err)
+		return cp
+	}
+
+	release := holdLease(t, name)
+	const proxyURL = "https://credbroker-proxy.example:8445"
+	b, _ := startPublisher(t, name, "", func(c *broker.Config) {
+		c.ProxyAddress, c.ProxyURL, c.ProxyCAData = "127.0.0.1:0", proxyURL, deployment.CA.BundlePEM()
+	})
+	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{
+		ID: framework.AgentID(name), Cluster: key.String(),
+		Tune: func(c *agent.Config) { c.DataPath, c.BrokerAddresses = true, append(c.BrokerAddresses, b.AgentAddr()) },
+	})
+	require.NoError(t, err)
+	t.Cleanup(stop)
+	decoy := startDecoy(t)
+	stopThief := connectAdvertiser(t, b.AgentAddr(), name, decoy.URL, decoy.caPEM)
+	require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 2 },
+		10*time.Second, 20*time.Millisecond, "the publisher holds both streams")
+	release()
+
+	publishedNothing(t, get, decoy.URL)
+
+	stopThief()
+	require.Eventually(t, func() bool {
+		e := findProvider(get(), plugin.Name)
+		return e != nil && e.Cluster.Server == apiproxy.URL(proxyURL, key)
+	}, 30*time.Second, 100*time.Millisecond, "the API proxy's URL is published once the agents agree")
+	assert.Zero(t, decoy.requests.Load())
 }
 
 // failover forwards each connection to the first of targets that accepts
