@@ -12,10 +12,10 @@
 // (its ClusterProfile still accepts it, its chain still verifies), and
 // lives no longer than the SVID its agent presented: the Server verifies
 // the chain again when a stream opens and on Reverify, and closes the
-// stream at the chain's earliest NotAfter. An agent's refusal keeps its code only if it is
-// one an agent may give, and its message reaches the consumer without
-// control characters or links, clipped to 1 KiB; the agent logs the full
-// text.
+// stream at the chain's earliest NotAfter. An agent's refusal keeps its
+// code only if it is one an agent may give, and its message reaches the
+// consumer without control characters or links, clipped to 1 KiB; the
+// agent logs the full text.
 //
 // The grants an agent reports in its hello, and its grant updates after it,
 // go to ServerConfig.Grants (the broker's grant registry); a hello or update of more than MaxGrantsPerFrame grants closes the

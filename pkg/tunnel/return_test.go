@@ -168,6 +168,35 @@ type gatedResolver struct {
 	open    chan struct{}
 }
 
+// newGatedResolver returns a gatedResolver that lets every call pass, and
+// a tune for newHarness that puts it in front of the harness's resolver.
+func newGatedResolver() (*gatedResolver, func(*ServerConfig)) {
+	gate := &gatedResolver{entered: make(chan struct{}, 1), open: make(chan struct{})}
+	gate.pass.Store(1 << 20)
+	return gate, func(cfg *ServerConfig) { gate.inner, cfg.Resolver = cfg.Resolver, gate }
+}
+
+// refusedAfterHello opens a stream of agentA whose admission passes, holds
+// the check after its hello, runs whileHeld, then has agentA's
+// ClusterProfile no longer accept it and lets the check go on; it returns
+// what the stream then receives.
+func refusedAfterHello(t *testing.T, h *harness, gate *gatedResolver, whileHeld func()) (*pb.BrokerFrame, error) {
+	t.Helper()
+	gate.pass.Store(1)
+	stream := h.rawStream(t, agentA)
+	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}))
+	select {
+	case <-gate.entered:
+	case <-time.After(10 * time.Second):
+		require.FailNow(t, "the broker did not check the stream after its hello")
+	}
+	whileHeld()
+	h.resolver.set(agentA, nil)
+	gate.pass.Store(1 << 20)
+	close(gate.open)
+	return stream.Recv()
+}
+
 func (r *gatedResolver) ResolveAgent(id spiffeid.ID) (fleet.ClusterRef, error) {
 	if r.pass.Add(-1) < 0 {
 		r.entered <- struct{}{}
@@ -182,9 +211,8 @@ func (r *gatedResolver) ResolveAgent(id spiffeid.ID) (fleet.ClusterRef, error) {
 // never counts as the cluster's agent, and a mint waiting for the cluster's
 // agent to return is not sent down it, but to the agent that does return.
 func TestStreamServesOnlyOnceItsChecksPass(t *testing.T) {
-	gate := &gatedResolver{entered: make(chan struct{}, 1), open: make(chan struct{})}
-	gate.pass.Store(1 << 20)
-	h := newHarness(t, time.Minute, func(cfg *ServerConfig) { gate.inner, cfg.Resolver, cfg.ReturnWait = cfg.Resolver, gate, 30*time.Second })
+	gate, gated := newGatedResolver()
+	h := newHarness(t, time.Minute, gated, func(cfg *ServerConfig) { cfg.ReturnWait = 30 * time.Second })
 	_, stop := h.agent(t, agentA, &fakeMinter{})
 	waitConnected(t, h, clusterA, 1)
 	stop()
@@ -197,20 +225,10 @@ func TestStreamServesOnlyOnceItsChecksPass(t *testing.T) {
 
 	// The stream's admission passes; the check after its hello holds
 	// until the agent's ClusterProfile no longer accepts it.
-	gate.pass.Store(1)
-	stream := h.rawStream(t, agentA)
-	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}))
-	select {
-	case <-gate.entered:
-	case <-time.After(10 * time.Second):
-		require.FailNow(t, "the broker did not check the stream after its hello")
-	}
-	assert.Never(t, func() bool { return h.srv.Connected(clusterA) > 0 }, 200*time.Millisecond, 5*time.Millisecond,
-		"a stream counted as the cluster's agent before its checks passed")
-	h.resolver.set(agentA, nil)
-	gate.pass.Store(1 << 20)
-	close(gate.open)
-	f, err := stream.Recv()
+	f, err := refusedAfterHello(t, h, gate, func() {
+		assert.Never(t, func() bool { return h.srv.Connected(clusterA) > 0 }, 200*time.Millisecond, 5*time.Millisecond,
+			"a stream counted as the cluster's agent before its checks passed")
+	})
 	require.Error(t, err, "the refused stream was sent %v", f)
 	assert.Equal(t, codes.PermissionDenied, status.Code(err))
 
@@ -269,25 +287,15 @@ func TestClosedSessionSendsNoQueuedRequest(t *testing.T) {
 func TestRefusedStreamIsNoAgentToWaitFor(t *testing.T) {
 	const wait = time.Minute
 	clk := testingclock.NewFakeClock(time.Now())
-	gate := &gatedResolver{entered: make(chan struct{}, 1), open: make(chan struct{})}
-	gate.pass.Store(1 << 20)
-	h := newHarness(t, 2*wait, func(cfg *ServerConfig) {
-		gate.inner, cfg.Resolver, cfg.Clock, cfg.ReturnWait = cfg.Resolver, gate, clk, wait
-	})
+	gate, gated := newGatedResolver()
+	h := newHarness(t, 2*wait, gated, func(cfg *ServerConfig) { cfg.Clock, cfg.ReturnWait = clk, wait })
 	_, stop := h.agent(t, agentA, &fakeMinter{})
 	waitConnected(t, h, clusterA, 1)
 	stop()
 	waitConnected(t, h, clusterA, 0)
 	clk.Step(wait)
 
-	gate.pass.Store(1)
-	stream := h.rawStream(t, agentA)
-	require.NoError(t, stream.Send(&pb.AgentFrame{Body: &pb.AgentFrame_Hello{Hello: &pb.Hello{}}}))
-	<-gate.entered
-	h.resolver.set(agentA, nil)
-	gate.pass.Store(1 << 20)
-	close(gate.open)
-	_, err := stream.Recv()
+	_, err := refusedAfterHello(t, h, gate, func() {})
 	require.Equal(t, codes.PermissionDenied, status.Code(err))
 
 	done := make(chan error, 1)
