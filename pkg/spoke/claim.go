@@ -161,11 +161,17 @@ func (m *Minter) claim(ctx context.Context, claimed *corev1.Secret, exp time.Tim
 		err = m.grants.Patch(ctx, claimed.Namespace, claimed.Name, patch)
 	}
 	if err != nil {
-		m.deleteGrant(ctx, claimed)
+		id := claimed.Annotations[GrantCredentialIDAnnotation]
+		deleted := m.deleteGrant(ctx, claimed)
 		m.claims.forget(claimed.UID)
-		m.log.Error(err, "failed to record a token's owner on its pooled grant; deleted the grant, which revokes the token",
-			"grant", claimed.Namespace+"/"+claimed.Name,
-			"credentialID", claimed.Annotations[GrantCredentialIDAnnotation])
+		m.log.Error(err, "failed to record a token's owner on its pooled grant; deleting the grant revokes the token",
+			"grant", claimed.Namespace+"/"+claimed.Name, "credentialID", id, "deleted", deleted)
+		if deleted {
+			// The grant never showed the credential id, so its deletion
+			// tells the brokers nothing; the broker that minted the token
+			// recorded it, and must stop handing it out.
+			m.publish(&credbrokerv1alpha1.GrantUpdate{Removed: []string{id}})
+		}
 		return
 	}
 	m.track(claimed, exp)

@@ -296,14 +296,17 @@ func (m *Minter) revokedDuringMint(sa *corev1.ServiceAccount, grant *corev1.Secr
 
 // deleteGrant deletes the grant of a mint that failed. It outlives ctx, as
 // the mint may have failed because ctx ended; if it fails too, Run collects
-// the grant once its expiration passes.
-func (m *Minter) deleteGrant(ctx context.Context, grant *corev1.Secret) {
+// the grant once its expiration passes. It reports whether the grant is
+// gone.
+func (m *Minter) deleteGrant(ctx context.Context, grant *corev1.Secret) (deleted bool) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
 	defer cancel()
 	if err := m.grants.Delete(ctx, grant.Namespace, grant.Name, grant.UID); err != nil && !gone(err) {
 		m.log.Error(err, "failed to delete the grant of a failed mint; it is collected when it expires",
 			"grant", grant.Namespace+"/"+grant.Name)
+		return false
 	}
+	return true
 }
 
 // createTokenError maps an error of the TokenRequest API to a sentinel. The

@@ -349,6 +349,42 @@ func TestClaimDoesNotLandOnAReplacement(t *testing.T) {
 	assert.NotContains(t, gated.Claimed(), "replacement-"+uid, "the replacement got the token's attribution")
 }
 
+// A grant its token's holder deletes before the claim lands is reported
+// removed under the token's credential id: the broker that minted the
+// token recorded it at the answer, and must stop handing out a token the
+// spoke now refuses. A claim that fails with the grant still there, its
+// deletion failing too, reports nothing: the token lives until the sweep.
+func TestGrantGoneBeforeTheClaimLandsIsReportedRemoved(t *testing.T) {
+	tests := []struct {
+		name      string
+		deleteErr error
+		want      []string
+	}{
+		{name: "deleted by its holder", want: []string{"-JTI=jti-apps-deployer"}},
+		{name: "the agent's delete fails", deleteErr: apierrors.NewInternalError(fmt.Errorf("etcd is down"))},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			grants := newFakeGrants()
+			m, gated, key, uid := mintHeld(t, &fakeTokens{}, grants, lister(t, serviceAccount("apps", "deployer", argocd)))
+			var r recorder
+			defer m.Subscribe(r.fn)()
+			if tt.deleteErr == nil {
+				ns, name, _ := strings.Cut(key, "/")
+				require.NoError(t, grants.Delete(t.Context(), ns, name, uid))
+			} else {
+				grants.setDeleteErr(tt.deleteErr)
+				grants.mu.Lock()
+				grants.patchErr = tt.deleteErr
+				grants.mu.Unlock()
+			}
+			gated.let()
+			m.pool.taken.Wait() // the claim, and its failure, are done
+			assert.Equal(t, tt.want, r.summary())
+		})
+	}
+}
+
 // A revoke of a credential id whose claim has not landed yet deletes its
 // grant: a token is revocable from the moment it is answered.
 func TestRevokeBeforeTheClaimLands(t *testing.T) {

@@ -2,8 +2,6 @@ package e2e
 
 import (
 	"context"
-	"encoding/base64"
-	"encoding/json"
 	"strings"
 	"testing"
 	"time"
@@ -33,25 +31,12 @@ var secretEditor = rbacv1.PolicyRule{
 	Verbs:     []string{"get", "list", "watch", "create", "update", "patch", "delete"},
 }
 
-// boundSecret returns the name of the Secret a spoke ServiceAccount token
-// is bound to, from its kubernetes.io.secret.name claim, as the token's
-// holder can read it.
+// boundSecret returns the name of the Secret tok is bound to.
 func boundSecret(t *testing.T, tok string) string {
 	t.Helper()
-	parts := strings.Split(tok, ".")
-	require.Len(t, parts, 3)
-	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
+	name, err := framework.BoundSecret(tok)
 	require.NoError(t, err)
-	var c struct {
-		Kubernetes struct {
-			Secret struct {
-				Name string `json:"name"`
-			} `json:"secret"`
-		} `json:"kubernetes.io"`
-	}
-	require.NoError(t, json.Unmarshal(raw, &c))
-	require.NotEmpty(t, c.Kubernetes.Secret.Name, "the token is bound to no Secret")
-	return c.Kubernetes.Secret.Name
+	return name
 }
 
 // knownToEveryReplica waits until every broker replica lists the grant of
@@ -156,6 +141,11 @@ func TestConsumerCannotChangeItsGrant(t *testing.T) {
 	again, err := exchange(t, c, &pb.ExchangeRequest{Cluster: clusterRef(cluster)})
 	require.NoError(t, err)
 	require.NotEqual(t, id, again.GetCredentialId())
+	// A replica that never heard of the grant has nothing to forget: the
+	// delete waits until the claim landed and every replica knows it
+	// (test/faults TestTokenWhoseGrantWentBeforeItsClaimIsNotHandedOut
+	// deletes it before).
+	knownToEveryReplica(t, again.GetCredentialId())
 	own, err = kubernetes.NewForConfig(cluster.TokenConfig(again.GetToken()))
 	require.NoError(t, err)
 	require.NoError(t, own.CoreV1().Secrets(ns).Delete(ctx, boundSecret(t, again.GetToken()), metav1.DeleteOptions{}))

@@ -27,7 +27,8 @@ import (
 //   - spoke-1 has two agents, both reaching their spoke through spokeProxy;
 //     agent A reaches the broker through agentProxy, agent B directly;
 //   - spoke-2 has one agent whose spoke answers TokenRequests after
-//     slowSpoke, while it is non-zero.
+//     slowSpoke, and patches of Secrets after slowClaims, while they are
+//     non-zero.
 var (
 	env        *framework.Env
 	deployment *framework.Deployment
@@ -37,6 +38,7 @@ var (
 	spokeProxy *faultproxy.Proxy
 	agentProxy *faultproxy.Proxy
 	slowSpoke  atomic.Int64 // a time.Duration
+	slowClaims atomic.Int64 // a time.Duration
 	// agentBin and brokerBin are the shipped binaries, built from this tree.
 	agentBin, brokerBin string
 
@@ -120,7 +122,7 @@ func run(m *testing.M) int {
 	}{
 		{spoke1, func(c *agent.Config) { viaSpokeProxy(c); c.BrokerAddresses = []string{agentProxy.Addr()} }},
 		{spoke1, viaSpokeProxy},
-		{spoke2, func(c *agent.Config) { c.Spoke = rest.CopyConfig(c.Spoke); c.Spoke.Wrap(slowTokenRequests) }},
+		{spoke2, func(c *agent.Config) { c.Spoke = rest.CopyConfig(c.Spoke); c.Spoke.Wrap(slowSpokeRequests) }},
 	}
 	for _, a := range agents {
 		if _, err := deployment.StartAgentWith(ctx, a.spoke, framework.AgentOptions{
@@ -141,10 +143,18 @@ func proxyTo(server string) (*faultproxy.Proxy, error) {
 	return faultproxy.New(u.Host)
 }
 
-// slowTokenRequests delays every TokenRequest by slowSpoke.
-func slowTokenRequests(rt http.RoundTripper) http.RoundTripper {
+// slowSpokeRequests delays every TokenRequest by slowSpoke, and every
+// patch of a Secret (a grant's claim) by slowClaims.
+func slowSpokeRequests(rt http.RoundTripper) http.RoundTripper {
 	return roundTripperFunc(func(r *http.Request) (*http.Response, error) {
-		if d := time.Duration(slowSpoke.Load()); d > 0 && r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/token") {
+		var d time.Duration
+		switch {
+		case r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/token"):
+			d = time.Duration(slowSpoke.Load())
+		case r.Method == http.MethodPatch && strings.Contains(r.URL.Path, "/secrets/"):
+			d = time.Duration(slowClaims.Load())
+		}
+		if d > 0 {
 			select {
 			case <-time.After(d):
 			case <-r.Context().Done():
