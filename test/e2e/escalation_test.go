@@ -4,7 +4,6 @@ import (
 	"context"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -15,7 +14,6 @@ import (
 	"google.golang.org/grpc/status"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
-	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -77,13 +75,9 @@ func escape(t *testing.T, spoke *framework.Cluster, resp *pb.ExchangeResponse, n
 	out := escaped{lifetime: time.Until(tr.Status.ExpirationTimestamp.Time).Round(time.Minute)}
 
 	// Revoke the brokered token as the broker does: delete its grant.
-	list, err := spoke.Client.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{LabelSelector: spokepkg.GrantLabelSelector})
-	require.NoError(t, err)
-	i := slices.IndexFunc(list.Items, func(s corev1.Secret) bool {
-		return s.Annotations[spokepkg.GrantCredentialIDAnnotation] == resp.GetCredentialId()
-	})
-	require.GreaterOrEqual(t, i, 0, "no grant carries credential id %s", resp.GetCredentialId())
-	require.NoError(t, spoke.Client.CoreV1().Secrets(ns).Delete(ctx, list.Items[i].Name, metav1.DeleteOptions{}))
+	jti, _ := strings.CutPrefix(resp.GetCredentialId(), "JTI=")
+	grant := claimedGrant(ctx, t, spoke, jti)
+	require.NoError(t, spoke.Client.CoreV1().Secrets(ns).Delete(ctx, grant.Name, metav1.DeleteOptions{}))
 	accepted := func(tok string) bool {
 		review, err := spoke.ReviewToken(ctx, tok, nil)
 		require.NoError(t, err)
