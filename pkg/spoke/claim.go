@@ -34,8 +34,8 @@ import (
 var errPooledGone = errors.New("the pooled grant was deleted before the token was bound to it")
 
 // pendingClaims holds, by grant UID, the grants a mint claimed whose claim the
-// grant informer has not shown yet, as the claim writes them. Its zero
-// value is ready.
+// grant informer has not shown yet, as the claim writes them, and those
+// whose claim failed until they are gone. Its zero value is ready.
 type pendingClaims struct {
 	mu sync.Mutex
 	by map[types.UID]*corev1.Secret
@@ -51,9 +51,20 @@ func (c *pendingClaims) add(g *corev1.Secret) {
 }
 
 func (c *pendingClaims) forget(uid types.UID) {
+	c.take(uid)
+}
+
+// take forgets the claim of the grant of UID uid, and returns its
+// credential id, or "" when there was none.
+func (c *pendingClaims) take(uid types.UID) string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	g, ok := c.by[uid]
+	if !ok {
+		return ""
+	}
 	delete(c.by, uid)
+	return g.Annotations[GrantCredentialIDAnnotation]
 }
 
 // ownClaim reports whether now carries the claim the agent wrote on it:
@@ -152,7 +163,9 @@ func claimPatch(claimed *corev1.Secret) ([]byte, error) {
 // claim writes claimed's claim onto its grant, which the token expiring
 // at exp is bound to, and arranges the grant's deletion at exp. When the
 // claim fails it deletes the grant, which revokes the token; if that fails
-// too, the sweep collects the grant once its pooled expiry passes.
+// too, a revoke of the token's credential id deletes it again, and the
+// sweep collects it once its pooled expiry passes. Either way the brokers
+// are told of the credential id's removal once the grant is gone.
 func (m *Minter) claim(ctx context.Context, claimed *corev1.Secret, exp time.Time) {
 	ctx, cancel := context.WithTimeout(ctx, cleanupTimeout)
 	defer cancel()
@@ -163,13 +176,13 @@ func (m *Minter) claim(ctx context.Context, claimed *corev1.Secret, exp time.Tim
 	if err != nil {
 		id := claimed.Annotations[GrantCredentialIDAnnotation]
 		deleted := m.deleteGrant(ctx, claimed)
-		m.claims.forget(claimed.UID)
 		m.log.Error(err, "failed to record a token's owner on its pooled grant; deleting the grant revokes the token",
 			"grant", claimed.Namespace+"/"+claimed.Name, "credentialID", id, "deleted", deleted)
-		if deleted {
-			// The grant never showed the credential id, so its deletion
-			// tells the brokers nothing; the broker that minted the token
-			// recorded it, and must stop handing it out.
+		// The grant never showed the credential id, so the brokers learn
+		// of its removal from the claim kept in memory: here once it is
+		// gone, or from its deletion event (GrantEvents). Until then a
+		// revoke of the id finds the claim and deletes the grant again.
+		if deleted && m.claims.take(claimed.UID) != "" {
 			m.publish(&credbrokerv1alpha1.GrantUpdate{Removed: []string{id}})
 		}
 		return

@@ -18,6 +18,7 @@ import (
 	corev1listers "k8s.io/client-go/listers/core/v1"
 	testingclock "k8s.io/utils/clock/testing"
 
+	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
@@ -352,37 +353,79 @@ func TestClaimDoesNotLandOnAReplacement(t *testing.T) {
 // A grant its token's holder deletes before the claim lands is reported
 // removed under the token's credential id: the broker that minted the
 // token recorded it at the answer, and must stop handing out a token the
-// spoke now refuses. A claim that fails with the grant still there, its
-// deletion failing too, reports nothing: the token lives until the sweep.
+// spoke now refuses.
 func TestGrantGoneBeforeTheClaimLandsIsReportedRemoved(t *testing.T) {
-	tests := []struct {
-		name      string
-		deleteErr error
-		want      []string
-	}{
-		{name: "deleted by its holder", want: []string{"-JTI=jti-apps-deployer"}},
-		{name: "the agent's delete fails", deleteErr: apierrors.NewInternalError(fmt.Errorf("etcd is down"))},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
+	for _, order := range []string{"deleted before the claim fails", "deleted unseen by the informer", "deleted after the claim fails"} {
+		t.Run(order, func(t *testing.T) {
 			grants := newFakeGrants()
 			m, gated, key, uid := mintHeld(t, &fakeTokens{}, grants, lister(t, serviceAccount("apps", "deployer", argocd)))
 			var r recorder
 			defer m.Subscribe(r.fn)()
-			if tt.deleteErr == nil {
-				ns, name, _ := strings.Cut(key, "/")
-				require.NoError(t, grants.Delete(t.Context(), ns, name, uid))
-			} else {
-				grants.setDeleteErr(tt.deleteErr)
+			ns, name, _ := strings.Cut(key, "/")
+			if order != "deleted after the claim fails" {
 				grants.mu.Lock()
-				grants.patchErr = tt.deleteErr
+				grants.lag = order == "deleted unseen by the informer"
 				grants.mu.Unlock()
+				require.NoError(t, grants.Delete(t.Context(), ns, name, uid))
+				gated.let()
+				m.pool.taken.Wait() // the claim, and its failure, are done
+			} else {
+				// The claim fails, the agent's delete too: the grant is
+				// deleted later, by someone else.
+				grants.setDeleteErr(apierrors.NewInternalError(fmt.Errorf("etcd is down")))
+				grants.mu.Lock()
+				grants.patchErr = apierrors.NewInternalError(fmt.Errorf("etcd is down"))
+				grants.mu.Unlock()
+				gated.let()
+				m.pool.taken.Wait()
+				assert.Empty(t, r.summary(), "a grant that is still there was reported removed")
+				grants.setDeleteErr(nil)
+				require.NoError(t, grants.Delete(t.Context(), ns, name, uid))
 			}
-			gated.let()
-			m.pool.taken.Wait() // the claim, and its failure, are done
-			assert.Equal(t, tt.want, r.summary())
+			assert.Equal(t, []string{"-JTI=jti-apps-deployer"}, r.summary())
 		})
 	}
+}
+
+// A claim that fails, its grant's delete failing too, leaves a token that
+// lives on its grant: a revoke of its credential id must not answer it
+// gone, and deletes the grant once the spoke lets it.
+func TestRevokeAfterAFailedClaimDeletesTheGrant(t *testing.T) {
+	grants := newFakeGrants()
+	m, gated, key, _ := mintHeld(t, &fakeTokens{}, grants, lister(t, serviceAccount("apps", "deployer", argocd)))
+	// The fake gives every token of a ServiceAccount one credential id:
+	// the first mint's grant goes, so that the revoke finds only the
+	// pooled one.
+	grants.mu.Lock()
+	var first []*corev1.Secret
+	for k, g := range grants.secrets {
+		if k != key && g.Annotations[GrantCredentialIDAnnotation] == "JTI=jti-apps-deployer" {
+			first = append(first, g)
+		}
+	}
+	grants.mu.Unlock()
+	require.Len(t, first, 1)
+	require.NoError(t, grants.Delete(t.Context(), first[0].Namespace, first[0].Name, first[0].UID))
+	var r recorder
+	defer m.Subscribe(r.fn)()
+	grants.setDeleteErr(apierrors.NewInternalError(fmt.Errorf("etcd is down")))
+	grants.mu.Lock()
+	grants.patchErr = apierrors.NewInternalError(fmt.Errorf("etcd is down"))
+	grants.mu.Unlock()
+	gated.let()
+	m.pool.taken.Wait()
+	revoke := &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{"JTI=jti-apps-deployer"}}
+
+	_, err := m.Revoke(t.Context(), poolCluster, revoke)
+	require.ErrorIs(t, err, errdefs.ErrUnavailable, "a revoke whose delete failed was answered")
+	require.NotNil(t, grants.Get(key))
+
+	grants.setDeleteErr(nil)
+	resp, err := m.Revoke(t.Context(), poolCluster, revoke)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"JTI=jti-apps-deployer"}, resp.GetCredentialIds())
+	assert.Nil(t, grants.Get(key), "the revoke left the grant, and so the token, alive")
+	assert.Equal(t, []string{"-JTI=jti-apps-deployer"}, r.summary())
 }
 
 // A revoke of a credential id whose claim has not landed yet deletes its

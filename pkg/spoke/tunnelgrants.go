@@ -44,8 +44,9 @@ const defaultRevokeReason = "revoked by the broker"
 // changed by someone else: it queues the grant for Run to delete, which
 // revokes its token, and tells subscribers nothing of the change; they
 // learn of the grant's removal, under the credential id the agent had
-// recorded, once it is deleted. A grant being deleted is never told as
-// added.
+// recorded, once it is deleted. A pooled grant deleted before its claim
+// landed is told removed under the credential id of its claim. A grant
+// being deleted is never told as added.
 func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
@@ -108,9 +109,12 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 				return
 			}
 			m.stopTimer(g.UID)
-			m.claims.forget(g.UID)
 			m.forgetPooled(g.UID)
 			id := g.Annotations[GrantCredentialIDAnnotation]
+			if claimed := m.claims.take(g.UID); id == "" {
+				// A pooled grant deleted before its claim landed.
+				id = claimed
+			}
 			if rec, changed := m.forgetChanged(g.UID); changed {
 				id = rec.credentialID
 			}
