@@ -79,3 +79,11 @@ var ErrNoAgent = errors.New("no agent is connected")
 // broker's now. One minute is the leeway JWT validators such as go-jose
 // give by default.
 const MaxClockSkew = time.Minute
+
+// MaxGrantBytes bounds the grant an agent writes for a token, by the
+// protobuf size of what it reports to the brokers before the token's
+// credential id, hash and expiry are known. It leaves room for those
+// within the 32 KiB that an agent's grant reports carry, and that a broker
+// holds, per grant. An agent refuses to mint a token whose grant would be
+// larger, since no broker could list or revoke it.
+const MaxGrantBytes = 30 << 10

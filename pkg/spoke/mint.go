@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -58,6 +59,10 @@ func (m *Minter) Mint(ctx context.Context, cluster fleet.ClusterRef, req *credbr
 	ref := sa.Namespace + "/" + sa.Name
 	seconds := m.expirationSeconds(req.GetExpirationSeconds())
 	info := m.grantInfo(cluster, req, sa, seconds)
+	if err := m.checkReportable(info); err != nil {
+		m.log.Info("refused mint request", fleet.LogSubject, user, fleet.LogErr, err.Error())
+		return nil, err
+	}
 	if pooled := m.takePooled(sa); pooled != nil {
 		tok, err := m.mintPooled(ctx, req, info, pooled, seconds)
 		if !errors.Is(err, errPooledGone) {
@@ -126,6 +131,20 @@ func (m *Minter) grantInfo(cluster fleet.ClusterRef, req *credbrokerv1alpha1.Min
 		// does.
 		expiration: m.clock.Now().Add(time.Duration(seconds) * time.Second),
 	}
+}
+
+// checkReportable refuses the mint that info describes when its grant
+// would be larger than an agent reports to the brokers: no broker could
+// list or revoke its token. Only a hub subject's groups grow that large in
+// practice.
+func (m *Minter) checkReportable(info grantInfo) error {
+	n := proto.Size(m.toGrant(newGrant(info)))
+	if n <= fleet.MaxGrantBytes {
+		return nil
+	}
+	return fmt.Errorf("the grant of a token for spoke ServiceAccount %s/%s would report %d bytes, more than the %d an agent reports to the brokers, "+
+		"so no broker could list or revoke the token; the hub subject is in %d groups: %w",
+		info.serviceAccount.Namespace, info.serviceAccount.Name, n, fleet.MaxGrantBytes, len(info.hubGroups), errdefs.ErrInvalidArgument)
 }
 
 // errNoNameOrUID is the error of a grant create that returned no object

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -634,6 +635,51 @@ func TestAllowedSubjects(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			assert.Equal(t, tt.want, AllowedSubjects(tt.sa))
+		})
+	}
+}
+
+// The attack: a hub subject in so many groups (an SSO user in 2,000 of
+// them) that the grant of its token is larger than an agent reports to the
+// brokers. The token was minted and its grant left out of every report:
+// no broker could list it, or revoke it by subject or ServiceAccount, for
+// its whole life. The agent refuses such a mint before it writes anything.
+func TestMintRefusesAGrantTooLargeToReport(t *testing.T) {
+	withGroups := func(n int) *credbrokerv1alpha1.MintRequest {
+		s := subject(argocd)
+		for i := range n {
+			s.Groups = append(s.Groups, fmt.Sprintf("team-%04d.groups.example.com", i))
+		}
+		return &credbrokerv1alpha1.MintRequest{Subject: s, ServiceAccount: ref("apps", "deployer")}
+	}
+	tests := []struct {
+		name    string
+		groups  int
+		wantErr string
+	}{
+		{name: "500 groups", groups: 500},
+		{name: "2,000 groups", groups: 2000,
+			wantErr: "the grant of a token for spoke ServiceAccount apps/deployer would report"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tokens, grants := &fakeTokens{}, newFakeGrants()
+			m, err := New(withGrants(Config{Tokens: tokens, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
+			require.NoError(t, err)
+			resp, err := m.Mint(t.Context(), fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "prod"}, UID: "prod-uid"}, withGroups(tt.groups))
+			if tt.wantErr == "" {
+				require.NoError(t, err)
+				require.Len(t, m.Snapshot(), 1)
+				assert.LessOrEqual(t, proto.Size(m.Snapshot()[0]), fleet.MaxGrantBytes+512, "the grant reported outgrew the bound's room")
+				return
+			}
+			require.ErrorContains(t, err, tt.wantErr)
+			assert.Equal(t, codes.InvalidArgument, errdefs.Code(err))
+			assert.Nil(t, resp)
+			assert.Empty(t, tokens.Calls(), "a token was minted")
+			grants.mu.Lock()
+			defer grants.mu.Unlock()
+			assert.Empty(t, grants.secrets, "a grant was written")
 		})
 	}
 }

@@ -19,6 +19,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/credbroker/credbroker/pkg/fleet"
+	"github.com/credbroker/credbroker/pkg/grants"
+	"github.com/credbroker/credbroker/pkg/grants/selector"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -119,6 +121,31 @@ func TestSplitUpdateBoundsAreExact(t *testing.T) {
 			assert.Equal(t, tt.wantFrames, frames)
 		})
 	}
+}
+
+// The agent's bound on the grants it writes (fleet.MaxGrantBytes) leaves
+// room for what a mint adds to them: a grant at the bound, with the
+// longest credential id, a token hash, an expiry and a Secret name, is
+// reported whole, and within what a broker holds per grant.
+func TestGrantAtTheMintBoundIsReported(t *testing.T) {
+	g := &pb.Grant{
+		Subject:        &pb.Subject{Username: "system:serviceaccount:argocd:argocd-application-controller", Groups: []string{""}},
+		ServiceAccount: &pb.ObjectReference{Namespace: strings.Repeat("n", 63), Name: strings.Repeat("s", 253)},
+		Secret:         &pb.ObjectReference{Namespace: strings.Repeat("n", 63)},
+		ExpirationTime: timestamppb.Now(),
+	}
+	for n := fleet.MaxGrantBytes - proto.Size(g); proto.Size(g) != fleet.MaxGrantBytes; n-- {
+		g.Subject.Groups[0] = strings.Repeat("g", n)
+	}
+	require.Equal(t, fleet.MaxGrantBytes, proto.Size(g))
+	g.CredentialId = "JTI=" + strings.Repeat("j", selector.MaxJTILength)
+	g.TokenSha256 = make([]byte, 32)
+	g.Secret.Name = "credbroker-grant-" + strings.Repeat("x", 236)
+
+	out, dropped := splitUpdate(&pb.GrantUpdate{Added: []*pb.Grant{g}})
+	assert.Zero(t, dropped, "a grant the agent may write is left out of its reports")
+	assert.Len(t, out, 1)
+	assert.LessOrEqual(t, proto.Size(g), grants.DefaultMaxGrantBytes, "a grant the agent may write is more than a broker holds")
 }
 
 // A grant too large for any frame is left out of the report, and the agent
