@@ -54,17 +54,14 @@ func (c *pendingClaims) forget(uid types.UID) {
 	c.take(uid)
 }
 
-// take forgets the claim of the grant of UID uid, and returns its
-// credential id, or "" when there was none.
-func (c *pendingClaims) take(uid types.UID) string {
+// take forgets the claim of the grant of UID uid, and returns the grant
+// as claimed, or nil when there was none.
+func (c *pendingClaims) take(uid types.UID) *corev1.Secret {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	g, ok := c.by[uid]
-	if !ok {
-		return ""
-	}
+	g := c.by[uid]
 	delete(c.by, uid)
-	return g.Annotations[GrantCredentialIDAnnotation]
+	return g
 }
 
 // ownClaim reports whether now carries the claim the agent wrote on it:
@@ -182,8 +179,8 @@ func (m *Minter) claim(ctx context.Context, claimed *corev1.Secret, exp time.Tim
 		// of its removal from the claim kept in memory: here once it is
 		// gone, or from its deletion event (GrantEvents). Until then a
 		// revoke of the id finds the claim and deletes the grant again.
-		if deleted && m.claims.take(claimed.UID) != "" {
-			m.publish(&credbrokerv1alpha1.GrantUpdate{Removed: []string{id}})
+		if deleted && m.claims.take(claimed.UID) != nil {
+			m.publishRemoved(id, claimed)
 		}
 		return
 	}

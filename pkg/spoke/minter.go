@@ -159,6 +159,10 @@ type Minter struct {
 	// the grant cache does not show yet (pool.go, claim.go).
 	pool   grantPool
 	claims pendingClaims
+
+	// removed remembers the removals of grants whose tokens have not
+	// expired (removed.go).
+	removed removals
 }
 
 // New returns a Minter, or an error if cfg is incomplete or its expiration

@@ -383,6 +383,7 @@ func TestGrantGoneBeforeTheClaimLandsIsReportedRemoved(t *testing.T) {
 				require.NoError(t, grants.Delete(t.Context(), ns, name, uid))
 			}
 			assert.Equal(t, []string{"-JTI=jti-apps-deployer"}, r.summary())
+			assert.Equal(t, []string{"JTI=jti-apps-deployer"}, m.Removed(), "the removal is not told to the streams to come")
 		})
 	}
 }

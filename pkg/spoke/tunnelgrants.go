@@ -87,6 +87,7 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			u := &credbrokerv1alpha1.GrantUpdate{}
 			if oldID != "" && oldID != newID {
 				u.Removed = []string{oldID}
+				m.remember(oldID, old)
 			}
 			if newID != "" && now.DeletionTimestamp == nil {
 				g := m.toGrant(now)
@@ -111,15 +112,15 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			m.stopTimer(g.UID)
 			m.forgetPooled(g.UID)
 			id := g.Annotations[GrantCredentialIDAnnotation]
-			if claimed := m.claims.take(g.UID); id == "" {
+			if claimed := m.claims.take(g.UID); claimed != nil && id == "" {
 				// A pooled grant deleted before its claim landed.
-				id = claimed
+				id, g = claimed.Annotations[GrantCredentialIDAnnotation], claimed
 			}
 			if rec, changed := m.forgetChanged(g.UID); changed {
 				id = rec.credentialID
 			}
 			if id != "" && isGrant(g) {
-				m.publish(&credbrokerv1alpha1.GrantUpdate{Removed: []string{id}})
+				m.publishRemoved(id, g)
 			}
 		},
 	}

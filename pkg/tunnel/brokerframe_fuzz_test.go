@@ -45,6 +45,7 @@ type echoGrants struct {
 }
 
 func (g *echoGrants) Snapshot() []*pb.Grant                                { return nil }
+func (g *echoGrants) Removed() []string                                    { return nil }
 func (g *echoGrants) Subscribe(func(*pb.GrantUpdate)) (unsubscribe func()) { return func() {} }
 func (g *echoGrants) Revoke(_ context.Context, cluster fleet.ClusterRef, req *pb.RevokeRequest) (*pb.RevokeResponse, error) {
 	g.got, g.clusters = append(g.got, req), append(g.clusters, cluster)

@@ -32,6 +32,11 @@ type Grants interface {
 	// id; the Client sends them in the hello of every stream. The broker
 	// keeps those of the ClusterProfile it admits the stream for.
 	Snapshot() []*pb.Grant
+	// Removed returns the credential ids of grants deleted while their
+	// tokens were live; the Client sends them after the hello of every
+	// stream, so that a broker replica whose stream was down when a grant
+	// went still learns of it.
+	Removed() []string
 	// Subscribe calls fn with every change to the live grants until
 	// unsubscribe is called. fn must not block; the Client calls Subscribe
 	// before Snapshot, so a change in between is sent twice rather than

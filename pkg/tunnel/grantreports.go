@@ -48,7 +48,8 @@ func (c *Client) subscribe(end context.CancelCauseFunc, log logr.Logger) (<-chan
 }
 
 // hello returns the hello to send, with as many of the agent's grants as
-// fit in one frame, and the other grants as updates to send after it.
+// fit in one frame, and the updates to send after it: the removals the
+// agent remembers, and the other grants.
 func (c *Client) hello(log logr.Logger) (*pb.Hello, []*pb.GrantUpdate) {
 	if c.cfg.Grants == nil {
 		return c.cfg.Hello, nil
@@ -65,7 +66,7 @@ func (c *Client) hello(log logr.Logger) (*pb.Hello, []*pb.GrantUpdate) {
 		}
 		hello.Grants, grants, size = append(hello.Grants, grants[0]), grants[1:], size+n
 	}
-	rest, dropped := splitUpdate(&pb.GrantUpdate{Added: grants})
+	rest, dropped := splitUpdate(&pb.GrantUpdate{Removed: c.cfg.Grants.Removed(), Added: grants})
 	if dropped > 0 {
 		log.Info("grants too large to report to the broker were left out", fleet.LogGrants, dropped)
 	}

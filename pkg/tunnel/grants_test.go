@@ -55,7 +55,12 @@ func (r *fakeRegistry) Hello(_ context.Context, cluster fleet.ClusterRef, grants
 	}
 	r.replaced = append(r.replaced, grants)
 	r.clusters = append(r.clusters, cluster)
-	r.state = grantIDs(grants)
+	// As grants.Registry does, a hello adds and never removes.
+	for _, id := range grantIDs(grants) {
+		if !slices.Contains(r.state, id) {
+			r.state = append(r.state, id)
+		}
+	}
 	r.mu.Unlock()
 	if block != nil {
 		close(r.blocked)
@@ -77,8 +82,8 @@ func (r *fakeRegistry) Report(_ context.Context, cluster fleet.ClusterRef, u *pb
 	return nil
 }
 
-// known returns the credential ids the registry holds: the last Hello,
-// with the updates after it applied.
+// known returns the credential ids the registry holds: those of the
+// hellos and updates, less those removed since.
 func (r *fakeRegistry) known() []string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -122,6 +127,7 @@ type fakeAgentGrants struct {
 	mu        sync.Mutex
 	snapshots [][]*pb.Grant // one per Snapshot call; the last repeats
 	snapped   int
+	removed   []string
 	subs      map[int]func(*pb.GrantUpdate)
 	nextSub   int
 	revoke    func(ctx context.Context, req *pb.RevokeRequest) (*pb.RevokeResponse, error)
@@ -137,6 +143,12 @@ func (g *fakeAgentGrants) Snapshot() []*pb.Grant {
 		return nil
 	}
 	return g.snapshots[min(g.snapped, len(g.snapshots))-1]
+}
+
+func (g *fakeAgentGrants) Removed() []string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return slices.Clone(g.removed)
 }
 
 func (g *fakeAgentGrants) Subscribe(fn func(*pb.GrantUpdate)) func() {
@@ -534,6 +546,11 @@ func TestGrantQueueOverflowClosesTheStream(t *testing.T) {
 	})
 	<-c.Connected()
 	<-reg.blocked
+	// JTI=old's grant goes while the queue overflows: the next stream
+	// tells its removal after the hello.
+	ag.mu.Lock()
+	ag.removed = []string{"JTI=old"}
+	ag.mu.Unlock()
 
 	// Updates of 20 KiB each: the broker's window holds a few, the queue two.
 	big := grant("JTI=big")
@@ -552,6 +569,19 @@ func TestGrantQueueOverflowClosesTheStream(t *testing.T) {
 		10*time.Second, 5*time.Millisecond)
 	waitConnected(t, h, clusterA, 1)
 	assert.Contains(t, log.String(), "grant updates overflowed the stream's queue; the next stream's hello reports every grant")
+}
+
+// The removals the agent remembers follow the hello of every stream: a
+// broker replica whose stream was down when a grant went learns of it.
+func TestRemovalsFollowTheHello(t *testing.T) {
+	reg := &fakeRegistry{}
+	h := newHarness(t, time.Second, withRegistry(reg))
+	reg.mu.Lock()
+	reg.state = []string{"JTI=gone", "JTI=kept"} // from an earlier stream
+	reg.mu.Unlock()
+	ag := &fakeAgentGrants{snapshots: [][]*pb.Grant{{grant("JTI=kept")}}, removed: []string{"JTI=gone"}}
+	h.agent(t, agentA, &fakeMinter{}, withAgentGrants(ag))
+	require.Eventually(t, func() bool { return slices.Equal([]string{"JTI=kept"}, reg.known()) }, 10*time.Second, 5*time.Millisecond)
 }
 
 func TestSplitUpdate(t *testing.T) {
