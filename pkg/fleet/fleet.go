@@ -82,7 +82,7 @@ const MaxClockSkew = time.Minute
 
 // MaxGrantBytes bounds the grant an agent writes for a token, by the
 // protobuf size of what it reports to the brokers before the token's
-// credential id, hash and expiry are known. It leaves room for those
+// credential id, hash and Secret name are known. It leaves room for those
 // within the 32 KiB that an agent's grant reports carry, and that a broker
 // holds, per grant. An agent refuses to mint a token whose grant would be
 // larger, since no broker could list or revoke it.

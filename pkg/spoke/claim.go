@@ -25,9 +25,11 @@ import (
 // the scope, the credential id and the expiry, on the condition that the
 // grant is still the object that the agent bound the token to. If the
 // claim fails, the agent deletes the grant, which revokes the
-// token: no token lives unattributed. Until the claim lands, the agent
-// answers for the grant from memory: a revoke of its credential id deletes
-// it, and only the claim the agent wrote is taken as the agent's.
+// token: no token lives unattributed. Until the claim lands, or after it
+// failed until the grant is gone, the agent answers for the grant from
+// memory: a revoke of its credential id deletes it, its deletion is told
+// under that id, and only the claim the agent wrote is taken as the
+// agent's.
 
 // errPooledGone is the error of a mint whose pooled grant was deleted
 // before its token was bound to it: Mint creates a grant instead.
@@ -52,6 +54,13 @@ func (c *pendingClaims) add(g *corev1.Secret) {
 
 func (c *pendingClaims) forget(uid types.UID) {
 	c.take(uid)
+}
+
+// get returns the grant of UID uid as claimed, or nil.
+func (c *pendingClaims) get(uid types.UID) *corev1.Secret {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.by[uid]
 }
 
 // take forgets the claim of the grant of UID uid, and returns the grant
@@ -180,7 +189,7 @@ func (m *Minter) claim(ctx context.Context, claimed *corev1.Secret, exp time.Tim
 		// gone, or from its deletion event (GrantEvents). Until then a
 		// revoke of the id finds the claim and deletes the grant again.
 		if deleted && m.claims.take(claimed.UID) != nil {
-			m.publishRemoved(id, claimed)
+			m.publishRemoved(id, m.expiration(claimed))
 		}
 		return
 	}

@@ -34,7 +34,8 @@ import (
 // ServiceAccount must list the subject's username, or one of its groups
 // after GroupSubjectPrefix, in its AllowedSubjectsAnnotation, and every audience req asks for in its
 // AllowedAudiencesAnnotation. Errors wrap a sentinel from package errdefs:
-// ErrInvalidArgument for a malformed request, ErrNotFound for a missing
+// ErrInvalidArgument for a malformed request, or one whose grant would be
+// too large to report to the brokers (fleet.MaxGrantBytes), ErrNotFound for a missing
 // ServiceAccount, ErrPermissionDenied when no ServiceAccount allows the
 // subject or the ServiceAccount does not allow an audience,
 // ErrFailedPrecondition when several allow the subject and req names none, and

@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"sort"
 	"strings"
 	"sync"
 	"testing"
@@ -27,6 +28,7 @@ import (
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
 	"github.com/credbroker/credbroker/pkg/fleet"
+	"github.com/credbroker/credbroker/pkg/grants"
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -645,41 +647,37 @@ func TestAllowedSubjects(t *testing.T) {
 // no broker could list it, or revoke it by subject or ServiceAccount, for
 // its whole life. The agent refuses such a mint before it writes anything.
 func TestMintRefusesAGrantTooLargeToReport(t *testing.T) {
-	withGroups := func(n int) *credbrokerv1alpha1.MintRequest {
+	mint := func(t *testing.T, groups int) (*Minter, *fakeTokens, *fakeGrants, error) {
+		t.Helper()
+		tokens, grants := &fakeTokens{}, newFakeGrants()
+		m, err := New(withGrants(Config{Tokens: tokens, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
+		require.NoError(t, err)
 		s := subject(argocd)
-		for i := range n {
+		for i := range groups {
 			s.Groups = append(s.Groups, fmt.Sprintf("team-%04d.groups.example.com", i))
 		}
-		return &credbrokerv1alpha1.MintRequest{Subject: s, ServiceAccount: ref("apps", "deployer")}
+		_, err = m.Mint(t.Context(), poolCluster, &credbrokerv1alpha1.MintRequest{Subject: s, ServiceAccount: ref("apps", "deployer")})
+		return m, tokens, grants, err
 	}
-	tests := []struct {
-		name    string
-		groups  int
-		wantErr string
-	}{
-		{name: "500 groups", groups: 500},
-		{name: "2,000 groups", groups: 2000,
-			wantErr: "the grant of a token for spoke ServiceAccount apps/deployer would report"},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			tokens, grants := &fakeTokens{}, newFakeGrants()
-			m, err := New(withGrants(Config{Tokens: tokens, ServiceAccounts: lister(t, serviceAccount("apps", "deployer", argocd))}, grants))
-			require.NoError(t, err)
-			resp, err := m.Mint(t.Context(), fleet.ClusterRef{NamespacedName: types.NamespacedName{Namespace: "fleet", Name: "prod"}, UID: "prod-uid"}, withGroups(tt.groups))
-			if tt.wantErr == "" {
-				require.NoError(t, err)
-				require.Len(t, m.Snapshot(), 1)
-				assert.LessOrEqual(t, proto.Size(m.Snapshot()[0]), fleet.MaxGrantBytes+512, "the grant reported outgrew the bound's room")
-				return
-			}
-			require.ErrorContains(t, err, tt.wantErr)
-			assert.Equal(t, codes.InvalidArgument, errdefs.Code(err))
-			assert.Nil(t, resp)
-			assert.Empty(t, tokens.Calls(), "a token was minted")
-			grants.mu.Lock()
-			defer grants.mu.Unlock()
-			assert.Empty(t, grants.secrets, "a grant was written")
-		})
-	}
+
+	t.Run("2,000 groups", func(t *testing.T) {
+		_, tokens, written, err := mint(t, 2000)
+		require.ErrorContains(t, err, "the grant of a token for spoke ServiceAccount apps/deployer would report")
+		assert.Equal(t, codes.InvalidArgument, errdefs.Code(err))
+		assert.Empty(t, tokens.Calls(), "a token was minted")
+		written.mu.Lock()
+		defer written.mu.Unlock()
+		assert.Empty(t, written.secrets, "a grant was written")
+	})
+	t.Run("as many groups as fit", func(t *testing.T) {
+		// The most groups a mint takes: its grant, as the agent reports
+		// it, fits what a broker holds, in a frame of its own.
+		most := sort.Search(2000, func(n int) bool { _, _, _, err := mint(t, n); return err != nil }) - 1
+		m, _, _, err := mint(t, most)
+		require.NoError(t, err)
+		reported := m.Snapshot()
+		require.Len(t, reported, 1)
+		assert.LessOrEqual(t, proto.Size(reported[0])+4, grants.DefaultMaxGrantBytes, "a grant the agent wrote is more than a broker holds")
+		t.Logf("%d groups fit; the grant reports %d bytes", most, proto.Size(reported[0]))
+	})
 }

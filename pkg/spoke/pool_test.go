@@ -323,6 +323,23 @@ func TestFailedClaimDeletesTheGrant(t *testing.T) {
 		"a grant whose claim failed must be deleted, which revokes its token")
 }
 
+// deleteOthersOfTheID deletes the grant that mintHeld's first mint bound
+// its token to: the fake gives every token of a ServiceAccount one
+// credential id, and a revoke must find only the grant key.
+func deleteOthersOfTheID(t *testing.T, grants *fakeGrants, key string) {
+	t.Helper()
+	grants.mu.Lock()
+	var first []*corev1.Secret
+	for k, g := range grants.secrets {
+		if k != key && g.Annotations[GrantCredentialIDAnnotation] == "JTI=jti-apps-deployer" {
+			first = append(first, g)
+		}
+	}
+	grants.mu.Unlock()
+	require.Len(t, first, 1)
+	require.NoError(t, grants.Delete(t.Context(), first[0].Namespace, first[0].Name, first[0].UID))
+}
+
 // mintHeld fills the pool of a Minter over grants for the ServiceAccounts
 // of sas, then mints with claims held until gated.let, and returns the
 // Minter and the bound grant's key and UID.
@@ -355,21 +372,30 @@ func TestClaimDoesNotLandOnAReplacement(t *testing.T) {
 // token recorded it at the answer, and must stop handing out a token the
 // spoke now refuses.
 func TestGrantGoneBeforeTheClaimLandsIsReportedRemoved(t *testing.T) {
-	for _, order := range []string{"deleted before the claim fails", "deleted unseen by the informer", "deleted after the claim fails"} {
+	for _, order := range []string{"deleted before the claim fails", "deleted unseen by the informer", "deleted after the claim fails",
+		"changed by someone else, then deleted"} {
 		t.Run(order, func(t *testing.T) {
 			grants := newFakeGrants()
 			m, gated, key, uid := mintHeld(t, &fakeTokens{}, grants, lister(t, serviceAccount("apps", "deployer", argocd)))
 			var r recorder
 			defer m.Subscribe(r.fn)()
 			ns, name, _ := strings.Cut(key, "/")
-			if order != "deleted after the claim fails" {
+			switch order {
+			case "changed by someone else, then deleted":
+				// The agent deletes a grant someone else changed; the claim
+				// then finds it gone.
+				grants.edit(key, func(s *corev1.Secret) { s.Labels["credbroker.io/x"] = "y" })
+				require.Eventually(t, func() bool { return grants.Get(key) == nil }, 5*time.Second, time.Millisecond, "the changed grant was not deleted")
+				gated.let()
+				m.pool.taken.Wait()
+			case "deleted before the claim fails", "deleted unseen by the informer":
 				grants.mu.Lock()
 				grants.lag = order == "deleted unseen by the informer"
 				grants.mu.Unlock()
 				require.NoError(t, grants.Delete(t.Context(), ns, name, uid))
 				gated.let()
 				m.pool.taken.Wait() // the claim, and its failure, are done
-			} else {
+			default:
 				// The claim fails, the agent's delete too: the grant is
 				// deleted later, by someone else.
 				grants.setDeleteErr(apierrors.NewInternalError(fmt.Errorf("etcd is down")))
@@ -394,19 +420,7 @@ func TestGrantGoneBeforeTheClaimLandsIsReportedRemoved(t *testing.T) {
 func TestRevokeAfterAFailedClaimDeletesTheGrant(t *testing.T) {
 	grants := newFakeGrants()
 	m, gated, key, _ := mintHeld(t, &fakeTokens{}, grants, lister(t, serviceAccount("apps", "deployer", argocd)))
-	// The fake gives every token of a ServiceAccount one credential id:
-	// the first mint's grant goes, so that the revoke finds only the
-	// pooled one.
-	grants.mu.Lock()
-	var first []*corev1.Secret
-	for k, g := range grants.secrets {
-		if k != key && g.Annotations[GrantCredentialIDAnnotation] == "JTI=jti-apps-deployer" {
-			first = append(first, g)
-		}
-	}
-	grants.mu.Unlock()
-	require.Len(t, first, 1)
-	require.NoError(t, grants.Delete(t.Context(), first[0].Namespace, first[0].Name, first[0].UID))
+	deleteOthersOfTheID(t, grants, key)
 	var r recorder
 	defer m.Subscribe(r.fn)()
 	grants.setDeleteErr(apierrors.NewInternalError(fmt.Errorf("etcd is down")))
@@ -427,6 +441,24 @@ func TestRevokeAfterAFailedClaimDeletesTheGrant(t *testing.T) {
 	assert.Equal(t, []string{"JTI=jti-apps-deployer"}, resp.GetCredentialIds())
 	assert.Nil(t, grants.Get(key), "the revoke left the grant, and so the token, alive")
 	assert.Equal(t, []string{"-JTI=jti-apps-deployer"}, r.summary())
+}
+
+// A pooled grant someone else changed before its claim landed is still
+// the minting broker's to revoke: the agent takes what the grant records
+// from its claim, not from the unclaimed grant it had seen.
+func TestRevokeOfAGrantChangedBeforeItsClaim(t *testing.T) {
+	grants := newFakeGrants()
+	m, gated, key, _ := mintHeld(t, &fakeTokens{}, grants, lister(t, serviceAccount("apps", "deployer", argocd)))
+	t.Cleanup(gated.let)
+	deleteOthersOfTheID(t, grants, key)
+	grants.setDeleteErr(apierrors.NewInternalError(fmt.Errorf("etcd is down")))
+	grants.edit(key, func(s *corev1.Secret) { s.Labels["credbroker.io/x"] = "y" })
+	require.Eventually(t, func() bool { return grants.Deletes() > 0 }, 5*time.Second, time.Millisecond, "the agent never tried to delete the changed grant")
+
+	before := grants.Deletes()
+	_, err := m.Revoke(t.Context(), poolCluster, &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{"JTI=jti-apps-deployer"}})
+	require.ErrorIs(t, err, errdefs.ErrUnavailable, "the revoke did not try to delete the grant")
+	assert.Greater(t, grants.Deletes(), before)
 }
 
 // A revoke of a credential id whose claim has not landed yet deletes its

@@ -21,8 +21,9 @@ import (
 // hello (Removed).
 
 // maxRemembered bounds the removals a Minter remembers: those expiring
-// last are kept. Grants leave early only when revoked or deleted by hand,
-// and a remembered removal costs about a hundred bytes.
+// last are kept. Every removal is remembered, the grants collected at
+// their expiry too, but those expire first, so they are forgotten first
+// and never told; a remembered removal costs about a hundred bytes.
 const maxRemembered = 4096
 
 // removals holds credential ids by the time their tokens expire. Its zero
@@ -88,15 +89,14 @@ func (m *Minter) Removed() []string {
 	return m.removed.list(m.clock.Now(), time.Duration(m.maxSeconds)*time.Second)
 }
 
-// publishRemoved remembers the removal of credential id id, of grant g,
-// and tells subscribers of it.
-func (m *Minter) publishRemoved(id string, g *corev1.Secret) {
-	m.remember(id, g)
+// publishRemoved remembers the removal of credential id id, whose token
+// expires at expires, and tells subscribers of it.
+func (m *Minter) publishRemoved(id string, expires time.Time) {
+	m.removed.add(id, expires)
 	m.publish(&credbrokerv1alpha1.GrantUpdate{Removed: []string{id}})
 }
 
-// remember remembers the removal of credential id id, of grant g, until
-// its token expires, as g says.
-func (m *Minter) remember(id string, g *corev1.Secret) {
-	m.removed.add(id, grantExpiration(g, time.Duration(m.maxSeconds)*time.Second))
+// expiration returns when the token of grant g expires, as g says.
+func (m *Minter) expiration(g *corev1.Secret) time.Time {
+	return grantExpiration(g, time.Duration(m.maxSeconds)*time.Second)
 }

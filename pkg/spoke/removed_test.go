@@ -17,6 +17,8 @@ func TestRemovedRemembersTheRemovalsOfLiveTokens(t *testing.T) {
 	minted := profileGrant("apps", "g", "deployer", argocd, "fleet/a") // expires at issuedAt+30m
 	rewritten := minted.DeepCopy()
 	rewritten.Annotations[GrantCredentialIDAnnotation] = "JTI=other"
+	pulledIn := minted.DeepCopy()
+	pulledIn.Annotations[GrantExpirationAnnotation] = issuedAt.Add(-time.Hour).Format(time.RFC3339)
 	tests := []struct {
 		name  string
 		event func(h cache.ResourceEventHandler)
@@ -31,6 +33,10 @@ func TestRemovedRemembersTheRemovalsOfLiveTokens(t *testing.T) {
 			h.OnDelete(cache.DeletedFinalStateUnknown{Key: "apps/g", Obj: minted})
 		}, want: []string{"JTI=jti-g"}},
 		{name: "credential id rewritten, then deleted", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, rewritten); h.OnDelete(rewritten) },
+			want: []string{"JTI=jti-g"}},
+		// Someone else writes an expiry in the past: the removal is kept
+		// until the token's own expiry, as the agent wrote it.
+		{name: "expiry pulled in, then deleted", event: func(h cache.ResourceEventHandler) { h.OnUpdate(minted, pulledIn); h.OnDelete(pulledIn) },
 			want: []string{"JTI=jti-g"}},
 		{name: "added", event: func(h cache.ResourceEventHandler) { h.OnAdd(minted, false) }},
 	}

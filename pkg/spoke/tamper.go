@@ -52,6 +52,9 @@ type changedGrant struct {
 	// ClusterProfile as the agent wrote them; credentialID is empty when
 	// the agent cannot tell.
 	credentialID, cluster string
+	// expires is when the grant's token expires, as the agent wrote it;
+	// zero when the agent cannot tell.
+	expires time.Time
 	// change says what differs from what the agent wrote.
 	change string
 }
@@ -222,6 +225,12 @@ func changedFrom(old, now *corev1.Secret, ownClaim bool) string {
 // markChanged records that someone else changed grant, as rec says, and
 // queues it for deletion; it does nothing if grant is marked already.
 func (m *Minter) markChanged(grant *corev1.Secret, rec changedGrant) {
+	if claimed := m.claims.get(grant.UID); claimed != nil && rec.credentialID == "" {
+		// A pooled grant changed before its claim landed: the claim says
+		// what the agent wrote.
+		rec.credentialID, rec.cluster = claimed.Annotations[GrantCredentialIDAnnotation], claimed.Annotations[GrantClusterProfileAnnotation]
+		rec.expires = m.expiration(claimed)
+	}
 	c := &m.changes
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -341,6 +350,7 @@ func (m *Minter) checkSeen(grant *corev1.Secret) bool {
 	m.markChanged(grant, changedGrant{
 		credentialID: m.soleCredentialID(grant),
 		cluster:      grant.Annotations[GrantClusterProfileAnnotation],
+		expires:      m.expiration(grant),
 		change:       why,
 	})
 	return true
@@ -374,6 +384,7 @@ func (m *Minter) checkUpdate(old, now *corev1.Secret) bool {
 	m.markChanged(now, changedGrant{
 		credentialID: old.Annotations[GrantCredentialIDAnnotation],
 		cluster:      old.Annotations[GrantClusterProfileAnnotation],
+		expires:      m.expiration(old),
 		change:       why,
 	})
 	return true

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"time"
 
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -87,7 +86,6 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			u := &credbrokerv1alpha1.GrantUpdate{}
 			if oldID != "" && oldID != newID {
 				u.Removed = []string{oldID}
-				m.remember(oldID, old)
 			}
 			if newID != "" && now.DeletionTimestamp == nil {
 				g := m.toGrant(now)
@@ -111,16 +109,17 @@ func (m *Minter) GrantEvents() cache.ResourceEventHandler {
 			}
 			m.stopTimer(g.UID)
 			m.forgetPooled(g.UID)
-			id := g.Annotations[GrantCredentialIDAnnotation]
-			if claimed := m.claims.take(g.UID); claimed != nil && id == "" {
-				// A pooled grant deleted before its claim landed.
-				id, g = claimed.Annotations[GrantCredentialIDAnnotation], claimed
-			}
+			claimed := m.claims.take(g.UID)
+			id, expires := g.Annotations[GrantCredentialIDAnnotation], m.expiration(g)
 			if rec, changed := m.forgetChanged(g.UID); changed {
-				id = rec.credentialID
+				id, expires = rec.credentialID, rec.expires
+			}
+			if id == "" && claimed != nil {
+				// A pooled grant deleted before its claim landed.
+				id, expires = claimed.Annotations[GrantCredentialIDAnnotation], m.expiration(claimed)
 			}
 			if id != "" && isGrant(g) {
-				m.publishRemoved(id, g)
+				m.publishRemoved(id, expires)
 			}
 		},
 	}
@@ -144,8 +143,9 @@ func (m *Minter) publish(u *credbrokerv1alpha1.GrantUpdate) {
 // Subscribe calls fn with every change to the grants in GrantCache, as the
 // grant informer reports it, until unsubscribe is called: a grant that
 // gains a credential id (or changes) is added, a deleted grant's credential
-// id is removed. fn is called on the informer's goroutine and must not
-// block.
+// id is removed. fn is called on the informer's goroutine, and on a
+// failed claim's, so it must not block and must be safe to call
+// concurrently.
 func (m *Minter) Subscribe(fn func(*credbrokerv1alpha1.GrantUpdate)) (unsubscribe func()) {
 	m.subMu.Lock()
 	defer m.subMu.Unlock()
@@ -196,7 +196,7 @@ func (m *Minter) toGrant(g *corev1.Secret) *credbrokerv1alpha1.Grant {
 		},
 		ServiceAccount: &credbrokerv1alpha1.ObjectReference{Namespace: g.Namespace, Name: a[GrantServiceAccountAnnotation]},
 		Audiences:      grantAudiences(g),
-		ExpirationTime: timestamppb.New(grantExpiration(g, time.Duration(m.maxSeconds)*time.Second)),
+		ExpirationTime: timestamppb.New(m.expiration(g)),
 		Secret:         &credbrokerv1alpha1.ObjectReference{Namespace: g.Namespace, Name: g.Name},
 		TokenSha256:    grantTokenSHA256(g),
 	}
