@@ -317,6 +317,12 @@ func grantExpiration(grant *corev1.Secret, maxLifetime time.Duration) time.Time 
 	return grant.CreationTimestamp.Add(maxLifetime)
 }
 
+// expiration returns when the token of grant g expires, as g says, with
+// the Minter's maximum lifetime for a grant that does not say.
+func (m *Minter) expiration(g *corev1.Secret) time.Time {
+	return grantExpiration(g, time.Duration(m.maxSeconds)*time.Second)
+}
+
 // groupEscaper percent-encodes the two characters that would make a
 // comma-joined list of groups ambiguous.
 var groupEscaper = strings.NewReplacer("%", "%25", ",", "%2C")

@@ -106,6 +106,15 @@ func (f *fakeGrants) pooledGrants() []string {
 	return out
 }
 
+// failWrites fails every patch and delete from now on, as a spoke whose
+// etcd is down would.
+func (f *fakeGrants) failWrites() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.patchErr = apierrors.NewInternalError(fmt.Errorf("etcd is down"))
+	f.deleteErr = f.patchErr
+}
+
 // edit changes the grant key as someone other than the agent would.
 func (f *fakeGrants) edit(key string, change func(*corev1.Secret)) {
 	f.mu.Lock()
@@ -398,10 +407,7 @@ func TestGrantGoneBeforeTheClaimLandsIsReportedRemoved(t *testing.T) {
 			default:
 				// The claim fails, the agent's delete too: the grant is
 				// deleted later, by someone else.
-				grants.setDeleteErr(apierrors.NewInternalError(fmt.Errorf("etcd is down")))
-				grants.mu.Lock()
-				grants.patchErr = apierrors.NewInternalError(fmt.Errorf("etcd is down"))
-				grants.mu.Unlock()
+				grants.failWrites()
 				gated.let()
 				m.pool.taken.Wait()
 				assert.Empty(t, r.summary(), "a grant that is still there was reported removed")
@@ -423,10 +429,7 @@ func TestRevokeAfterAFailedClaimDeletesTheGrant(t *testing.T) {
 	deleteOthersOfTheID(t, grants, key)
 	var r recorder
 	defer m.Subscribe(r.fn)()
-	grants.setDeleteErr(apierrors.NewInternalError(fmt.Errorf("etcd is down")))
-	grants.mu.Lock()
-	grants.patchErr = apierrors.NewInternalError(fmt.Errorf("etcd is down"))
-	grants.mu.Unlock()
+	grants.failWrites()
 	gated.let()
 	m.pool.taken.Wait()
 	revoke := &credbrokerv1alpha1.RevokeRequest{CredentialIds: []string{"JTI=jti-apps-deployer"}}

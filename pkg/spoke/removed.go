@@ -5,8 +5,6 @@ import (
 	"sync"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
-
 	credbrokerv1alpha1 "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 )
 
@@ -94,9 +92,4 @@ func (m *Minter) Removed() []string {
 func (m *Minter) publishRemoved(id string, expires time.Time) {
 	m.removed.add(id, expires)
 	m.publish(&credbrokerv1alpha1.GrantUpdate{Removed: []string{id}})
-}
-
-// expiration returns when the token of grant g expires, as g says.
-func (m *Minter) expiration(g *corev1.Secret) time.Time {
-	return grantExpiration(g, time.Duration(m.maxSeconds)*time.Second)
 }
