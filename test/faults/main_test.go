@@ -2,6 +2,7 @@ package faults
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"net/http"
@@ -28,7 +29,8 @@ import (
 //     agent A reaches the broker through agentProxy, agent B directly;
 //   - spoke-2 has one agent whose spoke answers TokenRequests after
 //     slowSpoke, and patches of Secrets after slowClaims, while they are
-//     non-zero.
+//     non-zero, and fails its patches and deletes of Secrets while
+//     failGrantWrites is set.
 var (
 	env        *framework.Env
 	deployment *framework.Deployment
@@ -39,6 +41,9 @@ var (
 	agentProxy *faultproxy.Proxy
 	slowSpoke  atomic.Int64 // a time.Duration
 	slowClaims atomic.Int64 // a time.Duration
+	// failGrantWrites fails spoke-2's agent's patches and deletes of
+	// Secrets while set.
+	failGrantWrites atomic.Bool
 	// agentBin and brokerBin are the shipped binaries, built from this tree.
 	agentBin, brokerBin string
 
@@ -143,10 +148,18 @@ func proxyTo(server string) (*faultproxy.Proxy, error) {
 	return faultproxy.New(u.Host)
 }
 
+// errGrantWrites is the error of a patch or delete of a Secret while
+// failGrantWrites is set.
+var errGrantWrites = errors.New("faults: the spoke's etcd is down")
+
 // slowSpokeRequests delays every TokenRequest by slowSpoke, and every
-// patch of a Secret (a grant's claim) by slowClaims.
+// patch of a Secret (a grant's claim) by slowClaims; it fails every patch
+// and delete of a Secret while failGrantWrites is set.
 func slowSpokeRequests(rt http.RoundTripper) http.RoundTripper {
 	return roundTripperFunc(func(r *http.Request) (*http.Response, error) {
+		if failGrantWrites.Load() && (r.Method == http.MethodPatch || r.Method == http.MethodDelete) && strings.Contains(r.URL.Path, "/secrets/") {
+			return nil, errGrantWrites
+		}
 		var d time.Duration
 		switch {
 		case r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/token"):
