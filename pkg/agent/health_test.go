@@ -23,7 +23,7 @@ func TestAgentReadiness(t *testing.T) {
 	require.NoError(t, err)
 	bundle, err := ca.WriteBundle(dir)
 	require.NoError(t, err)
-	svid, err := identity.NewFileSource(identity.FileSourceConfig{CertFile: cert, KeyFile: key, BundleFile: bundle, TrustDomain: ca.TrustDomain()})
+	svid, err := identity.NewFileSource(t.Context(), identity.FileSourceConfig{CertFile: cert, KeyFile: key, BundleFile: bundle, TrustDomain: ca.TrustDomain()})
 	require.NoError(t, err)
 	_, m, err := newAgentRegistry(svid, []string{"broker:8444"})
 	require.NoError(t, err)

@@ -46,7 +46,9 @@ func (b *Broker) newIdentity(*hubClients) (err error) {
 	if b.svid, err = cfg.NewSource(context.Background(), fleet.BrokerID(cfg.TrustDomain), cfg.Log.WithName("svid")); err != nil {
 		return err
 	}
-	b.keyPair, err = identity.NewKeyPairFile(cfg.TLSCertFile, cfg.TLSKeyFile, cfg.FileCheckInterval, cfg.Log.WithName("tls"))
+	b.keyPair, err = identity.NewKeyPairFile(context.Background(), identity.KeyPairFileConfig{
+		CertFile: cfg.TLSCertFile, KeyFile: cfg.TLSKeyFile, Interval: cfg.FileCheckInterval, Log: cfg.Log.WithName("tls"),
+	})
 	return err
 }
 

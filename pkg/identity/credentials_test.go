@@ -111,7 +111,7 @@ func brokerSource(t *testing.T, ca *testpki.CA) *identity.FileSource {
 	require.NoError(t, err)
 	bundleFile, err := ca.WriteBundle(dir)
 	require.NoError(t, err)
-	src, err := identity.NewFileSource(identity.FileSourceConfig{
+	src, err := identity.NewFileSource(t.Context(), identity.FileSourceConfig{
 		CertFile: certFile, KeyFile: keyFile, BundleFile: bundleFile, TrustDomain: td,
 	})
 	require.NoError(t, err)

@@ -21,7 +21,10 @@
 //     driver or cert-manager volume, and follows their rotation by reading
 //     the files every Interval (DefaultInterval when zero), which also copes
 //     with Kubernetes' atomic swap of a projected volume's ..data symlink.
-//     A reload that fails is logged and the last good SVID stays in use.
+//     A reload that fails is logged and the last good SVID stays in use; a
+//     first load that fails, such as a certificate and key caught between
+//     the two writes of a rotation, is logged and tried again for up to
+//     Wait (DefaultWait) before the source gives up.
 //
 // Both serve the bundle of one trust domain only. CheckSourceChoice is the
 // rule that exactly one of the two is configured. Config is that choice as
@@ -53,7 +56,7 @@
 // KeyPairFile does the same reloading for an ordinary TLS certificate, for
 // the port that consumers reach by host name:
 //
-//	kp, err := identity.NewKeyPairFile(certFile, keyFile, 0, log)
+//	kp, err := identity.NewKeyPairFile(ctx, identity.KeyPairFileConfig{CertFile: certFile, KeyFile: keyFile, Log: log})
 //	go kp.Run(ctx)
 //	creds := credentials.NewTLS(&tls.Config{GetCertificate: kp.GetCertificate})
 package identity

@@ -36,7 +36,7 @@ func ExampleFileSource() {
 	}
 
 	td := spiffeid.RequireTrustDomainFromString("example.test")
-	src, err := identity.NewFileSource(identity.FileSourceConfig{
+	src, err := identity.NewFileSource(context.Background(), identity.FileSourceConfig{
 		CertFile:    certFile,
 		KeyFile:     keyFile,
 		BundleFile:  bundleFile,

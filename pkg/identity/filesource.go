@@ -28,6 +28,10 @@ type FileSourceConfig struct {
 	// Interval is how often the files are read for changes; zero means
 	// DefaultInterval.
 	Interval time.Duration
+	// Wait bounds how long NewFileSource reads the files again while they
+	// fail, such as a certificate and key caught between two writes of a
+	// rotation; zero means DefaultWait.
+	Wait time.Duration
 	// Log receives reloads and reload failures. The zero value discards.
 	Log logr.Logger
 }
@@ -50,10 +54,12 @@ type fileSourceState struct {
 
 var _ Source = (*FileSource)(nil)
 
-// NewFileSource loads the files once. It fails when a file cannot be read,
-// the SVID or the bundle is invalid, the key does not match the SVID, or the
-// SVID's ID is not a member of cfg.TrustDomain. Call Run to follow changes.
-func NewFileSource(cfg FileSourceConfig) (*FileSource, error) {
+// NewFileSource loads the files. While a file cannot be read, the SVID or
+// the bundle is invalid, the key does not match the SVID, or the SVID's ID
+// is not a member of cfg.TrustDomain, it logs why and reads them again; it
+// fails when that still holds after cfg.Wait, or when ctx ends. Call Run to
+// follow changes.
+func NewFileSource(ctx context.Context, cfg FileSourceConfig) (*FileSource, error) {
 	if cfg.TrustDomain.IsZero() {
 		return nil, errors.New("identity: FileSourceConfig.TrustDomain is required")
 	}
@@ -75,7 +81,7 @@ func NewFileSource(cfg FileSourceConfig) (*FileSource, error) {
 		return nil, err
 	}
 	s.poller = p
-	if err := p.load(); err != nil {
+	if err := p.load(ctx, cfg.Wait); err != nil {
 		return nil, err
 	}
 	return s, nil

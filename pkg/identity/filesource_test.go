@@ -84,12 +84,13 @@ func TestNewFileSource(t *testing.T) {
 			if tt.noTD {
 				cfgTD = spiffeid.TrustDomain{}
 			}
-			src, err := identity.NewFileSource(identity.FileSourceConfig{
+			src, err := identity.NewFileSource(t.Context(), identity.FileSourceConfig{
 				CertFile:    filepath.Join(dir, "tls.crt"),
 				KeyFile:     filepath.Join(dir, "tls.key"),
 				BundleFile:  filepath.Join(dir, "ca.crt"),
 				TrustDomain: cfgTD,
 				Interval:    tt.interval,
+				Wait:        failWait,
 			})
 			if tt.wantErr != "" {
 				require.ErrorContains(t, err, tt.wantErr)
@@ -114,7 +115,7 @@ func TestNewFileSource(t *testing.T) {
 }
 
 func TestNewFileSourceMissingConfig(t *testing.T) {
-	_, err := identity.NewFileSource(identity.FileSourceConfig{CertFile: "a", KeyFile: "b", TrustDomain: td})
+	_, err := identity.NewFileSource(t.Context(), identity.FileSourceConfig{CertFile: "a", KeyFile: "b", TrustDomain: td})
 	require.EqualError(t, err, "identity: FileSourceConfig needs CertFile, KeyFile and BundleFile")
 }
 
@@ -210,7 +211,7 @@ func TestFileSourceReloadInPlace(t *testing.T) {
 func runFileSource(t *testing.T, cert, key, bundle string) (*identity.FileSource, *logRecorder, *x509svid.SVID) {
 	t.Helper()
 	logs := &logRecorder{}
-	src, err := identity.NewFileSource(identity.FileSourceConfig{
+	src, err := identity.NewFileSource(t.Context(), identity.FileSourceConfig{
 		CertFile: cert, KeyFile: key, BundleFile: bundle,
 		TrustDomain: td, Interval: pollInterval, Log: logs.logger(),
 	})

@@ -19,6 +19,10 @@ import (
 // pollInterval keeps reload tests quick; they wait with require.Eventually.
 const pollInterval = 10 * time.Millisecond
 
+// failWait bounds how long a test's NewFileSource or NewKeyPairFile reads
+// files that will not load before it fails.
+const failWait = 50 * time.Millisecond
+
 // projectedDir mimics the kubelet's AtomicWriter, which fills secret and
 // projected volumes: each file is a symlink through ..data, and an update
 // writes a new hidden directory, renames a ..data_tmp symlink to it over

@@ -20,13 +20,27 @@ type KeyPairFile struct {
 	cur    atomic.Pointer[tls.Certificate]
 }
 
-// NewKeyPairFile loads certFile and keyFile once; it fails when they cannot
-// be read or do not form a key pair. interval is how often Run reads them;
-// zero means DefaultInterval. log receives reloads and reload failures; the
-// zero value discards.
-func NewKeyPairFile(certFile, keyFile string, interval time.Duration, log logr.Logger) (*KeyPairFile, error) {
+// KeyPairFileConfig configures a KeyPairFile.
+type KeyPairFileConfig struct {
+	// CertFile holds the certificate chain as PEM, leaf first; KeyFile its
+	// private key.
+	CertFile, KeyFile string
+	// Interval is how often Run reads the files; zero means DefaultInterval.
+	Interval time.Duration
+	// Wait bounds how long NewKeyPairFile reads the files again while they
+	// fail, as FileSourceConfig.Wait does; zero means DefaultWait.
+	Wait time.Duration
+	// Log receives reloads and reload failures. The zero value discards.
+	Log logr.Logger
+}
+
+// NewKeyPairFile loads the files. While they cannot be read or do not form
+// a key pair, it logs why and reads them again; it fails when that still
+// holds after cfg.Wait, or when ctx ends.
+func NewKeyPairFile(ctx context.Context, cfg KeyPairFileConfig) (*KeyPairFile, error) {
 	k := &KeyPairFile{}
-	p, err := newFilePoller([]string{certFile, keyFile}, interval, log, func(contents [][]byte) ([]any, error) {
+	certFile, keyFile := cfg.CertFile, cfg.KeyFile
+	p, err := newFilePoller([]string{certFile, keyFile}, cfg.Interval, cfg.Log, func(contents [][]byte) ([]any, error) {
 		cert, err := tls.X509KeyPair(contents[0], contents[1])
 		if err != nil {
 			return nil, fmt.Errorf("identity: key pair in %s and %s: %w", certFile, keyFile, err)
@@ -43,7 +57,7 @@ func NewKeyPairFile(certFile, keyFile string, interval time.Duration, log logr.L
 		return nil, err
 	}
 	k.poller = p
-	if err := p.load(); err != nil {
+	if err := p.load(ctx, cfg.Wait); err != nil {
 		return nil, err
 	}
 	return k, nil

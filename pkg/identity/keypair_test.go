@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/go-logr/logr"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -47,7 +46,9 @@ func TestNewKeyPairFile(t *testing.T) {
 			if tt.key != nil {
 				require.NoError(t, os.WriteFile(keyFile, tt.key, 0o600))
 			}
-			kp, err := identity.NewKeyPairFile(certFile, keyFile, tt.interval, logr.Discard())
+			kp, err := identity.NewKeyPairFile(t.Context(), identity.KeyPairFileConfig{
+				CertFile: certFile, KeyFile: keyFile, Interval: tt.interval, Wait: failWait,
+			})
 			if tt.wantErr != "" {
 				require.ErrorContains(t, err, tt.wantErr)
 				return
@@ -59,7 +60,7 @@ func TestNewKeyPairFile(t *testing.T) {
 		})
 	}
 
-	_, err = identity.NewKeyPairFile("", "tls.key", 0, logr.Discard())
+	_, err = identity.NewKeyPairFile(t.Context(), identity.KeyPairFileConfig{KeyFile: "tls.key"})
 	require.EqualError(t, err, "identity: file 1 of 2 has no name")
 }
 
@@ -73,7 +74,9 @@ func TestKeyPairFileReload(t *testing.T) {
 	}
 	vol.write(serving("first.example"))
 	logs := &logRecorder{}
-	kp, err := identity.NewKeyPairFile(vol.path("tls.crt"), vol.path("tls.key"), pollInterval, logs.logger())
+	kp, err := identity.NewKeyPairFile(t.Context(), identity.KeyPairFileConfig{
+		CertFile: vol.path("tls.crt"), KeyFile: vol.path("tls.key"), Interval: pollInterval, Log: logs.logger(),
+	})
 	require.NoError(t, err)
 
 	ctx, cancel := context.WithCancel(context.Background())
@@ -138,7 +141,7 @@ func TestKeyPairFileParsesTheLeafItself(t *testing.T) {
 	certFile, keyFile := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
 	require.NoError(t, os.WriteFile(certFile, certPEM, 0o600))
 	require.NoError(t, os.WriteFile(keyFile, keyPEM, 0o600))
-	kp, err := identity.NewKeyPairFile(certFile, keyFile, 0, logr.Discard())
+	kp, err := identity.NewKeyPairFile(t.Context(), identity.KeyPairFileConfig{CertFile: certFile, KeyFile: keyFile})
 	require.NoError(t, err)
 	cert, err := kp.GetCertificate(nil)
 	require.NoError(t, err)

@@ -17,6 +17,10 @@ import (
 // when no interval is given.
 const DefaultInterval = 5 * time.Second
 
+// loadRetryInterval is how often a first load that failed reads the files
+// again, unless the poll interval is shorter.
+const loadRetryInterval = 100 * time.Millisecond
+
 // filePoller reads a fixed set of files every interval and, when their
 // contents differ from the last read, hands them to apply. It compares
 // contents rather than watching paths, so it sees every kind of update: an
@@ -45,7 +49,7 @@ type filePoller struct {
 
 	mu          sync.Mutex
 	last        [sha256.Size]byte // digest of the contents last applied, good or bad
-	lastReadErr string            // the last read error logged, to log each only once
+	lastReadErr string            // the last read or load error logged, to log each only once
 }
 
 func newFilePoller(files []string, interval time.Duration, log logr.Logger, apply func([][]byte) ([]any, error)) (*filePoller, error) {
@@ -63,10 +67,49 @@ func newFilePoller(files []string, interval time.Duration, log logr.Logger, appl
 	return &filePoller{files: files, interval: interval, clock: clock.RealClock{}, log: log, apply: apply, readFile: os.ReadFile}, nil
 }
 
-// load reads and applies the files once, returning any failure.
-func (p *filePoller) load() error {
+// load reads and applies the files, and reads them again while they fail,
+// every loadRetryInterval (or the poll interval when it is shorter), until
+// wait (DefaultWait when not positive) has passed or ctx ends; then it
+// returns the last failure. A writer
+// that replaces a certificate and its key one after the other (by hand, or a
+// tool that does not swap them atomically) leaves a pair that does not match
+// for a moment, and a process that gave up on it at start would turn that
+// moment into a crash loop. Each distinct failure is logged once.
+func (p *filePoller) load(ctx context.Context, wait time.Duration) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if wait <= 0 {
+		wait = DefaultWait
+	}
+	retry := min(p.interval, loadRetryInterval)
+	start := p.clock.Now()
+	deadline := start.Add(wait)
+	for tries := 1; ; tries++ {
+		err := p.loadOnce()
+		if err == nil {
+			if tries > 1 {
+				p.log.Info("loaded credential files after retrying", "files", p.files, "tries", tries)
+			}
+			return nil
+		}
+		if !p.clock.Now().Before(deadline) {
+			return fmt.Errorf("%w (still so after trying for %v)", err, wait)
+		}
+		if msg := err.Error(); msg != p.lastReadErr {
+			p.lastReadErr = msg
+			p.log.Error(err, "cannot load credential files yet, reading them again", "files", p.files, "for", wait)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w (stopped trying: %w)", err, context.Cause(ctx))
+		case <-p.clock.After(retry):
+		}
+	}
+}
+
+// loadOnce reads the files until two reads in a row agree, at most three
+// times, and applies them.
+func (p *filePoller) loadOnce() error {
 	for range 3 {
 		contents, err := p.read()
 		if err != nil {
@@ -79,7 +122,7 @@ func (p *filePoller) load() error {
 		if _, err := p.apply(contents); err != nil {
 			return err
 		}
-		p.last = d
+		p.last, p.lastReadErr = d, ""
 		return nil
 	}
 	return fmt.Errorf("identity: %v kept changing while being read", p.files)

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/go-logr/logr"
 	"github.com/stretchr/testify/assert"
@@ -73,14 +74,14 @@ func TestPollerNeverAppliesAReadThatStraddlesAnUpdate(t *testing.T) {
 		files := &rotatingFiles{gen: 1}
 		p, applied := newRotatingPoller(t, files)
 		files.rotateAfterRead(1) // between the cert and the key of the first read
-		require.NoError(t, p.load())
+		require.NoError(t, p.load(t.Context(), 0))
 		assert.Equal(t, []string{"cert-2+key-2"}, applied())
 	})
 
 	t.Run("load of files that keep changing", func(t *testing.T) {
 		files := &rotatingFiles{gen: 1, rotateAfter: func(read int) bool { return read%2 == 1 }} // after every cert
 		p, applied := newRotatingPoller(t, files)
-		err := p.load()
+		err := p.load(t.Context(), time.Millisecond)
 		require.Error(t, err)
 		assert.Contains(t, err.Error(), "kept changing while being read")
 		assert.Empty(t, applied())
@@ -89,7 +90,7 @@ func TestPollerNeverAppliesAReadThatStraddlesAnUpdate(t *testing.T) {
 	t.Run("poll", func(t *testing.T) {
 		files := &rotatingFiles{gen: 1}
 		p, applied := newRotatingPoller(t, files)
-		require.NoError(t, p.load())
+		require.NoError(t, p.load(t.Context(), 0))
 		require.Equal(t, []string{"cert-1+key-1"}, applied())
 
 		files.rotateAfterRead(1)

@@ -50,8 +50,8 @@ type SourceConfig struct {
 	ID spiffeid.ID
 	// Interval is how often files are read; zero means DefaultInterval.
 	Interval time.Duration
-	// Wait bounds the wait for the Workload API's first SVID; zero means
-	// DefaultWait.
+	// Wait bounds the wait for the Workload API's first SVID, or for the
+	// files to hold a valid one; zero means DefaultWait.
 	Wait time.Duration
 	// Log receives reloads and refusals. The zero value discards.
 	Log logr.Logger
@@ -69,9 +69,9 @@ func NewSource(ctx context.Context, cfg SourceConfig) (Source, error) {
 			Address: cfg.EndpointSocket, TrustDomain: cfg.TrustDomain, ID: cfg.ID, Wait: cfg.Wait, Log: cfg.Log,
 		})
 	default:
-		return NewFileSource(FileSourceConfig{
+		return NewFileSource(ctx, FileSourceConfig{
 			CertFile: cfg.CertFile, KeyFile: cfg.KeyFile, BundleFile: cfg.BundleFile,
-			TrustDomain: cfg.TrustDomain, Interval: cfg.Interval, Log: cfg.Log,
+			TrustDomain: cfg.TrustDomain, Interval: cfg.Interval, Wait: cfg.Wait, Log: cfg.Log,
 		})
 	}
 }

@@ -16,7 +16,8 @@ import (
 )
 
 // DefaultWait is how long NewWorkloadSource waits for the Workload API's
-// first answer when no wait is given.
+// first answer, and NewFileSource and NewKeyPairFile for files that load,
+// when no wait is given.
 const DefaultWait = time.Minute
 
 // WorkloadSourceConfig configures a WorkloadSource.

@@ -184,7 +184,7 @@ func TestBrokerHealth(t *testing.T) {
 	dir := t.TempDir()
 	cert, key, err := deployment.CA.WriteSVID(dir, "spiffe://"+framework.TrustDomain+"/health-checker")
 	require.NoError(t, err)
-	svid, err := identity.NewFileSource(identity.FileSourceConfig{CertFile: cert, KeyFile: key, BundleFile: deployment.CAFile,
+	svid, err := identity.NewFileSource(t.Context(), identity.FileSourceConfig{CertFile: cert, KeyFile: key, BundleFile: deployment.CAFile,
 		TrustDomain: deployment.CA.TrustDomain()})
 	require.NoError(t, err)
 	agentConn, err := grpc.NewClient(b.AgentAddr(), grpc.WithTransportCredentials(
