@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -84,8 +85,10 @@ func (b *bench) dataPath(t *testing.T) {
 	direct := &rest.Config{Host: spoke.Server, BearerToken: resp.GetToken(), TLSClientConfig: rest.TLSClientConfig{CAData: spoke.CAData}}
 	proxied := &rest.Config{Host: resp.GetServer(), BearerToken: resp.GetToken(), TLSClientConfig: rest.TLSClientConfig{CAData: resp.GetCertificateAuthorityData()}}
 	directClient, proxyClient := rawClient(t, direct), rawClient(t, proxied)
-	require.Eventually(t, func() bool { _, err := getSmall(ctx, proxyClient); return err == nil }, 30*time.Second, 100*time.Millisecond,
-		"the proxy never carried a GET")
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		_, err := getSmall(ctx, proxyClient)
+		assert.NoError(c, err, "a GET through the proxy")
+	}, 30*time.Second, 100*time.Millisecond, "the proxy never carried a GET")
 
 	b.dataPathList(t, directClient, proxyClient)
 	b.dataPathGet(t, directClient, proxyClient)

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -120,9 +121,9 @@ func TestBenchFleet(t *testing.T) {
 	// The broker knows the last one once an exchange for it is refused as
 	// Unavailable (no agent) rather than NotFound.
 	last := exchangeRequestIn(names[fleetProfiles-1])
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		_, err := clients[0].Exchange(bearer(ctx, consumers[0].Token), last)
-		return status.Code(err) == codes.Unavailable
+		assert.Equal(c, codes.Unavailable, status.Code(err), "an exchange for the last ClusterProfile: %v", err)
 	}, 2*time.Minute, 200*time.Millisecond, "the broker did not learn the ClusterProfiles")
 	s1 := sample(t, bp, "fleet-heap-1.pb.gz")
 	t.Logf("%d ClusterProfiles created in %s", fleetProfiles, took.Round(time.Millisecond))
@@ -384,14 +385,16 @@ func waitReady(t *testing.T, bp brokerProc) {
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		resp, err := http.Get("http://" + bp.metrics + "/readyz")
+		last := fmt.Sprint(err)
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
 				return
 			}
+			last = resp.Status
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the broker is not ready: %v\n%s", err, tail(bp.Output()))
+			t.Fatalf("the broker is not ready after 2 minutes (last /readyz: %s)\n%s", last, tail(bp.Output()))
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

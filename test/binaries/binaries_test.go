@@ -407,7 +407,7 @@ func TestRevokeOnConsumerDeleted(t *testing.T) {
 		if err != nil {
 			return false, err
 		}
-		last = review.Error
+		last = fmt.Sprintf("authenticated %t as %q, error %q", review.Authenticated, review.User.Username, review.Error)
 		return !review.Authenticated, nil
 	})
 	require.NoError(t, err, "the spoke still accepts the token of a deleted consumer (last review: %s)", last)

@@ -64,8 +64,9 @@ func TestDrainOnSIGTERM(t *testing.T) {
 
 	// At once NOT_SERVING; and still, within the delay, a new call (a new
 	// mint) is served.
-	require.Eventually(t, func() bool { return healthStatus(t, health) == healthpb.HealthCheckResponse_NOT_SERVING },
-		shutdownDelay/2, 20*time.Millisecond, "gRPC health is not NOT_SERVING")
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.Equal(ct, healthpb.HealthCheckResponse_NOT_SERVING, healthStatus(t, health), "gRPC health (UNKNOWN: no answer)%s", b.TailContext(20))
+	}, shutdownDelay/2, 20*time.Millisecond, "gRPC health is not NOT_SERVING")
 	_, err = callOnce(t, client, c, req("during-the-delay"))
 	require.NoError(t, err, "a call during --shutdown-delay (%s after SIGTERM)", time.Since(signalled))
 	// Not ready, and the agent told.
@@ -73,13 +74,14 @@ func TestDrainOnSIGTERM(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, http.StatusServiceUnavailable, code)
 	assert.Contains(t, body, "draining")
-	require.Eventually(t, func() bool { return strings.Contains(a.Output(), "broker is draining") },
-		shutdownDelay/2, 20*time.Millisecond, "the agent was not told")
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.True(ct, strings.Contains(a.Output(), "broker is draining"), "no %q in the agent's log%s", "broker is draining", a.TailContext(20))
+	}, shutdownDelay/2, 20*time.Millisecond, "the agent was not told")
 
 	// After it: new calls are refused, and the process exits 0.
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
 		_, err := callOnce(t, client, c, req("after-the-delay"))
-		return status.Code(err) == codes.Unavailable
+		assert.Equal(ct, codes.Unavailable, status.Code(err), "an exchange after the delay: %v%s", err, b.TailContext(20))
 	}, 30*time.Second, 100*time.Millisecond, "the exchange port still serves after the delay")
 	assert.GreaterOrEqual(t, time.Since(signalled), shutdownDelay, "new calls were refused before the delay was over")
 	require.NoError(t, b.Wait(), "the broker's exit")

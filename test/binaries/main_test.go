@@ -347,6 +347,10 @@ func started(name string, p *framework.Process) {
 	processes.all = append(processes.all, namedProcess{name, p})
 }
 
+// launchAttempts is how many times launchBroker and launchAgent pick free
+// ports: another process may take one before theirs binds it.
+const launchAttempts = 3
+
 // launchBroker runs bin/broker with args, as deploy/hub's ServiceAccount
 // with a kubeconfig written into dir, on free ports, and waits until
 // /readyz answers 200.
@@ -355,23 +359,32 @@ func launchBroker(ctx context.Context, dir string, args ...string) (brokerProces
 	if err != nil {
 		return brokerProcess{}, err
 	}
-	var p brokerProcess
-	for _, addr := range []*string{&p.exchange, &p.agent, &p.metrics} {
-		if *addr, err = framework.FreeAddr(); err != nil {
+	var errs []error
+	for range launchAttempts {
+		var p brokerProcess
+		for _, addr := range []*string{&p.exchange, &p.agent, &p.metrics} {
+			if *addr, err = framework.FreeAddr(); err != nil {
+				return p, err
+			}
+		}
+		p.Process, err = deployment.StartBrokerProcess(framework.BrokerProcessOptions{
+			Bin: brokerBin, Kubeconfig: kubeconfig,
+			ExchangeAddress: p.exchange, AgentAddress: p.agent, MetricsAddress: p.metrics,
+			// deploy/hub's, which its RBAC grants.
+			TriggerLeaseName: "credbroker-triggers",
+			Args:             args,
+		})
+		if errors.Is(err, framework.ErrAddrInUse) {
+			errs = append(errs, err)
+			continue
+		}
+		if err != nil {
 			return p, err
 		}
+		started("broker", p.Process)
+		return p, waitReady(ctx, "broker", p.Process, p.metrics)
 	}
-	if p.Process, err = deployment.StartBrokerProcess(framework.BrokerProcessOptions{
-		Bin: brokerBin, Kubeconfig: kubeconfig,
-		ExchangeAddress: p.exchange, AgentAddress: p.agent, MetricsAddress: p.metrics,
-		// deploy/hub's, which its RBAC grants.
-		TriggerLeaseName: "credbroker-triggers",
-		Args:             args,
-	}); err != nil {
-		return p, err
-	}
-	started("broker", p.Process)
-	return p, waitReady(ctx, "broker", p.Process, p.metrics)
+	return brokerProcess{}, errors.Join(errs...)
 }
 
 // launchAgent runs bin/spoke-agent with args against the broker agent port
@@ -383,19 +396,25 @@ func launchAgent(ctx context.Context, dir, brokerAddr string, args ...string) (*
 	if err != nil {
 		return nil, "", err
 	}
-	metrics, err := framework.FreeAddr()
-	if err != nil {
-		return nil, "", err
+	for attempt := 1; ; attempt++ {
+		metrics, err := framework.FreeAddr()
+		if err != nil {
+			return nil, "", err
+		}
+		p, err := deployment.StartAgentProcess(ctx, spoke, framework.AgentProcessOptions{
+			Bin: agentBin, Kubeconfig: kubeconfig, BrokerAddresses: []string{brokerAddr},
+			Args: append([]string{"--metrics-address=" + metrics}, args...),
+		})
+		if err != nil {
+			return nil, "", err
+		}
+		started("spoke-agent", p)
+		err = waitReady(ctx, "spoke-agent", p, metrics)
+		if err != nil && p.AddrInUse() && attempt < launchAttempts {
+			continue // its metrics port was taken: another
+		}
+		return p, metrics, err
 	}
-	p, err := deployment.StartAgentProcess(ctx, spoke, framework.AgentProcessOptions{
-		Bin: agentBin, Kubeconfig: kubeconfig, BrokerAddresses: []string{brokerAddr},
-		Args: append([]string{"--metrics-address=" + metrics}, args...),
-	})
-	if err != nil {
-		return nil, "", err
-	}
-	started("spoke-agent", p)
-	return p, metrics, waitReady(ctx, "spoke-agent", p, metrics)
 }
 
 // waitReady waits up to 60s for http://addr/readyz to answer 200, or for

@@ -10,6 +10,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -59,14 +60,13 @@ func TestPendingRevokeRecordedOnHub(t *testing.T) {
 			stream grpc.BidiStreamingClient[pb.AgentFrame, pb.BrokerFrame]
 			cancel context.CancelFunc
 		)
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
 			var sctx context.Context
 			sctx, cancel = context.WithCancel(ctx)
 			if stream, err = framework.AdmitFakeAgent(sctx, tunnel, "pending-revoke-test"); err != nil {
 				cancel()
-				return false
 			}
-			return true
+			assert.NoError(ct, err, "admitting the fake agent")
 		}, 30*time.Second, 100*time.Millisecond, "the broker did not admit the fake agent")
 		return stream, cancel
 	}
@@ -77,21 +77,29 @@ func TestPendingRevokeRecordedOnHub(t *testing.T) {
 	_, grantsConn := exchangeClient(t)
 	client := pb.NewGrantsClient(grantsConn)
 	selector := &pb.GrantSelector{CredentialId: grant.GetCredentialId()}
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
 		list, err := client.List(c.Context(ctx), &pb.ListGrantsRequest{Selector: selector})
-		return err == nil && len(list.GetGrants()) == 1
+		if assert.NoError(ct, err, "ListGrants") {
+			assert.Len(ct, list.GetGrants(), 1, "the grants of %s", grant.GetCredentialId())
+		}
 	}, 30*time.Second, 50*time.Millisecond, "the broker did not take the fake agent's grant")
 	cancel()
 
 	// The revoke finds no agent: it is recorded, then answered pending.
 	var answer *pb.RevokeGrantsResponse
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
 		answer, err = client.Revoke(c.Context(ctx), &pb.RevokeGrantsRequest{Selector: selector, Reason: "binaries: pending"})
-		return err == nil && len(answer.GetPending()) == 1
-	}, 30*time.Second, 100*time.Millisecond, "the revoke was not answered pending: %v %v", answer, err)
+		if assert.NoError(ct, err, "Revoke") {
+			assert.Len(ct, answer.GetPending(), 1, "the revoke's pending grants (answer: %v)", answer)
+		}
+	}, 30*time.Second, 100*time.Millisecond, "the revoke was not answered pending")
 	require.Empty(t, answer.GetRevoked())
+	var pendingData map[string]string // the record that recorded read last
 	recorded := func() bool {
 		cm, err := env.Hub.Client.CoreV1().ConfigMaps(brokerAccount.Namespace).Get(ctx, grants.DefaultPendingConfigMap, metav1.GetOptions{})
+		if err == nil {
+			pendingData = cm.Data
+		}
 		return err == nil && slices.ContainsFunc(valuesOf(cm.Data), func(v string) bool { return strings.Contains(v, grant.GetCredentialId()) })
 	}
 	require.True(t, recorded(), "the pending revoke is not recorded on the hub")
@@ -111,8 +119,9 @@ func TestPendingRevokeRecordedOnHub(t *testing.T) {
 			Body: &pb.AgentFrame_RevokeResponse{RevokeResponse: &pb.RevokeResponse{CredentialIds: req.GetCredentialIds()}}}))
 		break
 	}
-	require.Eventually(t, func() bool { return !recorded() }, 30*time.Second, 50*time.Millisecond,
-		"the confirmed revoke stays recorded on the hub")
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.False(ct, recorded(), "%s records %s: %v", grants.DefaultPendingConfigMap, grant.GetCredentialId(), pendingData)
+	}, 30*time.Second, 50*time.Millisecond, "the confirmed revoke stays recorded on the hub")
 }
 
 func valuesOf(m map[string]string) []string {

@@ -370,7 +370,13 @@ func (d *demo) startBroker(ctx context.Context) error {
 // 3. The agents: on each spoke, the only thing that can mint tokens for
 // others, as the ServiceAccount that deploy/spoke creates.
 func (d *demo) startAgents(ctx context.Context) error {
-	for _, s := range d.spokes {
+	// The metrics ports of every agent at once: a port picked after the
+	// first agent starts may be the one it is about to bind.
+	metricsAddrs, err := freeAddrs(len(d.spokes))
+	if err != nil {
+		return err
+	}
+	for i, s := range d.spokes {
 		if err := s.EnsureNamespace(ctx, systemNamespace); err != nil {
 			return err
 		}
@@ -396,10 +402,6 @@ func (d *demo) startAgents(ctx context.Context) error {
 		if err := os.WriteFile(advertisedCA, s.CAData, 0o600); err != nil {
 			return err
 		}
-		addrs, err := freeAddrs(1)
-		if err != nil {
-			return err
-		}
 		args := []string{
 			"--kubeconfig=" + kubeconfig,
 			"--broker-address=" + d.agentAddr,
@@ -408,7 +410,7 @@ func (d *demo) startAgents(ctx context.Context) error {
 			"--cluster=" + framework.FleetNamespace + "/" + s.Name,
 			"--advertise-server=" + s.Server,
 			"--advertise-ca-file=" + advertisedCA,
-			"--metrics-address=" + addrs[0],
+			"--metrics-address=" + metricsAddrs[i],
 			"--shutdown-grace=2s",
 		}
 		d.say("%s: ServiceAccount %s/%s with the RBAC of deploy/spoke/rbac.yaml; SVID %s", s.Name, systemNamespace, agentAccount, id)
@@ -451,10 +453,21 @@ func (d *demo) waitPublished(ctx context.Context, s *framework.Cluster) (*v1alph
 		if err == nil && published(cp, s.Server) {
 			return cp, nil
 		}
+		last := fmt.Sprintf("error %v", err)
+		if err == nil {
+			var seen []string
+			for _, p := range cp.Status.AccessProviders {
+				seen = append(seen, "access provider "+p.Name+": "+p.Cluster.Server)
+			}
+			for _, c := range cp.Status.Conditions {
+				seen = append(seen, fmt.Sprintf("condition %s=%s (%s)", c.Type, c.Status, c.Reason))
+			}
+			last = strings.Join(seen, "; ")
+		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("the broker did not publish the access provider of %s in 30s (last error: %v); its log:\n%s",
-				s.Name, err, strings.Join(d.logs.all(), "\n"))
+			return nil, fmt.Errorf("the broker did not publish the access provider of %s in 30s (last seen: %s); its log:\n%s",
+				s.Name, last, strings.Join(d.logs.all(), "\n"))
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
@@ -993,7 +1006,7 @@ func (d *demo) traceAndRevoke(ctx context.Context) error {
 		}
 	}
 	if audited == "" {
-		return fmt.Errorf("the spoke's audit log has no event with credential id %s", resp.GetCredentialId())
+		return fmt.Errorf("the spoke's audit log %s has no event with credential id %s after 10s", s.AuditLog, resp.GetCredentialId())
 	}
 	jti, _ := strings.CutPrefix(audited, "JTI=")
 	selector := spoke.GrantJTILabel + "=" + jti

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"testing"
@@ -98,9 +99,11 @@ func inventoryAs(t *testing.T, user string) inventory.Interface {
 // names another ClusterProfile, which credbroker-profile-access refuses.
 func waitForProfileAccessPolicyGone(ctx context.Context) error {
 	profiles := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace)
-	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+	var last error
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
 		cp, err := profiles.Get(ctx, env.Spokes[0].Name, metav1.GetOptions{})
 		if err != nil {
+			last = err
 			return false, nil
 		}
 		spoke := env.Spokes[0]
@@ -108,9 +111,13 @@ func waitForProfileAccessPolicyGone(ctx context.Context) error {
 			Server: spoke.Server, CertificateAuthorityData: spoke.CAData,
 			Extensions: []clientcmdv1.NamedExtension{execExtension(framework.FleetNamespace, env.Spokes[1].Name)},
 		}}}
-		_, err = profiles.UpdateStatus(ctx, cp, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
-		return err == nil, nil
+		_, last = profiles.UpdateStatus(ctx, cp, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+		return last == nil, nil
 	})
+	if err != nil {
+		return fmt.Errorf("the dry-run status write is still refused (last: %v): %w", last, err)
+	}
+	return nil
 }
 
 // deploy/hub/admission.yaml lets only identities granted
@@ -148,9 +155,9 @@ func TestOnlyNamedIdentitiesSetTheAgentID(t *testing.T) {
 	asManager := inventoryAs(t, manager).ApisV1alpha1().ClusterProfiles(ns)
 
 	// The API server starts enforcing a new policy within a few seconds.
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		_, err := asEditor.Create(ctx, newProfile(uniqueName(t, "probe"), true), metav1.CreateOptions{})
-		return apierrors.IsForbidden(err) || apierrors.IsInvalid(err)
+		assert.True(c, apierrors.IsForbidden(err) || apierrors.IsInvalid(err), "the editor's create of an annotated ClusterProfile: want Forbidden or Invalid, got %v", err)
 	}, 30*time.Second, 200*time.Millisecond, "the policy is never enforced")
 
 	t.Run("the editor cannot set the annotation on create", func(t *testing.T) {

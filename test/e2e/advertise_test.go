@@ -165,10 +165,10 @@ func disagreement(cp *v1alpha1.ClusterProfile) bool {
 func publishedNothing(t *testing.T, get func() *v1alpha1.ClusterProfile, decoyURL string) {
 	t.Helper()
 	var cp *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the publisher to write the condition", func(c assert.TestingT) {
 		cp = get()
-		return findCondition(cp, publish.ConditionType) != nil
-	}, 30*time.Second, 100*time.Millisecond, "the publisher never wrote the condition")
+		assert.NotNil(c, findCondition(cp, publish.ConditionType), "%s in %s", publish.ConditionType, statusOf(cp))
+	})
 	if e := findProvider(cp, plugin.Name); e != nil {
 		t.Errorf("%s was published while the agents disagree (the decoy is %s)", e.Cluster.Server, decoyURL)
 	}
@@ -215,26 +215,30 @@ func TestSecondAgentCannotRepointPublishedServer(t *testing.T) {
 
 	b, _ := startPublisher(t, name, "", nil)
 	startAdvertisingAgent(t, spoke, name, b)
-	require.Eventually(t, func() bool {
-		e := findProvider(get(), plugin.Name)
-		return e != nil && e.Cluster.Server == spoke.Server
-	}, 30*time.Second, 100*time.Millisecond, "the honest agent's server is published")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the honest agent's server to be published", func(c assert.TestingT) {
+		cp := get()
+		e := findProvider(cp, plugin.Name)
+		assert.True(c, e != nil && e.Cluster.Server == spoke.Server, "%s provider of %s in %s", plugin.Name, spoke.Server, statusOf(cp))
+	})
 	require.False(t, disagreement(get()))
 	assert.Zero(t, conflicts(t, b))
 
 	decoy := startDecoy(t)
 	stopDecoyAgent := connectAdvertiser(t, b.AgentAddr(), name, decoy.URL, decoy.caPEM)
-	require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 2 },
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.Equal(ct, 2, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+	},
 		10*time.Second, 20*time.Millisecond, "the publisher holds both streams")
 
 	// The publisher has looked at both agents once it either says they
 	// disagree or has published something else.
 	var cp *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the publisher to react to the second agent", func(c assert.TestingT) {
 		cp = get()
 		e := findProvider(cp, plugin.Name)
-		return disagreement(cp) || (e != nil && e.Cluster.Server != spoke.Server)
-	}, 30*time.Second, 100*time.Millisecond, "the publisher never reacted to the second agent")
+		assert.True(c, disagreement(cp) || (e != nil && e.Cluster.Server != spoke.Server),
+			"a disagreement, or a server other than %s, in %s", spoke.Server, statusOf(cp))
+	})
 	entry := findProvider(cp, plugin.Name)
 	require.NotNil(t, entry)
 	assert.Equal(t, spoke.Server, entry.Cluster.Server, "the second agent re-pointed the published server")
@@ -255,8 +259,12 @@ func TestSecondAgentCannotRepointPublishedServer(t *testing.T) {
 
 	// The second agent goes: the conflict clears, the entry stays.
 	stopDecoyAgent()
-	require.Eventually(t, func() bool { return !disagreement(get()) && conflicts(t, b) == 0 },
-		30*time.Second, 100*time.Millisecond, "the conflict clears when the second agent goes")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the conflict to clear when the second agent goes", func(c assert.TestingT) {
+		cp := get()
+		if assert.False(c, disagreement(cp), "a disagreement in %s", statusOf(cp)) {
+			assert.Zero(c, conflicts(t, b), "%s", conflictsMetric)
+		}
+	})
 	assert.Equal(t, spoke.Server, findProvider(get(), plugin.Name).Cluster.Server)
 }
 
@@ -283,7 +291,9 @@ func TestDisagreeingAgentsPublishNothing(t *testing.T) {
 	startAdvertisingAgent(t, spoke, name, b)
 	decoy := startDecoy(t)
 	stopDecoyAgent := connectAdvertiser(t, b.AgentAddr(), name, decoy.URL, decoy.caPEM)
-	require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 2 },
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.Equal(ct, 2, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+	},
 		10*time.Second, 20*time.Millisecond, "the publisher holds both streams")
 	require.Empty(t, get().Status.Conditions, "the publisher wrote before it held the Lease")
 	release()
@@ -293,10 +303,12 @@ func TestDisagreeingAgentsPublishNothing(t *testing.T) {
 	assert.Zero(t, decoy.requests.Load())
 
 	stopDecoyAgent()
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the honest agent's server to be published once the agents agree", func(c assert.TestingT) {
 		e := findProvider(get(), plugin.Name)
-		return e != nil && e.Cluster.Server == spoke.Server && !disagreement(get())
-	}, 30*time.Second, 100*time.Millisecond, "the honest agent's server is published once the agents agree")
+		cp := get()
+		assert.True(c, e != nil && e.Cluster.Server == spoke.Server && !disagreement(cp),
+			"%s provider of %s and no disagreement in %s", plugin.Name, spoke.Server, statusOf(cp))
+	})
 	assert.Equal(t, string(spoke.CAData), string(findProvider(get(), plugin.Name).Cluster.CertificateAuthorityData))
 	assert.Zero(t, conflicts(t, b))
 }

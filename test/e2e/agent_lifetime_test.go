@@ -37,7 +37,9 @@ func TestAgentStreamEndsWithItsSVID(t *testing.T) {
 	defer stop()
 	ref := &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: name}
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 10*time.Second, 20*time.Millisecond)
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+		}, 10*time.Second, 20*time.Millisecond)
 		_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: ref, Audiences: []string{"before-expiry"}})
 		require.NoError(t, err, "replica %d: the agent serves while its SVID is valid", i)
 	}
@@ -52,10 +54,12 @@ func TestAgentStreamEndsWithItsSVID(t *testing.T) {
 
 	// The SVID is renewed: the agent reconnects with it, over a new
 	// connection (the old one's handshake presented the expired SVID).
-	_, _, err = deployment.WriteAgentSVID(spoke, framework.AgentID(name), deployment.CA, time.Hour)
+	err = deployment.WriteAgentSVID(spoke, framework.AgentID(name), deployment.CA, time.Hour)
 	require.NoError(t, err)
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 30*time.Second, 50*time.Millisecond,
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+		}, 30*time.Second, 50*time.Millisecond,
 			"replica %d never readmits the agent with its renewed SVID", i)
 		_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: ref, Audiences: []string{"after-renewal"}})
 		require.NoError(t, err, "replica %d", i)
@@ -82,22 +86,27 @@ func TestBundleWithoutTheCAClosesItsAgentsStreams(t *testing.T) {
 	}
 	writeBundle(deployment.CA.BundlePEM(), second.BundlePEM())
 	t.Cleanup(func() { writeBundle(deployment.CA.BundlePEM()) })
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
 		// Refused by the mapping, no longer by the handshake.
-		return status.Code(connectAs(t, second, framework.AgentID("no-such-profile"))) == codes.PermissionDenied
+		err := connectAs(t, second, framework.AgentID("no-such-profile"))
+		assert.Equal(ct, codes.PermissionDenied, status.Code(err), "an agent of the second CA: %v", err)
 	}, 30*time.Second, 200*time.Millisecond, "the brokers never trust the second CA")
 	stop, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{ID: framework.AgentID(name), CA: second})
 	require.NoError(t, err)
 	defer stop()
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 30*time.Second, 50*time.Millisecond,
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+		}, 30*time.Second, 50*time.Millisecond,
 			"replica %d never admits the agent", i)
 	}
 
 	// The second CA leaves the bundle; its agent's SVID is still valid.
 	writeBundle(deployment.CA.BundlePEM())
 	for i, b := range deployment.Brokers {
-		assert.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 0 }, 30*time.Second, 50*time.Millisecond,
+		assert.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Zero(ct, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+		}, 30*time.Second, 50*time.Millisecond,
 			"replica %d keeps the stream of an agent whose CA left the bundle", i)
 	}
 	// The other agents, whose CA stayed, keep serving.
@@ -119,8 +128,10 @@ func TestAgentRefusesAnotherCluster(t *testing.T) {
 	require.NoError(t, err)
 	defer stop()
 
-	require.Eventually(t, func() bool {
-		return strings.Count(lines.String(), "broker admitted the agent for another ClusterProfile") >= 2*len(deployment.Brokers)
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		log := lines.String()
+		assert.GreaterOrEqual(ct, strings.Count(log, "broker admitted the agent for another ClusterProfile"), 2*len(deployment.Brokers),
+			"the agent's refusals of a broker; its last lines:\n%s", framework.LastLines(log, 20))
 	}, 20*time.Second, 50*time.Millisecond, "the agent keeps retrying every broker")
 	assert.Contains(t, lines.String(), `"admittedFor"="fleet/`+spoke.Name+`" "expected"="fleet/elsewhere"`)
 	assert.NotContains(t, lines.String(), "connected to broker")

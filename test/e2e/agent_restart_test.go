@@ -87,13 +87,15 @@ func TestRestartedAgentCollectsGrantsOfExpiredTokens(t *testing.T) {
 	require.NoError(t, err)
 	defer stopSecond()
 
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		_, err := secrets.Get(ctx, grant.Name, metav1.GetOptions{})
-		return apierrors.IsNotFound(err)
+		assert.True(c, apierrors.IsNotFound(err), "get grant %s/%s: want NotFound, got %v; the agent's last lines:\n%s",
+			ns, grant.Name, err, framework.LastLines(lines.String(), 20))
 	}, 30*time.Second, 50*time.Millisecond, "the restarted agent left the grant of an expired token")
 	t.Logf("the restarted agent collected the grant %s after it started", time.Since(restarted).Round(100*time.Millisecond))
 	assert.Contains(t, lines.String(), `"msg"="collected expired grant" "grant"="`+ns+"/"+grant.Name+`" "by"="sweep"`)
-	require.Eventually(t, func() bool { return !authenticated() }, 30*time.Second, 100*time.Millisecond,
-		"the spoke still accepts the token of a collected grant")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the spoke to refuse the token of a collected grant", func(c assert.TestingT) {
+		assert.False(c, authenticated(), "the spoke accepts the token of collected grant %s/%s", ns, grant.Name)
+	})
 	assert.NotContains(t, lines.String(), resp.GetToken())
 }

@@ -57,6 +57,19 @@ func readAuditWith(t *testing.T, substr string) (lines []auditLine, raw string) 
 	return lines, all.String()
 }
 
+// waitAudit waits, for 30 s at most, until the lines of the audit logs
+// that hold substr match as many times as there are broker replicas; on
+// timeout the test fails, and goes on, with what and the last of those
+// lines.
+func waitAudit(t *testing.T, what, substr string, match func(auditLine) bool) {
+	t.Helper()
+	assert.EventuallyWithT(t, func(c *assert.CollectT) {
+		lines, _ := readAuditWith(t, substr)
+		assert.GreaterOrEqual(c, countAudit(lines, match), len(deployment.Brokers), "matching audit lines; the last lines with %q: %v",
+			substr, lines[max(0, len(lines)-3):])
+	}, 30*time.Second, 100*time.Millisecond, "waiting for %s", what)
+}
+
 func countAudit(lines []auditLine, match func(auditLine) bool) int {
 	n := 0
 	for _, l := range lines {
@@ -153,20 +166,16 @@ func TestAuditLog(t *testing.T) {
 	unknownID := framework.AgentID(uniqueName(t, "no-such-profile"))
 	stopUnknown, err := deployment.StartAgentWith(ctx, spoke, framework.AgentOptions{ID: unknownID, NoWait: true})
 	require.NoError(t, err)
-	assert.Eventually(t, func() bool {
-		lines, _ := readAuditWith(t, unknownID)
-		return countAudit(lines, func(l auditLine) bool { return l.str("msg") == "agent refused" && l.str("spiffeID") == unknownID }) >= len(deployment.Brokers)
-	}, 30*time.Second, 100*time.Millisecond, "every replica audits the refusal of an unknown agent")
+	waitAudit(t, "every replica to audit the refusal of an unknown agent", unknownID, func(l auditLine) bool {
+		return l.str("msg") == "agent refused" && l.str("spiffeID") == unknownID
+	})
 	stopUnknown()
 
 	// The disconnect lines are written as the streams end, which the
 	// brokers see a moment after the agent stopped.
-	assert.Eventually(t, func() bool {
-		lines, _ := readAuditWith(t, agentID)
-		return countAudit(lines, func(l auditLine) bool {
-			return l.str("msg") == "agent disconnected" && l.str("spiffeID") == agentID
-		}) >= len(deployment.Brokers)
-	}, 30*time.Second, 100*time.Millisecond, "every replica audits the agent's disconnect")
+	waitAudit(t, "every replica to audit the agent's disconnect", agentID, func(l auditLine) bool {
+		return l.str("msg") == "agent disconnected" && l.str("spiffeID") == agentID
+	})
 
 	lines, raw := readAudit(t)
 	for _, w := range wants {

@@ -65,13 +65,12 @@ func newFloodAgent(t *testing.T, cluster string) *floodAgent {
 	t.Cleanup(func() { _ = conn.Close() })
 	a := &floodAgent{cluster: cluster, client: pb.NewAgentTunnelClient(conn)}
 	// The broker's informer may not know the ClusterProfile yet.
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		s, err := a.open(ctx, &pb.Hello{AgentVersion: "flood"})
-		if err != nil {
-			return false
+		if !assert.NoError(c, err, "admitting the fake agent of %s", cluster) {
+			return
 		}
 		s.close()
-		return true
 	}, 10*time.Second, 50*time.Millisecond, "the broker did not admit the fake agent of %s", cluster)
 	return a
 }
@@ -158,8 +157,9 @@ func (a *floodAgent) flood(t *testing.T, n int, update func(i int) *pb.GrantUpda
 			continue
 		}
 		id := u.GetAdded()[0].GetCredentialId()
-		require.Eventually(t, func() bool {
-			return cur.closed() || len(deployment.Broker.Grants().Select(grants.Selector{CredentialID: id})) > 0
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			assert.True(c, cur.closed() || len(deployment.Broker.Grants().Select(grants.Selector{CredentialID: id})) > 0,
+				"the stream is open and the broker lists no grant %s", id)
 		}, 10*time.Second, time.Millisecond, "the broker neither took nor refused grant update %d", i)
 	}
 	if cur != nil {
@@ -281,7 +281,8 @@ func percentiles(lat []time.Duration) string {
 func TestAgentReportsAreBounded(t *testing.T) {
 	// The bystander's latency alone, over 200 exchanges.
 	count, stopBefore := bystander(t)
-	require.Eventually(t, func() bool { return count() >= 200 }, 30*time.Second, 10*time.Millisecond)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.GreaterOrEqual(c, count(), 200, "the bystander's exchanges") },
+		30*time.Second, 10*time.Millisecond, "200 exchanges of the bystander")
 	lat, failed := stopBefore()
 	t.Logf("bystander exchanges before the flood: %s, failed %d", percentiles(lat), failed)
 
@@ -418,18 +419,23 @@ func TestGrantsListCostIsTheCallersOwn(t *testing.T) {
 		s, err := a.open(ctx, &pb.Hello{AgentVersion: "amp", Grants: []*pb.Grant{a.floodGrant(i, 0, exp)}})
 		require.NoError(t, err)
 		t.Cleanup(s.close)
-		require.Eventually(t, func() bool { n, _ := a.held(); return n == 1 }, 10*time.Second, 20*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			n, _ := a.held()
+			assert.Equal(c, 1, n, "the broker's grants of %s", a.cluster)
+		}, 10*time.Second, 20*time.Millisecond, "the broker to take the grant of %s", a.cluster)
 	}
 	caller := newConsumer(t, "credbroker") // no RBAC
 	client := grantsClient(t)
 
 	count, stopBefore := bystander(t)
-	require.Eventually(t, func() bool { return count() >= 200 }, 30*time.Second, 10*time.Millisecond)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.GreaterOrEqual(c, count(), 200, "the bystander's exchanges") },
+		30*time.Second, 10*time.Millisecond, "200 exchanges of the bystander")
 	lat, _ := stopBefore()
 	t.Logf("bystander exchanges before: %s", percentiles(lat))
 
 	count, stop := bystander(t)
-	require.Eventually(t, func() bool { return count() >= 1 }, 30*time.Second, 10*time.Millisecond)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.GreaterOrEqual(c, count(), 1, "the bystander's exchanges") },
+		30*time.Second, 10*time.Millisecond, "the bystander's first exchange")
 	before := hubRequests(t, "subjectaccessreviews")
 	for range 10 {
 		assert.Empty(t, listGrants(t, client, caller, nil), "a caller without RBAC sees others' grants")

@@ -48,14 +48,11 @@ func holdInTerminating(t *testing.T, ns, name string) {
 	})
 	require.NoError(t, profiles.Delete(ctx, name, metav1.DeleteOptions{}))
 	// Every replica must see the deletion before the test goes on.
-	require.Eventually(t, func() bool {
-		for _, b := range deployment.Brokers {
-			if b.Connected(ns, name) != 0 {
-				return false
-			}
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		for i, b := range deployment.Brokers {
+			assert.Zero(ct, b.Connected(ns, name), "replica %d's agent streams of %s/%s", i, ns, name)
 		}
-		return true
-	}, 10*time.Second, 20*time.Millisecond)
+	}, 10*time.Second, 20*time.Millisecond, "the replicas to see the deletion of %s/%s", ns, name)
 }
 
 // seen waits until every broker replica knows the ClusterProfile ns/name,
@@ -64,10 +61,10 @@ func seen(t *testing.T, c consumer, ns, name string) {
 	t.Helper()
 	for _, b := range deployment.Brokers {
 		client := exchangeClientAt(t, b.ExchangeAddr())
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
 			_, err := exchangeVia(t, client, c, &pb.ExchangeRequest{Cluster: &pb.ObjectReference{Namespace: ns, Name: name}, Audiences: []string{"seen"}})
-			return status.Code(err) != codes.NotFound
-		}, 10*time.Second, 20*time.Millisecond)
+			assert.NotEqual(ct, codes.NotFound, status.Code(err), "an exchange for %s/%s through %s: %v", ns, name, b.ExchangeAddr(), err)
+		}, 10*time.Second, 20*time.Millisecond, "the replicas to know ClusterProfile %s/%s", ns, name)
 	}
 }
 

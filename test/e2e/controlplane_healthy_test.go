@@ -108,8 +108,10 @@ func TestControlPlaneHealthyForMulticlusterRuntime(t *testing.T) {
 	// An agent with a healthy spoke connects: the cluster is engaged, and
 	// pkg/access reaches it.
 	var healthy *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool { healthy = get(name); return engaged(healthy) }, 30*time.Second, 100*time.Millisecond,
-		"ControlPlaneHealthy turns True when an agent with a healthy spoke connects")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "ControlPlaneHealthy to turn True when an agent with a healthy spoke connects", func(c assert.TestingT) {
+		healthy = get(name)
+		assert.True(c, engaged(healthy), "ControlPlaneHealthy=True in %s", statusOf(healthy))
+	})
 	assert.Equal(t, publish.ReasonSpokeReady, findCondition(healthy, v1alpha1.ClusterConditionControlPlaneHealthy).Reason)
 	c := newConsumer(t, "credbroker", name)
 	ns := optIn(t, spoke, "reader", c.username())
@@ -123,8 +125,10 @@ func TestControlPlaneHealthyForMulticlusterRuntime(t *testing.T) {
 	// says why.
 	fault.failing.Store(true)
 	var sick *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool { sick = get(name); return !engaged(sick) }, 30*time.Second, 100*time.Millisecond,
-		"ControlPlaneHealthy turns False when the spoke's /readyz fails")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "ControlPlaneHealthy to turn False when the spoke's /readyz fails", func(c assert.TestingT) {
+		sick = get(name)
+		assert.False(c, engaged(sick), "ControlPlaneHealthy=True in %s", statusOf(sick))
+	})
 	cond := findCondition(sick, v1alpha1.ClusterConditionControlPlaneHealthy)
 	assert.Equal(t, metav1.ConditionFalse, cond.Status)
 	assert.Equal(t, publish.ReasonSpokeNotReady, cond.Reason)
@@ -132,21 +136,26 @@ func TestControlPlaneHealthyForMulticlusterRuntime(t *testing.T) {
 	assert.True(t, meta.IsStatusConditionTrue(sick.Status.Conditions, publish.ConditionType), "the agent is still connected")
 
 	fault.failing.Store(false)
-	require.Eventually(t, func() bool { return engaged(get(name)) }, 30*time.Second, 100*time.Millisecond, "and True again when it recovers")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "ControlPlaneHealthy to turn True again when the spoke recovers", func(c assert.TestingT) {
+		cp := get(name)
+		assert.True(c, engaged(cp), "ControlPlaneHealthy=True in %s", statusOf(cp))
+	})
 
 	// The agent leaves: the cluster is let go once the grace is over.
 	stopAgent()
 	var gone *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool { gone = get(name); return !engaged(gone) }, 30*time.Second, 100*time.Millisecond,
-		"ControlPlaneHealthy turns False when the agent leaves")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "ControlPlaneHealthy to turn False when the agent leaves", func(c assert.TestingT) {
+		gone = get(name)
+		assert.False(c, engaged(gone), "ControlPlaneHealthy=True in %s", statusOf(gone))
+	})
 	assert.Equal(t, publish.ReasonNoAgentConnected, findCondition(gone, v1alpha1.ClusterConditionControlPlaneHealthy).Reason)
 
 	// The cluster manager's condition was never the broker's to write.
 	var other *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the broker's condition on the managed ClusterProfile", func(c assert.TestingT) {
 		other = get(managed)
-		return meta.IsStatusConditionTrue(other.Status.Conditions, publish.ConditionType)
-	}, 30*time.Second, 100*time.Millisecond)
+		assert.True(c, meta.IsStatusConditionTrue(other.Status.Conditions, publish.ConditionType), "%s=True in %s", publish.ConditionType, statusOf(other))
+	})
 	cond = findCondition(other, v1alpha1.ClusterConditionControlPlaneHealthy)
 	require.NotNil(t, cond)
 	assert.Equal(t, "Maintenance", cond.Reason)

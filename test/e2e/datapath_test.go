@@ -143,8 +143,12 @@ func TestDataPathRefusesWhatItDidNotMint(t *testing.T) {
 		require.NoError(t, err)
 		return len(events) > 0
 	}
-	require.Eventually(t, func() bool { return list(server, resp.GetToken(), "served") == nil }, 10*time.Second, 50*time.Millisecond)
-	require.Eventually(t, func() bool { return seen("served") }, 10*time.Second, 50*time.Millisecond, "the spoke's audit log misses the request that was forwarded")
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.NoError(ct, list(server, resp.GetToken(), "served"), "a LIST through the proxy")
+	}, 10*time.Second, 50*time.Millisecond, "the proxy to serve a LIST")
+	framework.Eventually(t, 10*time.Second, 50*time.Millisecond, "the forwarded request in the spoke's audit log", func(ct assert.TestingT) {
+		assert.True(ct, seen("served"), "no request with the probe selector served in %s", spoke.AuditLog)
+	})
 
 	notMinted, err := spoke.Token(ctx, ns, "reader", nil, 0)
 	require.NoError(t, err)
@@ -170,7 +174,9 @@ func TestDataPathRefusesWhatItDidNotMint(t *testing.T) {
 	// A request is audited when it completes; the forwarded one was seen
 	// above, and these were sent before the check.
 	require.NoError(t, list(server, resp.GetToken(), "last"))
-	require.Eventually(t, func() bool { return seen("last") }, 10*time.Second, 50*time.Millisecond)
+	framework.Eventually(t, 10*time.Second, 50*time.Millisecond, "the last forwarded request in the spoke's audit log", func(ct assert.TestingT) {
+		assert.True(ct, seen("last"), "no request with the probe selector last in %s", spoke.AuditLog)
+	})
 	for i, tt := range refused {
 		assert.False(t, seen(fmt.Sprintf("refused-%d", i)), "%s was forwarded to the spoke", tt.name)
 	}
@@ -182,10 +188,10 @@ func TestDataPathRefusesWhatItDidNotMint(t *testing.T) {
 		revoked := time.Now()
 		go reg.Revoke(ctx, live, "the test revoked it")
 		var last error
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
 			last = list(server, resp.GetToken(), "after-revoke")
-			return apierrors.IsUnauthorized(last)
-		}, 5*time.Second, 10*time.Millisecond)
+			assert.True(ct, apierrors.IsUnauthorized(last), "a LIST with the revoked token: want Unauthorized, got %v", last)
+		}, 5*time.Second, 10*time.Millisecond, "the proxy to refuse the revoked token")
 		took := time.Since(revoked)
 		t.Logf("refused %v after the revoke: %v", took.Round(time.Millisecond), last)
 		assert.Less(t, took, time.Second, "the proxy forwarded a revoked token for %v", took)
@@ -234,8 +240,8 @@ func TestStolenAgentIdentityCannotRedirectTheDataPath(t *testing.T) {
 		go thief.Serve(rctx, deployment.Broker.AgentAddr())
 	}
 	key := clusterKey(name)
-	require.Eventually(t, func() bool {
-		return deployment.Broker.DataPathStreams(key.Namespace, key.Name) == 5
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.Equal(ct, 5, deployment.Broker.DataPathStreams(key.Namespace, key.Name), "data path streams of %s", key)
 	}, 10*time.Second, 20*time.Millisecond, "the thief's streams never joined")
 
 	// Each request on a new connection, so that each dials anew.
@@ -291,17 +297,20 @@ func TestStolenAgentIdentityCannotPublishOverTheDataPath(t *testing.T) {
 	t.Cleanup(stop)
 	decoy := startDecoy(t)
 	stopThief := connectAdvertiser(t, b.AgentAddr(), name, decoy.URL, decoy.caPEM)
-	require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 2 },
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.Equal(ct, 2, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+	},
 		10*time.Second, 20*time.Millisecond, "the publisher holds both streams")
 	release()
 
 	publishedNothing(t, get, decoy.URL)
 
 	stopThief()
-	require.Eventually(t, func() bool {
-		e := findProvider(get(), plugin.Name)
-		return e != nil && e.Cluster.Server == apiproxy.URL(proxyURL, key)
-	}, 30*time.Second, 100*time.Millisecond, "the API proxy's URL is published once the agents agree")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the API proxy's URL to be published once the agents agree", func(ct assert.TestingT) {
+		cp := get()
+		e := findProvider(cp, plugin.Name)
+		assert.True(ct, e != nil && e.Cluster.Server == apiproxy.URL(proxyURL, key), "%s provider of %s in %s", plugin.Name, apiproxy.URL(proxyURL, key), statusOf(cp))
+	})
 	assert.Zero(t, decoy.requests.Load())
 }
 
@@ -340,10 +349,13 @@ func TestDataPathSurvivesTheReplicaThatCarriesAWatch(t *testing.T) {
 	require.NoError(t, err)
 	key := clusterKey(name)
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.DataPathStreams(key.Namespace, key.Name) == 1 }, 10*time.Second, 20*time.Millisecond,
-			"replica %d has no data path stream of the agent", i)
-		require.Eventually(t, func() bool { _, ok := b.Grants().Live(resp.GetCredentialId()); return ok }, 10*time.Second, 20*time.Millisecond,
-			"replica %d does not know the token", i)
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, 1, b.DataPathStreams(key.Namespace, key.Name), "replica %d's data path streams of %s", i, key)
+		}, 10*time.Second, 20*time.Millisecond, "replica %d has no data path stream of the agent", i)
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			_, ok := b.Grants().Live(resp.GetCredentialId())
+			assert.True(ct, ok, "replica %d knows grant %s live", i, resp.GetCredentialId())
+		}, 10*time.Second, 20*time.Millisecond, "replica %d does not know the token", i)
 	}
 	front := failover(t, deployment.Brokers[0].ProxyAddr(), deployment.Brokers[1].ProxyAddr())
 	client := proxyClient(t, apiproxy.URL("https://"+front, key), resp.GetToken())
@@ -358,8 +370,29 @@ func TestDataPathSurvivesTheReplicaThatCarriesAWatch(t *testing.T) {
 	}
 	before := servedBy(1)
 
-	restarted := make(chan error, 1)
-	go func() { _, err := deployment.RestartBroker(0); restarted <- err }()
+	restarted, restartDone := make(chan error, 1), make(chan struct{})
+	go func() {
+		defer close(restartDone)
+		_, err := deployment.RestartBroker(0)
+		restarted <- err
+	}()
+	// The next test, whichever it is, finds the suite's agents on both
+	// replicas, as drain_test.go leaves them: they reconnect to the
+	// restarted one on their own, a moment after it runs.
+	t.Cleanup(func() {
+		select {
+		case <-restartDone:
+		case <-time.After(time.Minute):
+			t.Error("broker-0 did not restart within a minute")
+			return
+		}
+		for _, s := range env.Spokes {
+			assert.EventuallyWithT(t, func(ct *assert.CollectT) {
+				assert.GreaterOrEqual(ct, deployment.Brokers[0].Connected(framework.FleetNamespace, s.Name), 1, "agent streams of %s", s.Name)
+			},
+				30*time.Second, 20*time.Millisecond, "the suite's agent of %s did not come back to the restarted broker-0", s.Name)
+		}
+	})
 	ended := time.After(30 * time.Second)
 	for open := true; open; {
 		select {

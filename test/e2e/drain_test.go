@@ -64,7 +64,9 @@ func TestRollingRestartLosesNoCall(t *testing.T) {
 	}()
 	waitStreams := func(replica, n int) time.Duration {
 		start := time.Now()
-		require.Eventually(t, func() bool { return deployment.Brokers[replica].Connected(framework.FleetNamespace, name) >= n },
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.GreaterOrEqual(ct, deployment.Brokers[replica].Connected(framework.FleetNamespace, name), n, "agent streams of %s", name)
+		},
 			30*time.Second, 5*time.Millisecond, "replica %d has fewer than %d streams of %s", replica, n, name)
 		return time.Since(start)
 	}
@@ -147,7 +149,9 @@ func TestRollingRestartLosesNoCall(t *testing.T) {
 			reconnects = append(reconnects, time.Since(restarted))
 		}
 		for _, s := range env.Spokes {
-			require.Eventually(t, func() bool { return deployment.Brokers[i].Connected(framework.FleetNamespace, s.Name) >= 1 },
+			require.EventuallyWithT(t, func(ct *assert.CollectT) {
+				assert.GreaterOrEqual(ct, deployment.Brokers[i].Connected(framework.FleetNamespace, s.Name), 1, "agent streams of %s", s.Name)
+			},
 				30*time.Second, 5*time.Millisecond, "the suite's agent of %s did not come back to broker-%d", s.Name, i)
 		}
 		waitReady(t, conns[i])

@@ -83,8 +83,9 @@ func escape(t *testing.T, spoke *framework.Cluster, resp *pb.ExchangeResponse, n
 		require.NoError(t, err)
 		return review.Authenticated
 	}
-	require.Eventually(t, func() bool { return !accepted(resp.GetToken()) }, 20*time.Second, 50*time.Millisecond,
-		"the spoke still accepts the brokered token after its grant was deleted")
+	framework.Eventually(t, 20*time.Second, 50*time.Millisecond, "the spoke to refuse the brokered token after its grant was deleted", func(c assert.TestingT) {
+		assert.False(c, accepted(resp.GetToken()), "the spoke accepts the brokered token of grant %s/%s", ns, grant.Name)
+	})
 	out.survived = accepted(long)
 	return out
 }
@@ -234,7 +235,7 @@ func bindEdit(t *testing.T, spoke *framework.Cluster, ns, name string) {
 		require.NoError(t, err)
 	}
 	user, _ := framework.ServiceAccountUser(ns, name)
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		for _, attrs := range []authorizationv1.ResourceAttributes{
 			{Namespace: ns, Verb: "create", Resource: "serviceaccounts", Subresource: "token"},
 			{Namespace: ns, Verb: "impersonate", Resource: "serviceaccounts"},
@@ -242,11 +243,11 @@ func bindEdit(t *testing.T, spoke *framework.Cluster, ns, name string) {
 			review, err := spoke.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{
 				Spec: authorizationv1.SubjectAccessReviewSpec{User: user, ResourceAttributes: &attrs},
 			}, metav1.CreateOptions{})
-			if err != nil || !review.Status.Allowed {
-				return false
+			if !assert.NoError(c, err, "SubjectAccessReview of %s %s/%s", attrs.Verb, attrs.Resource, attrs.Subresource) ||
+				!assert.True(c, review.Status.Allowed, "%s may %s %s/%s: %+v", user, attrs.Verb, attrs.Resource, attrs.Subresource, review.Status) {
+				return
 			}
 		}
-		return true
 	}, 30*time.Second, 20*time.Millisecond, "edit's rules do not allow %s to create tokens and impersonate in %s", user, ns)
 }
 
@@ -274,17 +275,22 @@ func TestExampleServiceAccountIsServed(t *testing.T) {
 	require.NoError(t, env.Hub.Apply(ctx, manifests("consumer-rbac.yaml")))
 	require.NoError(t, spoke.Apply(ctx, manifests("spoke-serviceaccount.yaml")))
 	user, _ := framework.ServiceAccountUser("team-a", "deployer")
-	allowed := func(c *framework.Cluster, attrs authorizationv1.ResourceAttributes) func() bool {
-		return func() bool {
+	allowed := func(c *framework.Cluster, attrs authorizationv1.ResourceAttributes) func(*assert.CollectT) {
+		return func(ct *assert.CollectT) {
 			review, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{
 				Spec: authorizationv1.SubjectAccessReviewSpec{User: user, ResourceAttributes: &attrs},
 			}, metav1.CreateOptions{})
-			return err == nil && review.Status.Allowed
+			if assert.NoError(ct, err, "SubjectAccessReview on %s", c.Name) {
+				assert.True(ct, review.Status.Allowed, "%s may %s %s/%s %s in %s on %s: %+v",
+					user, attrs.Verb, attrs.Resource, attrs.Subresource, attrs.Name, attrs.Namespace, c.Name, review.Status)
+			}
 		}
 	}
-	require.Eventually(t, allowed(env.Hub, authorizationv1.ResourceAttributes{Namespace: framework.FleetNamespace, Verb: "create",
-		Group: "multicluster.x-k8s.io", Resource: "clusterprofiles", Subresource: "token", Name: spoke.Name}), 30*time.Second, 20*time.Millisecond)
-	require.Eventually(t, allowed(spoke, authorizationv1.ResourceAttributes{Namespace: "team-a", Verb: "list", Resource: "pods"}), 30*time.Second, 20*time.Millisecond)
+	require.EventuallyWithT(t, allowed(env.Hub, authorizationv1.ResourceAttributes{Namespace: framework.FleetNamespace, Verb: "create",
+		Group: "multicluster.x-k8s.io", Resource: "clusterprofiles", Subresource: "token", Name: spoke.Name}), 30*time.Second, 20*time.Millisecond,
+		"the example's hub RBAC to take effect")
+	require.EventuallyWithT(t, allowed(spoke, authorizationv1.ResourceAttributes{Namespace: "team-a", Verb: "list", Resource: "pods"}), 30*time.Second, 20*time.Millisecond,
+		"the example's spoke RBAC to take effect")
 	sa, err := spoke.Client.CoreV1().ServiceAccounts("team-a").Get(ctx, "deployer", metav1.GetOptions{})
 	require.NoError(t, err)
 	require.NoError(t, deployment.WaitForServiceAccount(ctx, spoke, sa))

@@ -141,9 +141,11 @@ func TestTokenLifetime(t *testing.T) {
 	require.True(t, review.Authenticated, review.Error)
 
 	require.NoError(t, spoke.Client.CoreV1().ServiceAccounts(ns).Delete(ctx, "short-lived", metav1.DeleteOptions{}))
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		review, err := spoke.ReviewToken(ctx, resp.GetToken(), nil)
-		return err == nil && !review.Authenticated
+		if assert.NoError(c, err, "TokenReview on %s", spoke.Name) {
+			assert.False(c, review.Authenticated, "the token of the deleted ServiceAccount is authenticated as %s", review.User.Username)
+		}
 	}, 30*time.Second, 100*time.Millisecond, "the spoke still accepts a token of a deleted ServiceAccount")
 }
 

@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/credbroker/credbroker/pkg/broker"
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/spoke"
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
@@ -39,13 +40,21 @@ func boundSecret(t *testing.T, tok string) string {
 	return name
 }
 
+// assertRevoked states that broker replica i knows the grant of credential
+// id id was revoked.
+func assertRevoked(c assert.TestingT, i int, b *broker.Broker, id string) bool {
+	return assert.True(c, b.Grants().Revoked(id), "replica %d knows grant %s is revoked (it lists %d grants of it)",
+		i, id, len(b.Grants().Select(grants.Selector{CredentialID: id})))
+}
+
 // knownToEveryReplica waits until every broker replica lists the grant of
 // credential id id.
 func knownToEveryReplica(t *testing.T, id string) {
 	t.Helper()
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return len(b.Grants().Select(grants.Selector{CredentialID: id})) == 1 },
-			20*time.Second, 50*time.Millisecond, "replica %d never learnt of grant %s", i, id)
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Len(ct, b.Grants().Select(grants.Selector{CredentialID: id}), 1, "replica %d's grants of %s", i, id)
+		}, 20*time.Second, 50*time.Millisecond, "replica %d never learnt of grant %s", i, id)
 	}
 }
 
@@ -151,7 +160,7 @@ func TestConsumerCannotChangeItsGrant(t *testing.T) {
 	require.NoError(t, own.CoreV1().Secrets(ns).Delete(ctx, boundSecret(t, again.GetToken()), metav1.DeleteOptions{}))
 	refusedAfter(t, cluster, again.GetToken(), time.Now(), "its holder deleted its grant")
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.Grants().Revoked(again.GetCredentialId()) }, 20*time.Second, 50*time.Millisecond,
+		require.EventuallyWithT(t, func(ct *assert.CollectT) { assertRevoked(ct, i, b, again.GetCredentialId()) }, 20*time.Second, 50*time.Millisecond,
 			"replica %d does not know grant %s is gone", i, again.GetCredentialId())
 	}
 }
@@ -203,11 +212,10 @@ func TestGrantChangedByAnotherIsRevoked(t *testing.T) {
 				name := boundSecret(t, m.resp.GetToken())
 				secrets := cluster.Client.CoreV1().Secrets(m.ns)
 				// An earlier test's admission policies may still be loaded.
-				var err error
-				require.Eventually(t, func() bool {
-					_, err = secrets.Patch(ctx, name, types.MergePatchType, []byte(tt.patch), metav1.PatchOptions{})
-					return err == nil
-				}, 10*time.Second, 50*time.Millisecond, "the admin could not change the grant: %v", err)
+				require.EventuallyWithT(t, func(ct *assert.CollectT) {
+					_, err := secrets.Patch(ctx, name, types.MergePatchType, []byte(tt.patch), metav1.PatchOptions{})
+					assert.NoError(ct, err, "the admin's patch of grant %s/%s", m.ns, name)
+				}, 10*time.Second, 50*time.Millisecond, "the admin could not change the grant")
 				changed := time.Now()
 				revoke, err := revokeGrants(m.c, client, &pb.GrantSelector{CredentialId: m.resp.GetCredentialId()}, "e2e: the grant was changed")
 				revoked := time.Now()
@@ -223,9 +231,9 @@ func TestGrantChangedByAnotherIsRevoked(t *testing.T) {
 					require.Len(t, revoke.GetRevoked(), 1, "pending: %v", revoke.GetPending())
 				}
 				t.Logf("revoke answered %v, %s after the change", status.Code(err), revoked.Sub(changed).Round(time.Millisecond))
-				require.Eventually(t, func() bool {
+				require.EventuallyWithT(t, func(ct *assert.CollectT) {
 					_, err := secrets.Get(ctx, name, metav1.GetOptions{})
-					return apierrors.IsNotFound(err)
+					assert.True(ct, apierrors.IsNotFound(err), "get grant %s/%s: want NotFound, got %v", m.ns, name, err)
 				}, 10*time.Second, 50*time.Millisecond, "the changed grant was not deleted")
 				// The agent's delete, or the revoke's, whichever came first.
 				line := logLine(t, `"msg"="found a grant that someone other than the agent changed; deleting it"`,
@@ -238,7 +246,7 @@ func TestGrantChangedByAnotherIsRevoked(t *testing.T) {
 	})
 	for _, m := range tokens {
 		for i, b := range deployment.Brokers {
-			require.Eventually(t, func() bool { return b.Grants().Revoked(m.resp.GetCredentialId()) }, 20*time.Second, 50*time.Millisecond,
+			require.EventuallyWithT(t, func(ct *assert.CollectT) { assertRevoked(ct, i, b, m.resp.GetCredentialId()) }, 20*time.Second, 50*time.Millisecond,
 				"replica %d does not know grant %s is gone", i, m.resp.GetCredentialId())
 		}
 	}
@@ -267,11 +275,10 @@ func TestForeignLabelsKeepTheGrant(t *testing.T) {
 	patch := func(name, patch string) {
 		t.Helper()
 		// An earlier test's admission policies may still be loaded.
-		var err error
-		require.Eventually(t, func() bool {
-			_, err = secrets.Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
-			return err == nil
-		}, 10*time.Second, 50*time.Millisecond, "the admin could not change the grant: %v", err)
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			_, err := secrets.Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+			assert.NoError(ct, err, "the admin's patch of grant %s/%s", ns, name)
+		}, 10*time.Second, 50*time.Millisecond, "the admin could not change the grant")
 	}
 	patch(name, `{"metadata":{"labels":{"team":"x","example.com/cost-center":"42"},"annotations":{"example.com/owner":"x"}}}`)
 	// The agent judges the changes in order: once the second grant, whose

@@ -6,7 +6,6 @@ import (
 	"crypto/x509"
 	"fmt"
 	"os"
-	"slices"
 	"testing"
 	"time"
 
@@ -75,9 +74,9 @@ func TestGrantsServiceListAndRevoke(t *testing.T) {
 	client := grantsClient(t)
 	byID := &pb.GrantSelector{CredentialId: id}
 	// The agent reports the grant to the broker on its own time.
-	require.Eventually(t, func() bool {
-		return slices.Contains(listGrants(t, client, owner, &pb.GrantSelector{Cluster: clusterRef(cluster)}), id)
-	}, 10*time.Second, 50*time.Millisecond, "the owner does not see its grant")
+	framework.Eventually(t, 10*time.Second, 50*time.Millisecond, "the owner to see its grant", func(c assert.TestingT) {
+		assert.Contains(c, listGrants(t, client, owner, &pb.GrantSelector{Cluster: clusterRef(cluster)}), id, "the grants the owner lists")
+	})
 
 	other := newConsumer(t, "credbroker", cluster.Name) // may exchange, nothing more
 	t.Run("another consumer without RBAC does not see the grant", func(t *testing.T) {
@@ -109,9 +108,9 @@ func TestGrantsServiceListAndRevoke(t *testing.T) {
 	// The broker keeps the hub's denial above for its DenyTTL (2s), as
 	// the exchange does: the new RBAC applies once it has passed.
 	var revoked *pb.RevokeGrantsResponse
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
 		revoked, err = revokeGrants(other, client, byID, "offboarded")
-		return status.Code(err) != codes.PermissionDenied
+		assert.NotEqual(ct, codes.PermissionDenied, status.Code(err), "the revoke: %v", err)
 	}, 10*time.Second, 200*time.Millisecond, "the revoke is still refused after the RBAC grant")
 	require.NoError(t, err)
 	revokedAt := time.Now()

@@ -107,11 +107,10 @@ func applySpokeAdmission(t *testing.T, spoke *framework.Cluster, probeNamespace 
 		},
 	}
 	for policy, probe := range probes {
-		var last error
-		require.Eventually(t, func() bool {
-			last = probe()
-			return apierrors.IsForbidden(last) && strings.Contains(last.Error(), "'"+policy+"'")
-		}, 10*time.Second, 50*time.Millisecond, "%s is not enforced: %v", policy, last)
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			err := probe()
+			assert.True(c, apierrors.IsForbidden(err) && strings.Contains(err.Error(), "'"+policy+"'"), "the probe of %s: %v", policy, err)
+		}, 10*time.Second, 50*time.Millisecond, "%s is not enforced", policy)
 	}
 }
 
@@ -312,8 +311,10 @@ func TestAgentAdmissionPolicyConfinesAgentToGrants(t *testing.T) {
 			assert.Contains(t, err.Error(), "ValidatingAdmissionPolicy 'credbroker-agent-bound-tokens'")
 		}
 		// This policy may load a moment after the other.
-		require.Eventually(t, func() bool { return apierrors.IsForbidden(mint(nil)) }, 10*time.Second, 50*time.Millisecond,
-			"the agent still mints unbound tokens")
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			err := mint(nil)
+			assert.True(c, apierrors.IsForbidden(err), "the agent's unbound TokenRequest: want Forbidden, got %v", err)
+		}, 10*time.Second, 50*time.Millisecond, "the agent still mints unbound tokens")
 		refusedBy(t, mint(nil))
 		refusedBy(t, mint(&authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Secret", Name: victim.Name, UID: victim.UID}))
 		refusedBy(t, mint(&authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Pod", Name: "credbroker-grant-x", UID: "x"}))
@@ -363,13 +364,13 @@ func TestDeletingGrantRevokesIssuedToken(t *testing.T) {
 
 	// The spoke's own audit log records the request with the credential id.
 	var events []framework.AuditEvent
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 10*time.Second, 50*time.Millisecond, "an event of the brokered token in the spoke's audit log", func(c assert.TestingT) {
 		events, err = cluster.AuditEvents(func(ev framework.AuditEvent) bool {
 			return ev.User.Username == self.Status.UserInfo.Username && len(ev.User.Extra[framework.CredentialIDExtra]) == 1
 		})
 		require.NoError(t, err)
-		return len(events) > 0
-	}, 10*time.Second, 50*time.Millisecond, "the spoke's audit log has no event of the brokered token")
+		assert.NotEmpty(c, events, "events in %s of %s with a credential id", cluster.AuditLog, self.Status.UserInfo.Username)
+	})
 	audited := events[0].User.Extra[framework.CredentialIDExtra][0]
 	assert.Equal(t, id, audited)
 
@@ -429,8 +430,9 @@ func TestWithdrawnOptInRevokesIssuedTokens(t *testing.T) {
 	}
 	refusedWithin := func(t *testing.T, tok string, audiences []string, since time.Time) {
 		t.Helper()
-		require.Eventually(t, func() bool { return !authenticated(t, tok, audiences) },
-			30*time.Second, 100*time.Millisecond, "the spoke still accepts a token whose opt-in was withdrawn")
+		framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the spoke to refuse a token whose opt-in was withdrawn", func(c assert.TestingT) {
+			assert.False(c, authenticated(t, tok, audiences), "the spoke accepts the token")
+		})
 		lag := time.Since(since)
 		t.Logf("revocation lag: the spoke refused the token %s after the annotation changed", lag.Round(100*time.Millisecond))
 		assert.LessOrEqual(t, lag, 20*time.Second)
@@ -476,12 +478,12 @@ func TestWithdrawnOptInRevokesIssuedTokens(t *testing.T) {
 func claimedGrant(ctx context.Context, t *testing.T, cluster *framework.Cluster, jti string) corev1.Secret {
 	t.Helper()
 	var list *corev1.SecretList
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 10*time.Second, 50*time.Millisecond, "a grant of credential id JTI="+jti, func(c assert.TestingT) {
 		var err error
 		list, err = cluster.Client.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: spoke.GrantJTILabel + "=" + jti})
 		require.NoError(t, err)
-		return len(list.Items) > 0
-	}, 10*time.Second, 50*time.Millisecond, "no grant carries credential id JTI=%s", jti)
+		assert.NotEmpty(c, list.Items, "Secrets labelled %s=%s on %s", spoke.GrantJTILabel, jti, cluster.Name)
+	})
 	require.Len(t, list.Items, 1, "grants with credential id JTI=%s", jti)
 	return list.Items[0]
 }

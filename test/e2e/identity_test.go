@@ -109,9 +109,9 @@ func TestAgentIdentity(t *testing.T) {
 		defer stop()
 		require.Equal(t, 1, deployment.Broker.Connected(framework.FleetNamespace, name))
 		require.NoError(t, env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Delete(ctx, name, metav1.DeleteOptions{}))
-		require.Eventually(t, func() bool {
-			return deployment.Broker.Connected(framework.FleetNamespace, name) == 0
-		}, 10*time.Second, 20*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			assert.Zero(c, deployment.Broker.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+		}, 10*time.Second, 20*time.Millisecond, "the broker to close the streams of the deleted ClusterProfile")
 	})
 }
 

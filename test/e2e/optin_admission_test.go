@@ -216,14 +216,14 @@ func TestNamespaceOwnerCannotLockOutConsumers(t *testing.T) {
 			_ = spoke.Client.RbacV1().ClusterRoleBindings().Delete(context.Background(), crb.Name, metav1.DeleteOptions{})
 		})
 		asWriter := kubeAs(t, spoke, writer).CoreV1().ServiceAccounts(ownerNS)
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			sa, err := asWriter.Create(ctx, &corev1.ServiceAccount{
 				ObjectMeta: metav1.ObjectMeta{GenerateName: "written-", Annotations: optInAnnotation("system:serviceaccount:nowhere:nobody")},
 			}, metav1.CreateOptions{})
 			if err == nil {
 				_ = asWriter.Delete(ctx, sa.Name, metav1.DeleteOptions{})
 			}
-			return err == nil
+			assert.NoError(c, err, "the writer's create of an opted-in ServiceAccount")
 		}, 10*time.Second, 100*time.Millisecond, "the role's holder is never allowed")
 	})
 
@@ -234,11 +234,13 @@ func TestNamespaceOwnerCannotLockOutConsumers(t *testing.T) {
 			Subjects:   []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: owner}},
 		}, metav1.CreateOptions{})
 		require.NoError(t, err)
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			ok, err := spoke.Allowed(ctx, rbacv1.Subject{Kind: rbacv1.UserKind, Name: owner}, authorizationv1.ResourceAttributes{
 				Namespace: ownerNS, Verb: "set-opt-in", Group: "credbroker.io", Resource: "serviceaccounts",
 			})
-			return err == nil && ok
+			if assert.NoError(c, err, "SubjectAccessReview") {
+				assert.True(c, ok, "%s may set-opt-in serviceaccounts in %s", owner, ownerNS)
+			}
 		}, 10*time.Second, 50*time.Millisecond, "the RoleBinding never takes effect")
 		_, err = asOwner.Create(ctx, &corev1.ServiceAccount{
 			ObjectMeta: metav1.ObjectMeta{Name: "delegated", Annotations: optInAnnotation(victim.username())},
@@ -272,10 +274,12 @@ func bindUserEdit(t *testing.T, cluster *framework.Cluster, namespace, user stri
 		}, metav1.CreateOptions{})
 		require.NoError(t, err)
 	}
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		ok, err := cluster.Allowed(ctx, rbacv1.Subject{Kind: rbacv1.UserKind, Name: user},
 			authorizationAttrs(namespace, "patch", "serviceaccounts"))
-		return err == nil && ok
+		if assert.NoError(c, err, "SubjectAccessReview") {
+			assert.True(c, ok, "%s may patch serviceaccounts in %s", user, namespace)
+		}
 	}, 10*time.Second, 50*time.Millisecond, "%s may not patch ServiceAccounts in %s", user, namespace)
 }
 

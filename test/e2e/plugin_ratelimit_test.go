@@ -59,7 +59,9 @@ func TestPluginWaitsOutRateLimit(t *testing.T) {
 	})
 	require.NoError(t, err)
 	t.Cleanup(stopAgent)
-	require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 },
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+	},
 		30*time.Second, 20*time.Millisecond, "the agent never reached the rate-limited broker")
 
 	c := newConsumer(t, "credbroker", name)

@@ -245,10 +245,10 @@ func TestProfileCannotNameAnotherProfilesExecConfig(t *testing.T) {
 		require.NoError(t, err)
 		b, _ := startPublisher(t, name, "", nil)
 		startAdvertisingAgent(t, prod, name, b)
-		require.Eventually(t, func() bool {
+		framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the broker to publish its access provider under the policy", func(c assert.TestingT) {
 			cp, err := env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Get(ctx, name, metav1.GetOptions{})
 			require.NoError(t, err)
-			return findProvider(cp, plugin.Name) != nil
-		}, 30*time.Second, 100*time.Millisecond, "the broker never publishes its access provider under the policy")
+			assert.NotNil(c, findProvider(cp, plugin.Name), "%s provider in %s", plugin.Name, statusOf(cp))
+		})
 	})
 }

@@ -82,8 +82,10 @@ func TestOnlyTheLeaseHolderPublishes(t *testing.T) {
 		}
 		return *lease.Spec.HolderIdentity
 	}
-	require.Eventually(t, func() bool { return connected(get(), metav1.ConditionTrue) }, 30*time.Second, 100*time.Millisecond,
-		"the replicas publish the access provider")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the replicas to publish the access provider", func(c assert.TestingT) {
+		cp := get()
+		assert.True(c, connected(cp, metav1.ConditionTrue), "%s provider and %s=True in %s", plugin.Name, publish.ConditionType, statusOf(cp))
+	})
 	published := get()
 
 	leader := holder()
@@ -97,8 +99,8 @@ func TestOnlyTheLeaseHolderPublishes(t *testing.T) {
 
 	// The holder stops (it releases the Lease on the way out).
 	replicas[leader].stop()
-	require.Eventually(t, func() bool { return holder() == follower }, 30*time.Second, 100*time.Millisecond,
-		"the Lease moves to the other replica")
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Equal(c, follower, holder(), "the holder of Lease default/%s", name) },
+		30*time.Second, 100*time.Millisecond, "the Lease moves to the other replica")
 	// The entry stays: the new holder finds nothing to change.
 	time.Sleep(time.Second)
 	now := get()
@@ -108,7 +110,9 @@ func TestOnlyTheLeaseHolderPublishes(t *testing.T) {
 
 	// The next change is the new holder's to write.
 	stopAgent()
-	require.Eventually(t, func() bool { return connected(get(), metav1.ConditionFalse) }, 30*time.Second, 100*time.Millisecond,
-		"the new holder turns the condition False when the agent goes")
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the new holder to turn the condition False when the agent goes", func(c assert.TestingT) {
+		cp := get()
+		assert.True(c, connected(cp, metav1.ConditionFalse), "%s provider and %s=False in %s", plugin.Name, publish.ConditionType, statusOf(cp))
+	})
 	assert.Positive(t, replicas[follower].writes.count.Load(), "the new Lease holder wrote nothing")
 }

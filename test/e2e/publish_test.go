@@ -3,8 +3,10 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -111,11 +113,12 @@ func TestBrokerPublishesAccessProvider(t *testing.T) {
 		return cp
 	}
 	var published *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the broker to publish its access provider", func(ct assert.TestingT) {
 		published = get()
 		c := findCondition(published, publish.ConditionType)
-		return findProvider(published, plugin.Name) != nil && c != nil && c.Status == metav1.ConditionTrue
-	}, 30*time.Second, 100*time.Millisecond, "the broker publishes its access provider")
+		assert.True(ct, findProvider(published, plugin.Name) != nil && c != nil && c.Status == metav1.ConditionTrue,
+			"%s provider and %s=True in %s", plugin.Name, publish.ConditionType, statusOf(published))
+	})
 	entry := findProvider(published, plugin.Name)
 	assert.Equal(t, spoke.Server, entry.Cluster.Server)
 	assert.Equal(t, spoke.CAData, entry.Cluster.CertificateAuthorityData)
@@ -138,11 +141,11 @@ func TestBrokerPublishesAccessProvider(t *testing.T) {
 	// The agent goes: the condition turns False; the rest stays.
 	stopAgent()
 	var gone *v1alpha1.ClusterProfile
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 30*time.Second, 100*time.Millisecond, "the condition to turn False when the agent goes", func(ct assert.TestingT) {
 		gone = get()
 		c := findCondition(gone, publish.ConditionType)
-		return c != nil && c.Status == metav1.ConditionFalse
-	}, 30*time.Second, 100*time.Millisecond, "the condition turns False when the agent goes")
+		assert.True(ct, c != nil && c.Status == metav1.ConditionFalse, "%s=False in %s", publish.ConditionType, statusOf(gone))
+	})
 	assert.Equal(t, publish.ReasonNoAgentConnected, findCondition(gone, publish.ConditionType).Reason)
 	assertManagerEntriesSurvive(t, gone, other)
 	assert.NotNil(t, findProvider(gone, plugin.Name), "the last server and CA stay; the condition says they do not work now")
@@ -185,6 +188,20 @@ func assertManagerEntriesSurvive(t *testing.T, cp *v1alpha1.ClusterProfile, othe
 	if assert.NotNil(t, c, "the cluster manager's condition survives") {
 		assert.Equal(t, "written by the cluster manager", c.Message)
 	}
+}
+
+// statusOf is what cp's status says, its conditions and access providers,
+// for the message of a wait that failed.
+func statusOf(cp *v1alpha1.ClusterProfile) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "ClusterProfile %s/%s at resourceVersion %s:", cp.Namespace, cp.Name, cp.ResourceVersion)
+	for _, c := range cp.Status.Conditions {
+		fmt.Fprintf(&b, " condition %s=%s (%s: %s);", c.Type, c.Status, c.Reason, c.Message)
+	}
+	for _, p := range cp.Status.AccessProviders {
+		fmt.Fprintf(&b, " access provider %s: %s;", p.Name, p.Cluster.Server)
+	}
+	return b.String()
 }
 
 func findProvider(cp *v1alpha1.ClusterProfile, name string) *v1alpha1.AccessProvider {

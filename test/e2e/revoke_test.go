@@ -59,12 +59,12 @@ func TestRegistryRevokeRevokesIssuedToken(t *testing.T) {
 
 			// Every replica learns it from the agent.
 			var found []*pb.Grant
-			require.Eventually(t, func() bool {
+			require.EventuallyWithT(t, func(c *assert.CollectT) {
 				found = tt.revoker.Grants().Select(grants.Selector{CredentialID: id})
-				return len(found) == 1
+				assert.Len(c, found, 1, "the revoking replica's grants of %s", id)
 			}, 20*time.Second, 50*time.Millisecond, "the agent did not report grant %s to the replica", id)
-			require.Eventually(t, func() bool {
-				return len(other.Grants().Select(grants.Selector{CredentialID: id})) == 1
+			require.EventuallyWithT(t, func(c *assert.CollectT) {
+				assert.Len(c, other.Grants().Select(grants.Selector{CredentialID: id}), 1, "the other replica's grants of %s", id)
 			}, 20*time.Second, 50*time.Millisecond, "the agent did not report grant %s to the other replica", id)
 
 			start := time.Now()
@@ -78,7 +78,7 @@ func TestRegistryRevokeRevokesIssuedToken(t *testing.T) {
 			// Every replica learns of the revoke, and none hands the token
 			// out again: the minting replica's cache still holds it.
 			for i, b := range deployment.Brokers {
-				require.Eventually(t, func() bool { return b.Grants().Revoked(id) }, 20*time.Second, 50*time.Millisecond,
+				require.EventuallyWithT(t, func(c *assert.CollectT) { assertRevoked(c, i, b, id) }, 20*time.Second, 50*time.Millisecond,
 					"replica %d does not know grant %s was revoked", i, id)
 				assert.Empty(t, b.Grants().Select(grants.Selector{CredentialID: id}), "replica %d lists a revoked grant", i)
 			}

@@ -80,7 +80,9 @@ func startRogueAgent(t *testing.T) *rogueAgent {
 		cancel()
 		wg.Wait()
 		for _, b := range deployment.Brokers {
-			require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, rogueCluster) == 0 },
+			require.EventuallyWithT(t, func(ct *assert.CollectT) {
+				assert.Zero(ct, b.Connected(framework.FleetNamespace, rogueCluster), "agent streams of %s", rogueCluster)
+			},
 				10*time.Second, 20*time.Millisecond, "a broker still holds a stream of the fake agent")
 		}
 	})
@@ -91,15 +93,16 @@ func startRogueAgent(t *testing.T) *rogueAgent {
 		client := pb.NewAgentTunnelClient(conn)
 		// The brokers' informers may not know fleet/rogue yet: retry until
 		// one stream is admitted.
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
 			stream, err := framework.AdmitFakeAgent(actx, client, "rogue")
-			if err != nil {
-				return false
+			if !assert.NoError(ct, err, "admitting the fake agent at %s", b.AgentAddr()) {
+				return
 			}
 			wg.Go(func() { agent.serve(stream) })
-			return true
 		}, 10*time.Second, 50*time.Millisecond, "the broker did not admit the fake agent")
-		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, rogueCluster) == 1 },
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, rogueCluster), "agent streams of %s", rogueCluster)
+		},
 			10*time.Second, 20*time.Millisecond)
 	}
 	return agent
@@ -336,18 +339,19 @@ func assertNoRogueToken(t *testing.T, s string) {
 func logLine(t *testing.T, want ...string) string {
 	t.Helper()
 	var found string
-	require.Eventually(t, func() bool {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		log := logs.String()
 	lines:
-		for line := range strings.Lines(logs.String()) {
+		for line := range strings.Lines(log) {
 			for _, w := range want {
 				if !strings.Contains(line, w) {
 					continue lines
 				}
 			}
 			found = line
-			return true
+			return
 		}
-		return false
+		c.Errorf("no log line contains all of %q; the last lines:\n%s", want, framework.LastLines(log, 20))
 	}, 5*time.Second, 20*time.Millisecond, "no log line contains %s", fmt.Sprint(want))
 	return found
 }

@@ -57,7 +57,9 @@ func swallowRevokes(t *testing.T, spoke *framework.Cluster) *atomic.Int32 {
 		cancel()
 		wg.Wait()
 		for i, b := range deployment.Brokers {
-			require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, spoke.Name) == honest[i] },
+			require.EventuallyWithT(t, func(ct *assert.CollectT) {
+				assert.Equal(ct, honest[i], b.Connected(framework.FleetNamespace, spoke.Name), "agent streams of %s", spoke.Name)
+			},
 				10*time.Second, 20*time.Millisecond, "a broker still holds a rogue stream")
 		}
 	})
@@ -93,9 +95,9 @@ func swallowRevokes(t *testing.T, spoke *framework.Cluster) *atomic.Int32 {
 				}
 			})
 		}
-		require.Eventually(t, func() bool {
-			return b.Connected(framework.FleetNamespace, spoke.Name) == honest[i]+rogueStreamsPerBroker
-		}, 10*time.Second, 20*time.Millisecond)
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, honest[i]+rogueStreamsPerBroker, b.Connected(framework.FleetNamespace, spoke.Name), "replica %d's agent streams of %s", i, spoke.Name)
+		}, 10*time.Second, 20*time.Millisecond, "the rogue streams to connect")
 	}
 	return &answered
 }
@@ -120,9 +122,9 @@ func TestRogueStreamsCannotSwallowRevokes(t *testing.T) {
 	withdrawnTok := mintOn(t, spoke, spoke.Name, withdrawn, ns, "swallowed").GetToken()
 	id := resp.GetCredentialId()
 	client := grantsClient(t)
-	require.Eventually(t, func() bool {
-		return slices.Contains(listGrants(t, client, owner, &pb.GrantSelector{Cluster: clusterRef(spoke)}), id)
-	}, 10*time.Second, 50*time.Millisecond, "the owner does not see its grant")
+	framework.Eventually(t, 10*time.Second, 50*time.Millisecond, "the owner to see its grant", func(c assert.TestingT) {
+		assert.Contains(c, listGrants(t, client, owner, &pb.GrantSelector{Cluster: clusterRef(spoke)}), id, "the grants the owner lists")
+	})
 
 	answered := swallowRevokes(t, spoke)
 	t.Run("explicit revoke", func(t *testing.T) {

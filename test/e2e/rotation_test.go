@@ -66,18 +66,22 @@ func TestRotationWithoutAGap(t *testing.T) {
 	// first): its revokes of the grants it minted need its streams, which
 	// an SVID of agentTTL would close a few seconds after the last rotation.
 	t.Cleanup(func() {
-		_, _, err := deployment.WriteAgentSVID(spoke, id, deployment.CA, time.Hour)
+		err := deployment.WriteAgentSVID(spoke, id, deployment.CA, time.Hour)
 		assert.NoError(t, err)
 		assert.NoError(t, deployment.WriteBrokerSVID(time.Hour))
 		assert.NoError(t, deployment.WriteBrokerServing(time.Hour))
 		assert.NoError(t, deployment.WaitForBrokerCertificates(ctx, 30*time.Minute))
 		for i, b := range deployment.Brokers {
-			assert.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 30*time.Second, 20*time.Millisecond,
+			assert.EventuallyWithT(t, func(ct *assert.CollectT) {
+				assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+			}, 30*time.Second, 20*time.Millisecond,
 				"replica %d lost the agent after the rotations", i)
 		}
 	})
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 10*time.Second, 20*time.Millisecond,
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+		}, 10*time.Second, 20*time.Millisecond,
 			"replica %d never admits the agent", i)
 	}
 
@@ -126,8 +130,7 @@ func TestRotationWithoutAGap(t *testing.T) {
 	})
 	time.Sleep(agentTTL / 2)
 	rotateEvery(agentTTL/2, func() error {
-		_, _, err := deployment.WriteAgentSVID(spoke, id, deployment.CA, agentTTL)
-		return err
+		return deployment.WriteAgentSVID(spoke, id, deployment.CA, agentTTL)
 	})
 
 	pemCA, err := os.ReadFile(deployment.CAFile)
@@ -231,14 +234,18 @@ func TestWorkloadAPIAgentRotates(t *testing.T) {
 	optInAudiences(t, spoke, "wl-sa", []string{"wl-0", "wl-1", "wl-2", "wl-3"}, c.username())
 	ref := &pb.ObjectReference{Namespace: framework.FleetNamespace, Name: name}
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, name) == 1 }, 10*time.Second, 20*time.Millisecond)
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, name), "agent streams of %s", name)
+		}, 10*time.Second, 20*time.Millisecond)
 		_, err := exchangeVia(t, exchangeClientAt(t, b.ExchangeAddr()), c, &pb.ExchangeRequest{Cluster: ref, Audiences: []string{fmt.Sprintf("wl-%d", i)}})
 		require.NoError(t, err, "replica %d", i)
 	}
 
 	require.NoError(t, api.Set(deployment.CA.BundlePEM(), issue(framework.AgentID("someone-else")), issue(id)))
-	require.Eventually(t, func() bool {
-		return strings.Count(lines.String(), "draining the stream of the old SVID") >= len(deployment.Brokers)
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		log := lines.String()
+		assert.GreaterOrEqual(ct, strings.Count(log, "draining the stream of the old SVID"), len(deployment.Brokers),
+			"the agent's drained streams; its last lines:\n%s", framework.LastLines(log, 20))
 	}, 20*time.Second, 20*time.Millisecond, "the agent never renewed its streams after the Workload API rotated its SVID")
 	for i, b := range deployment.Brokers {
 		assert.Equal(t, 1, b.Connected(framework.FleetNamespace, name), "replica %d", i)

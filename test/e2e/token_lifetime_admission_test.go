@@ -100,9 +100,9 @@ func TestStolenAgentIdentityCannotMintLongLivedTokens(t *testing.T) {
 
 	t.Run("the spoke admin raises the maximum on the agent's ServiceAccount", func(t *testing.T) {
 		annotate(t, "7200")
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			_, err := mint(7200)
-			return err == nil
+			assert.NoError(c, err, "the agent's TokenRequest of 7200 s")
 		}, 10*time.Second, 100*time.Millisecond, "the agent is never allowed 7200 s")
 		tr, err := mint(7201)
 		refused(t, 7201, tr, err, "at most 7200 s")
@@ -110,16 +110,16 @@ func TestStolenAgentIdentityCannotMintLongLivedTokens(t *testing.T) {
 
 	t.Run("a maximum that is not a number refuses every mint", func(t *testing.T) {
 		annotate(t, "a day")
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			_, err := mint(600)
-			return apierrors.IsForbidden(err)
+			assert.True(c, apierrors.IsForbidden(err), "the agent's TokenRequest of 600 s: want Forbidden, got %v", err)
 		}, 10*time.Second, 100*time.Millisecond, "a malformed maximum still admits")
 		tr, err := mint(600)
 		refused(t, 600, tr, err, maxExpirationAnnotation)
 		annotate(t, "")
-		require.Eventually(t, func() bool {
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			_, err := mint(3600)
-			return err == nil
+			assert.NoError(c, err, "the agent's TokenRequest of 3600 s")
 		}, 10*time.Second, 100*time.Millisecond, "the default maximum never returns")
 	})
 

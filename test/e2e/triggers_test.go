@@ -45,8 +45,10 @@ func mintOn(t *testing.T, spoke *framework.Cluster, profile string, c consumer, 
 // long after the trigger fired at since.
 func refusedAfter(t *testing.T, spoke *framework.Cluster, tok string, since time.Time, trigger string) {
 	t.Helper()
-	require.Eventually(t, func() bool { return apierrors.IsUnauthorized(selfReview(t, spoke, tok)) },
-		40*time.Second, 100*time.Millisecond, "the spoke still accepts a token after %s", trigger)
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		err := selfReview(t, spoke, tok)
+		assert.True(c, apierrors.IsUnauthorized(err), "a SelfSubjectReview with the token: want Unauthorized, got %v", err)
+	}, 40*time.Second, 100*time.Millisecond, "the spoke still accepts a token after %s", trigger)
 	lag := time.Since(since)
 	t.Logf("revocation lag: the spoke refused the token %s after %s", lag.Round(100*time.Millisecond), trigger)
 	assert.LessOrEqual(t, lag, 20*time.Second)
@@ -92,7 +94,9 @@ func TestDeletedClusterProfileRevokesIssuedTokens(t *testing.T) {
 	require.NoError(t, err)
 	defer stop()
 	for i, b := range deployment.Brokers {
-		require.Eventually(t, func() bool { return b.Connected(framework.FleetNamespace, profile) == 1 }, 10*time.Second, 20*time.Millisecond,
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, 1, b.Connected(framework.FleetNamespace, profile), "agent streams of %s", profile)
+		}, 10*time.Second, 20*time.Millisecond,
 			"replica %d never admits the agent", i)
 	}
 	c, other := newConsumer(t, "credbroker", profile), newConsumer(t, "credbroker", spoke.Name)

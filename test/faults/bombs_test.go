@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
@@ -65,7 +66,7 @@ const (
 // and serves an exchange after each.
 func TestBombsAreRefusedWithoutBeingAllocated(t *testing.T) {
 	c := newCaller(t, 1, spoke1)
-	waitFor(t, 30*time.Second, "the agents", func() bool { return connected(spoke1) == 2 && connected(spoke2) == 1 })
+	waitFor(t, 30*time.Second, "the agents", func(c assert.TestingT) { assertConnected(c, spoke1, 2); assertConnected(c, spoke2, 1) })
 	svidCert, svidKey, err := deployment.CA.WriteSVIDFor(t.TempDir(), framework.AgentID(spoke2.Name), time.Hour)
 	require.NoError(t, err)
 
@@ -130,7 +131,7 @@ func TestBombsAreRefusedWithoutBeingAllocated(t *testing.T) {
 
 			_, _, err := c.exchange(spoke1, 0, mintTimeout)
 			require.NoError(t, err, "the broker serves on")
-			waitFor(t, 10*time.Second, "the bomber's agent streams to end", func() bool { return connected(spoke2) == 1 })
+			waitFor(t, 10*time.Second, "the bomber's agent streams to end", func(c assert.TestingT) { assertConnected(c, spoke2, 1) })
 		})
 	}
 	requireNoPendingMints(t)

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -78,14 +79,14 @@ func TestChurn(t *testing.T) {
 	// It returns how long that took.
 	flipped := func(want codes.Code) time.Duration {
 		t.Helper()
-		return waitFor(t, churnFlipTimeout, "an exchange for the toggled ServiceAccount to answer "+want.String(), func() bool {
+		return waitFor(t, churnFlipTimeout, "an exchange for the toggled ServiceAccount to answer "+want.String(), func(ct assert.TestingT) {
 			ctx, cancel := context.WithTimeout(ctx, mintTimeout)
 			defer cancel()
 			err := exchange(f.client, c.Consumer, spoke1.Name, "toggled")(ctx, 0)
 			code := status.Code(err)
 			require.Contains(t, []codes.Code{codes.OK, codes.PermissionDenied}, code, "an exchange for the toggled ServiceAccount: %v", err)
-			return code == want
-		})
+			assert.Equal(ct, want, code, "an exchange for the toggled ServiceAccount: %v", err)
+		}, f.broker, f.agent)
 	}
 	_, _, err = c.exchange(spoke1, 0, mintTimeout)
 	require.NoError(t, err)
@@ -115,12 +116,12 @@ func TestChurn(t *testing.T) {
 		agentOpts := framework.AgentProcessOptions{Bin: agentBin, BrokerAddresses: []string{f.brokerOpts.AgentAddress}, ClusterProfile: name}
 		agent, err := deployment.StartAgentProcess(ctx, spoke2, agentOpts)
 		require.NoError(t, err)
-		serves := func() bool {
+		serves := func(ct assert.TestingT) {
 			callCtx, cancel := context.WithTimeout(ctx, 2*mintTimeout)
 			defer cancel()
-			return exchange(f.client, c.Consumer, name, "target-0")(callCtx, 0) == nil
+			assert.NoError(ct, exchange(f.client, c.Consumer, name, "target-0")(callCtx, 0), "an exchange for %s", name)
 		}
-		waitFor(t, time.Minute, "the churned ClusterProfile to be served", serves)
+		waitFor(t, time.Minute, "the churned ClusterProfile to be served", serves, f.broker, agent)
 		churned.Store(&name)
 
 		// Restart the churned agent halfway through the round; toggle the
@@ -156,19 +157,19 @@ func TestChurn(t *testing.T) {
 			slowestFlip = max(slowestFlip, flipped(want))
 			toggles++
 		}
-		waitFor(t, time.Minute, "the restarted churned agent to serve", serves)
+		waitFor(t, time.Minute, "the restarted churned agent to serve", serves, f.broker, agent)
 
 		// Delete the ClusterProfile while the load asks for it.
 		require.NoError(t, env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Delete(ctx, name, metav1.DeleteOptions{}))
 		deleted := time.Now()
-		waitFor(t, time.Minute, "the broker to see the deletion", func() bool {
-			return f.brokerMetric(t, "credbroker_cluster_profiles") == profiles
-		})
+		waitFor(t, time.Minute, "the broker to see the deletion", func(ct assert.TestingT) {
+			assert.Equal(ct, profiles, f.brokerMetric(t, "credbroker_cluster_profiles"), "the broker process's credbroker_cluster_profiles (-1: no scrape)")
+		}, f.broker)
 		seen := time.Now()
 		// The load asks for the deleted ClusterProfile meanwhile: wait for a
 		// few of its calls that started after the broker saw the deletion,
 		// so that the check below is never vacuous.
-		waitFor(t, time.Minute, "the load to ask for the deleted ClusterProfile", func() bool {
+		waitFor(t, time.Minute, "the load to ask for the deleted ClusterProfile", func(ct assert.TestingT) {
 			load.mu.Lock()
 			defer load.mu.Unlock()
 			n := 0
@@ -177,7 +178,7 @@ func TestChurn(t *testing.T) {
 					n++
 				}
 			}
-			return n >= churnCallsAfterDeletion
+			assert.GreaterOrEqual(ct, n, churnCallsAfterDeletion, "calls for %s since the broker saw its deletion", name)
 		})
 		code, _, err := (&caller{Consumer: c.Consumer, client: f.client, targetNS: c.targetNS, targets: map[string][]string{name: {"target-0"}}}).
 			exchange(&framework.Cluster{Name: name}, 0, mintTimeout)
@@ -200,9 +201,9 @@ func TestChurn(t *testing.T) {
 		load.calls = nil
 		load.mu.Unlock()
 		require.Zero(t, answered, "exchanges for %s answered after the broker saw its deletion", name)
-		waitFor(t, mintTimeout+5*time.Second, "no pending agent requests on the broker process", func() bool {
-			return f.brokerMetric(t, "credbroker_agent_requests_pending") == 0
-		})
+		waitFor(t, mintTimeout+5*time.Second, "no pending agent requests on the broker process", func(ct assert.TestingT) {
+			assert.Zero(ct, f.brokerMetric(t, "credbroker_agent_requests_pending"), "the broker process's credbroker_agent_requests_pending (-1: no scrape)")
+		}, f.broker)
 		rounds[r].broker = settledUsage(t, f.brokerOpts.MetricsAddress)
 		rounds[r].agent = settledUsage(t, f.agentMetrics)
 		t.Logf("churn round %d (%s): %d opt-in flips, each seen by the agent and the broker within %s; deletion seen %s after it, then %d calls for it, none answered; broker %s; agent %s",

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -29,12 +30,12 @@ func newPoolCaller(t *testing.T) *poolCaller {
 	p := &poolCaller{t: t, c: newCaller(t, 1, spoke2)}
 	p.first = p.exchange()
 	ctx := t.Context()
-	waitFor(t, 30*time.Second, "the ServiceAccount's grant pool", func() bool {
+	waitFor(t, 30*time.Second, "the ServiceAccount's grant pool", func(c assert.TestingT) {
 		all, err := spoke2.Client.CoreV1().Secrets(p.c.targetNS).List(ctx, metav1.ListOptions{LabelSelector: spoke.GrantLabelSelector})
 		require.NoError(t, err)
 		claimed, err := spoke2.ClaimedGrants(ctx, p.c.targetNS)
 		require.NoError(t, err)
-		return len(all.Items) > len(claimed)
+		assert.Greater(c, len(all.Items), len(claimed), "grants in %s, more than the claimed ones", p.c.targetNS)
 	})
 	return p
 }
@@ -64,9 +65,9 @@ func (p *poolCaller) deleteGrant(resp *pb.ExchangeResponse) {
 func (p *poolCaller) replaced(old *pb.ExchangeResponse, what string) (*pb.ExchangeResponse, time.Duration) {
 	p.t.Helper()
 	var resp *pb.ExchangeResponse
-	took := waitFor(p.t, 20*time.Second, what, func() bool {
+	took := waitFor(p.t, 20*time.Second, what, func(c assert.TestingT) {
 		resp = p.exchange()
-		return resp.GetCredentialId() != old.GetCredentialId()
+		assert.NotEqual(c, old.GetCredentialId(), resp.GetCredentialId(), "the credential of the exchange's answer")
 	})
 	return resp, took
 }
@@ -145,6 +146,8 @@ func TestRevokeOfATokenWhoseClaimFailedWaitsForItsGrant(t *testing.T) {
 	answer = revoke()
 	require.Len(t, answer.GetRevoked(), 1, "pending: %v", answer.GetPending())
 	revoked := time.Now()
-	waitFor(t, 40*time.Second, "the spoke to refuse the revoked token", func() bool { return !authenticated() })
+	waitFor(t, 40*time.Second, "the spoke to refuse the revoked token", func(c assert.TestingT) {
+		assert.False(c, authenticated(), "the revoked token is authenticated")
+	})
 	t.Logf("failed claim: the spoke refused the token %s after the revoke that found the spoke writable", time.Since(revoked).Round(10*time.Millisecond))
 }

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/credbroker/credbroker/internal/testing/faultproxy"
@@ -69,27 +70,29 @@ func TestAcknowledgedRevokeSurvivesReplicaKill(t *testing.T) {
 	grantsA := pb.NewGrantsClient(connA)
 
 	var resp *pb.ExchangeResponse
-	waitFor(t, time.Minute, "the agent to serve the new ClusterProfile", func() bool {
+	waitFor(t, time.Minute, "the agent to serve the new ClusterProfile", func(ct assert.TestingT) {
 		callCtx, cancel := context.WithTimeout(c.Context(ctx), 2*mintTimeout)
 		defer cancel()
 		resp, err = exchangeB.Exchange(callCtx, &pb.ExchangeRequest{
 			Cluster: cluster, ServiceAccount: &pb.ObjectReference{Namespace: ns, Name: "target"},
 		})
-		return err == nil
+		assert.NoError(ct, err, "an exchange through replica B")
 	})
 	id := resp.GetCredentialId()
 	review, err := spoke2.ReviewToken(ctx, resp.GetToken(), nil)
 	require.NoError(t, err)
 	require.True(t, review.Authenticated, "the brokered token does not work: %s", review.Error)
 	selector := &pb.GrantSelector{CredentialId: id}
-	waitFor(t, time.Minute, "replica A to learn the grant from the agent", func() bool {
+	waitFor(t, time.Minute, "replica A to learn the grant from the agent", func(ct assert.TestingT) {
 		callCtx, cancel := context.WithTimeout(c.Context(ctx), 2*mintTimeout)
 		defer cancel()
 		list, err := grantsA.List(callCtx, &pb.ListGrantsRequest{Selector: selector})
-		return err == nil && len(list.GetGrants()) == 1
-	})
-	waitFor(t, 30*time.Second, "replica B to know the grant", func() bool {
-		return len(replicaB.Grants().Select(grants.Selector{CredentialID: id})) == 1
+		if assert.NoError(ct, err, "ListGrants on replica A") {
+			assert.Len(ct, list.GetGrants(), 1, "replica A's grants of %s", id)
+		}
+	}, replicaA)
+	waitFor(t, 30*time.Second, "replica B to know the grant", func(ct assert.TestingT) {
+		assert.Len(ct, replicaB.Grants().Select(grants.Selector{CredentialID: id}), 1, "replica B's grants of %s", id)
 	})
 
 	// The agent is cut off from both replicas.
@@ -97,8 +100,8 @@ func TestAcknowledgedRevokeSurvivesReplicaKill(t *testing.T) {
 	toB.Partition()
 	t.Cleanup(toA.Heal)
 	t.Cleanup(toB.Heal)
-	waitFor(t, 30*time.Second, "replica B to end the partitioned stream", func() bool {
-		return replicaB.Connected(framework.FleetNamespace, profile) == 0
+	waitFor(t, 30*time.Second, "replica B to end the partitioned stream", func(ct assert.TestingT) {
+		assert.Zero(ct, replicaB.Connected(framework.FleetNamespace, profile), "replica B's agent streams of %s", profile)
 	})
 
 	// A acknowledges the revoke as pending, and dies.
@@ -116,9 +119,11 @@ func TestAcknowledgedRevokeSurvivesReplicaKill(t *testing.T) {
 	toB.Heal()
 	toA.Heal()
 	back := time.Now()
-	waitFor(t, 30*time.Second, "the spoke to refuse the revoked token", func() bool {
+	waitFor(t, 30*time.Second, "the spoke to refuse the revoked token", func(ct assert.TestingT) {
 		review, err := spoke2.ReviewToken(ctx, resp.GetToken(), nil)
-		return err == nil && !review.Authenticated
+		if assert.NoError(ct, err, "TokenReview on spoke-2") {
+			assert.False(ct, review.Authenticated, "the revoked token is authenticated as %s", review.User.Username)
+		}
 	})
 	died := time.Since(back)
 	t.Logf("acknowledged revoke, replica A killed: the spoke refused the token %s after the agent's return, through replica B",

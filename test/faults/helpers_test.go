@@ -8,10 +8,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"k8s.io/apimachinery/pkg/util/wait"
 
 	pb "github.com/credbroker/credbroker/proto/credbroker/v1alpha1"
 	"github.com/credbroker/credbroker/test/framework"
@@ -73,30 +73,39 @@ func (c *caller) exchange(spoke *framework.Cluster, i int, deadline time.Duratio
 	return status.Code(err), time.Since(start), err
 }
 
-// waitFor polls cond every 50ms for up to timeout and returns how long it
-// took to hold.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) time.Duration {
+// waitFor calls cond every 50ms, for up to timeout, until it makes no
+// failed assertion on c, and returns how long that took. On timeout the
+// test fails with what, cond's last failed assertions (what it saw last)
+// and the last lines of procs' output (framework.Eventually).
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func(c assert.TestingT), procs ...*framework.Process) time.Duration {
 	t.Helper()
-	start := time.Now()
-	err := wait.PollUntilContextTimeout(t.Context(), 50*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
-		return cond(), nil
-	})
-	require.NoError(t, err, "waiting for %s", what)
-	return time.Since(start)
+	return framework.Eventually(t, timeout, 50*time.Millisecond, what, cond, procs...)
 }
 
 // requireNoPendingMints waits until no mint or revoke waits for an agent
 // (credbroker_agent_requests_pending is 0).
 func requireNoPendingMints(t *testing.T) {
 	t.Helper()
-	waitFor(t, mintTimeout+5*time.Second, "no pending agent requests", func() bool {
-		return deployment.Broker.PendingAgentRequests() == 0
+	waitFor(t, mintTimeout+5*time.Second, "no pending agent requests", func(c assert.TestingT) {
+		assert.Zero(c, deployment.Broker.PendingAgentRequests(), "the broker's pending agent requests")
 	})
 }
 
 // connected is the number of agent streams that serve spoke.
 func connected(spoke *framework.Cluster) int {
 	return deployment.Broker.Connected(framework.FleetNamespace, spoke.Name)
+}
+
+// assertConnected states that n agent streams serve spoke.
+func assertConnected(c assert.TestingT, spoke *framework.Cluster, n int) bool {
+	return assert.Equal(c, n, connected(spoke), "agent streams of %s on the broker", spoke.Name)
+}
+
+// assertServes states that c's exchange for its i-th target on spoke, within
+// deadline, succeeds.
+func (c *caller) assertServes(ct assert.TestingT, spoke *framework.Cluster, i int, deadline time.Duration) bool {
+	_, took, err := c.exchange(spoke, i, deadline)
+	return assert.NoError(ct, err, "exchange for target %d of %s (after %s)", i, spoke.Name, took.Round(time.Millisecond))
 }
 
 // percentile returns the p-th percentile (0–100) of ds.

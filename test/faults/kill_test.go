@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 
@@ -32,7 +33,7 @@ func TestAgentKilledWithMintsInFlight(t *testing.T) {
 	})
 	require.NoError(t, err)
 	t.Cleanup(p.Stop)
-	waitFor(t, time.Minute, "the agent process to connect", func() bool { return connected(spoke1) == 3 })
+	waitFor(t, time.Minute, "the agent process to connect", func(c assert.TestingT) { assertConnected(c, spoke1, 3) }, p)
 
 	stalled.Partition()
 	deadline := 2 * mintTimeout
@@ -44,9 +45,9 @@ func TestAgentKilledWithMintsInFlight(t *testing.T) {
 	}
 	// The two in-process agents answer theirs at once; about a third wait
 	// on the stalled agent.
-	waitFor(t, mintTimeout, "mints held by the stalled agent", func() bool {
-		return deployment.Broker.PendingAgentRequests() >= mints/5
-	})
+	waitFor(t, mintTimeout, "mints held by the stalled agent", func(c assert.TestingT) {
+		assert.GreaterOrEqual(c, deployment.Broker.PendingAgentRequests(), mints/5, "the broker's pending agent requests")
+	}, p)
 	pending := deployment.Broker.PendingAgentRequests()
 	require.NoError(t, p.Signal(syscall.SIGKILL))
 	killed := time.Now()
@@ -87,8 +88,8 @@ func TestBrokerKilledAndRestarted(t *testing.T) {
 	require.NoError(t, err)
 	defer conn.Close()
 	other := &caller{Consumer: c.Consumer, client: viaProcess, targetNS: c.targetNS, targets: c.targets}
-	serves := func() bool { _, _, err := other.exchange(spoke2, 1, mintTimeout); return err == nil }
-	waitFor(t, time.Minute, "the broker process to serve spoke-2", serves)
+	serves := func(c assert.TestingT) { other.assertServes(c, spoke2, 1, mintTimeout) }
+	waitFor(t, time.Minute, "the broker process to serve spoke-2", serves, p)
 
 	// Load on the in-process replica while the other dies and comes back.
 	var (
@@ -115,7 +116,7 @@ func TestBrokerKilledAndRestarted(t *testing.T) {
 	require.Error(t, p.Wait())
 	p, err = deployment.StartBrokerProcess(opts)
 	require.NoError(t, err)
-	reconnected := waitFor(t, time.Minute, "the agent to reconnect to the restarted broker", serves)
+	reconnected := waitFor(t, time.Minute, "the agent to reconnect to the restarted broker", serves, p)
 	close(done)
 	wg.Wait()
 	require.Empty(t, failed, "consumers of the other replica must see nothing")

@@ -103,7 +103,7 @@ func testTriggersLeader(t *testing.T, mode leaseMode) {
 	// Ready first, so that the agent's first dial finds them serving,
 	// rather than backing off towards 30 s on a loaded machine.
 	for _, r := range replicas {
-		waitFor(t, time.Minute, "both replicas to be ready", func() bool { return ready(r.MetricsAddress) })
+		waitFor(t, time.Minute, "both replicas to be ready", func(c assert.TestingT) { assertReady(c, r.MetricsAddress) }, procs...)
 	}
 	agent, err := deployment.StartAgentProcess(ctx, spoke1, framework.AgentProcessOptions{Bin: agentBin, ClusterProfile: name, BrokerAddresses: agentAddrs})
 	require.NoError(t, err)
@@ -124,7 +124,9 @@ func testTriggersLeader(t *testing.T, mode leaseMode) {
 		return m.Sum(name, labels...)
 	}
 	for i := range replicas {
-		waitFor(t, 2*time.Minute, "the agent to connect to both replicas", func() bool { return metric(i, "credbroker_connected_clusters") >= 1 })
+		waitFor(t, 2*time.Minute, "the agent to connect to both replicas", func(c assert.TestingT) {
+			assert.GreaterOrEqual(c, metric(i, "credbroker_connected_clusters"), 1.0, "replica %d's credbroker_connected_clusters (-1: no scrape)", i)
+		}, procs[i], agent)
 	}
 
 	// Three consumers hold a spoke token each, through replica 0; both
@@ -154,12 +156,14 @@ func testTriggersLeader(t *testing.T, mode leaseMode) {
 		require.NoError(t, err)
 		c.token = resp.GetToken()
 		for _, cl := range clients {
-			waitFor(t, 30*time.Second, "both replicas to learn the grant", func() bool {
+			waitFor(t, 30*time.Second, "both replicas to learn the grant", func(ct assert.TestingT) {
 				cctx, cancel := context.WithTimeout(c.Context(ctx), 5*time.Second)
 				defer cancel()
 				list, err := cl.grants.List(cctx, &pb.ListGrantsRequest{})
-				return err == nil && len(list.GetGrants()) == 1
-			})
+				if assert.NoError(ct, err, "ListGrants") {
+					assert.Len(ct, list.GetGrants(), 1, "the grants the consumer sees")
+				}
+			}, procs[0], procs[1], agent)
 		}
 	}
 
@@ -173,7 +177,9 @@ func testTriggersLeader(t *testing.T, mode leaseMode) {
 		return out
 	}
 	wantLeaders := map[leaseMode]int{leaseEach: 2, leaseShared: 1, leaseHeld: 0}[mode]
-	waitFor(t, 30*time.Second, "the triggers' leaders", func() bool { return len(leading()) == wantLeaders })
+	waitFor(t, 30*time.Second, "the triggers' leaders", func(c assert.TestingT) {
+		assert.Len(c, leading(), wantLeaders, "the replicas that lead the triggers")
+	}, procs...)
 	if mode == leaseHeld {
 		intruded(t, consumers[0], stopIntruder, func() int { return len(leading()) })
 		return
@@ -189,7 +195,9 @@ func testTriggersLeader(t *testing.T, mode leaseMode) {
 	ungrant(t, consumers[0].Consumer)
 	waitRefused(t, consumers[0].token)
 	for _, i := range leading() {
-		waitFor(t, 30*time.Second, "the leaders' reviews", func() bool { return reviews(i)-before[i] >= float64(len(consumers)) })
+		waitFor(t, 30*time.Second, "the leaders' reviews", func(c assert.TestingT) {
+			assert.GreaterOrEqual(c, reviews(i)-before[i], float64(len(consumers)), "replica %d's SubjectAccessReviews since the change (from %v)", i, before[i])
+		}, procs[i])
 	}
 	time.Sleep(time.Second) // twice the debounce's maximum: a replica that checks has by now; not synchronization
 	after := []float64{reviews(0) - before[0], reviews(1) - before[1]}
@@ -208,7 +216,9 @@ func testTriggersLeader(t *testing.T, mode leaseMode) {
 	require.Error(t, procs[leader].Wait())
 	killed := time.Now()
 	ungrant(t, consumers[1].Consumer)
-	took := waitFor(t, time.Minute, "the other replica to take the triggers over", func() bool { return metric(other, "credbroker_revocation_triggers_leader") == 1 })
+	took := waitFor(t, time.Minute, "the other replica to take the triggers over", func(c assert.TestingT) {
+		assert.Equal(c, 1.0, metric(other, "credbroker_revocation_triggers_leader"), "replica %d's credbroker_revocation_triggers_leader (-1: no scrape)", other)
+	}, procs[other])
 	waitRefused(t, consumers[1].token)
 	t.Logf("leader SIGKILLed: replica %d took the triggers over %s later; the RBAC change during the takeover revoked %s after the kill",
 		other, took.Round(100*time.Millisecond), time.Since(killed).Round(100*time.Millisecond))
@@ -267,7 +277,7 @@ func intruded(t *testing.T, c triggerConsumer, stopIntruder func(), leaders func
 	assert.Zero(t, leaders(), "a replica led while an intruder held the Lease")
 	stopIntruder()
 	stopped := time.Now()
-	waitFor(t, time.Minute, "a replica to take the Lease over", func() bool { return leaders() == 1 })
+	waitFor(t, time.Minute, "a replica to take the Lease over", func(ct assert.TestingT) { assert.Equal(ct, 1, leaders(), "the replicas that lead the triggers") })
 	waitRefused(t, c.token)
 	t.Logf("intruder held the Lease: no replica led, the RBAC change revoked nothing; %s after it stopped renewing, a replica led and revoked",
 		time.Since(stopped).Round(100*time.Millisecond))
@@ -308,8 +318,10 @@ func ungrant(t *testing.T, c framework.Consumer) {
 // waitRefused waits until spoke-1 refuses token: its grant was revoked.
 func waitRefused(t *testing.T, token string) {
 	t.Helper()
-	waitFor(t, time.Minute, "the spoke to refuse the revoked token", func() bool {
+	waitFor(t, time.Minute, "the spoke to refuse the revoked token", func(c assert.TestingT) {
 		review, err := spoke1.ReviewToken(t.Context(), token, nil)
-		return err == nil && !review.Authenticated
+		if assert.NoError(c, err, "TokenReview on spoke-1") {
+			assert.False(c, review.Authenticated, "the revoked token is authenticated as %s", review.User.Username)
+		}
 	})
 }

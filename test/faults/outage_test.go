@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -21,7 +22,7 @@ import (
 // without restarting anything.
 func TestSpokeAPIServerDown(t *testing.T) {
 	c := newCaller(t, 4, spoke1)
-	waitFor(t, 30*time.Second, "both agents of spoke-1", func() bool { return connected(spoke1) == 2 })
+	waitFor(t, 30*time.Second, "both agents of spoke-1", func(c assert.TestingT) { assertConnected(c, spoke1, 2) })
 	_, _, err := c.exchange(spoke1, 0, mintTimeout)
 	require.NoError(t, err)
 
@@ -50,13 +51,11 @@ func TestSpokeAPIServerDown(t *testing.T) {
 
 	spokeProxy.Heal()
 	healed := time.Now()
-	recovered := waitFor(t, 2*time.Minute, "spoke-1 to serve again", func() bool {
-		_, _, err := c.exchange(spoke1, 3, mintTimeout)
-		return err == nil
+	recovered := waitFor(t, 2*time.Minute, "spoke-1 to serve again", func(ct assert.TestingT) {
+		c.assertServes(ct, spoke1, 3, mintTimeout)
 	})
-	resynced := waitFor(t, 2*time.Minute, "the ServiceAccount created during the outage", func() bool {
-		_, _, err := c.exchange(spoke1, len(c.targets[spoke1.Name])-1, mintTimeout)
-		return err == nil
+	resynced := waitFor(t, 2*time.Minute, "the ServiceAccount created during the outage", func(ct assert.TestingT) {
+		c.assertServes(ct, spoke1, len(c.targets[spoke1.Name])-1, mintTimeout)
 	})
 	t.Logf("spoke down for %s; served again %s after it came back, the ServiceAccount created meanwhile %s after",
 		healed.Sub(down).Round(10*time.Millisecond), recovered.Round(10*time.Millisecond), (recovered + resynced).Round(10*time.Millisecond))
@@ -71,7 +70,7 @@ func TestSpokeAPIServerDown(t *testing.T) {
 func TestHubAPIServerDown(t *testing.T) {
 	ctx := t.Context()
 	known := newCaller(t, 3, spoke1, spoke2)
-	waitFor(t, 30*time.Second, "the agents", func() bool { return connected(spoke1) == 2 && connected(spoke2) == 1 })
+	waitFor(t, 30*time.Second, "the agents", func(c assert.TestingT) { assertConnected(c, spoke1, 2); assertConnected(c, spoke2, 1) })
 	late, err := env.NewConsumer(ctx, unique("hub"), "late", "credbroker", spoke1.Name)
 	require.NoError(t, err)
 	lateCaller := &caller{Consumer: late, client: known.client, targetNS: known.targetNS, targets: known.targets}
@@ -98,20 +97,19 @@ func TestHubAPIServerDown(t *testing.T) {
 	require.NoError(t, env.Hub.Inventory.ApisV1alpha1().ClusterProfiles(framework.FleetNamespace).Delete(ctx, spoke2.Name, metav1.DeleteOptions{}))
 	t.Cleanup(func() { restoreClusterProfile(t, cp.Name) })
 
-	waitFor(t, 2*decisionTTL, "the cached decisions to expire", func() bool {
-		code, _, _ := known.exchange(spoke1, 2, mintTimeout)
-		return code == codes.Unavailable
+	waitFor(t, 2*decisionTTL, "the cached decisions to expire", func(c assert.TestingT) {
+		code, _, err := known.exchange(spoke1, 2, mintTimeout)
+		assert.Equal(c, codes.Unavailable, code, "the known consumer's exchange: %v", err)
 	})
 	t.Logf("hub down: the known consumer was refused %s after its decisions were cached (TTL %s)",
 		time.Since(cached).Round(10*time.Millisecond), decisionTTL)
 
 	hubProxy.Heal()
-	seen := waitFor(t, time.Minute, "the broker to see the deletion", func() bool { return connected(spoke2) == 0 })
+	seen := waitFor(t, time.Minute, "the broker to see the deletion", func(c assert.TestingT) { assertConnected(c, spoke2, 0) })
 	code, _, err = known.exchange(spoke2, 1, mintTimeout)
 	require.Equal(t, codes.NotFound, code, "no exchange for a ClusterProfile deleted during the outage: %v", err)
-	recovered := waitFor(t, time.Minute, "the hub to serve the broker again", func() bool {
-		_, _, err := known.exchange(spoke1, 2, mintTimeout)
-		return err == nil
+	recovered := waitFor(t, time.Minute, "the hub to serve the broker again", func(c assert.TestingT) {
+		known.assertServes(c, spoke1, 2, mintTimeout)
 	})
 	t.Logf("hub back: deletion seen after %s; exchanges served again after %s", seen.Round(10*time.Millisecond), (seen + recovered).Round(10*time.Millisecond))
 	requireNoPendingMints(t)
@@ -129,9 +127,11 @@ func restoreClusterProfile(t *testing.T, name string) {
 		return
 	}
 	// t.Context is done by now: poll under ctx.
+	var last int
 	if err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
-		return connected(spoke) == 1, nil
+		last = connected(spoke)
+		return last == 1, nil
 	}); err != nil {
-		t.Errorf("the agent does not serve the recreated ClusterProfile %s: %v", name, err)
+		t.Errorf("the agent does not serve the recreated ClusterProfile %s (last seen %d streams): %v", name, last, err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -16,7 +17,7 @@ import (
 func TestPartitionWithoutReset(t *testing.T) {
 	const mints = 12
 	c := newCaller(t, mints+1, spoke1)
-	waitFor(t, 30*time.Second, "both agents of spoke-1", func() bool { return connected(spoke1) == 2 })
+	waitFor(t, 30*time.Second, "both agents of spoke-1", func(c assert.TestingT) { assertConnected(c, spoke1, 2) })
 
 	agentProxy.Partition()
 	t.Cleanup(agentProxy.Heal)
@@ -29,7 +30,7 @@ func TestPartitionWithoutReset(t *testing.T) {
 	for i := range mints {
 		wg.Go(func() { _, took[i], errs[i] = c.exchange(spoke1, i, deadline) })
 	}
-	detected := waitFor(t, mintTimeout, "the broker to end the partitioned stream", func() bool { return connected(spoke1) == 1 })
+	detected := waitFor(t, mintTimeout, "the broker to end the partitioned stream", func(c assert.TestingT) { assertConnected(c, spoke1, 1) })
 	wg.Wait()
 	for i, err := range errs {
 		require.NoError(t, err, "mint %d, after %s", i, took[i])
@@ -40,7 +41,7 @@ func TestPartitionWithoutReset(t *testing.T) {
 	requireNoPendingMints(t)
 
 	agentProxy.Heal()
-	recovered := waitFor(t, time.Minute, "agent A to reconnect", func() bool { return connected(spoke1) == 2 })
+	recovered := waitFor(t, time.Minute, "agent A to reconnect", func(c assert.TestingT) { assertConnected(c, spoke1, 2) })
 	t.Logf("partition: healed after %s; agent A reconnected %s later", time.Since(partitioned).Round(10*time.Millisecond), recovered.Round(10*time.Millisecond))
 	code, _, err := c.exchange(spoke1, mints, deadline)
 	require.NoError(t, err, "code %s", code)

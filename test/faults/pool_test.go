@@ -45,7 +45,9 @@ func twoAgents(t *testing.T, prefix string, n int, brokers ...string) (name, spo
 			}
 		})
 	}
-	waitFor(t, time.Minute, "both agents' streams", func() bool { return deployment.Broker.Connected(framework.FleetNamespace, name) == 2 })
+	waitFor(t, time.Minute, "both agents' streams", func(c assert.TestingT) {
+		assert.Equal(c, 2, deployment.Broker.Connected(framework.FleetNamespace, name), "agent streams of %s on the broker", name)
+	}, agents...)
 	client, conn, err := deployment.ExchangeClient(deployment.Broker.ExchangeAddr())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
@@ -112,7 +114,7 @@ func TestPooledTokensOfTwoAgentsStayValid(t *testing.T) {
 		require.NoError(t, err)
 		return len(grants)
 	}
-	waitFor(t, 30*time.Second, "every token's claim", func() bool { return claimed() == consumers })
+	waitFor(t, 30*time.Second, "every token's claim", func(c assert.TestingT) { assert.Equal(c, consumers, claimed(), "claimed grants in %s", spokeNS) })
 	time.Sleep(2 * time.Second) // an agent that took a claim for a change would have deleted it by now; not synchronization
 	assert.Equal(t, consumers, claimed(), "claimed grants were deleted")
 	for i, tok := range tokens {
@@ -155,7 +157,9 @@ func TestPooledGrantsOfOneAgentDoNotRefuseAnothersMint(t *testing.T) {
 	resp, err := exchangeTarget(t, client, callers[0], name, spokeNS)
 	require.NoError(t, err)
 	tokens = append(tokens, resp.GetToken())
-	waitFor(t, 30*time.Second, "the first token's grant and its agent's two pooled grants", func() bool { return secrets() == 3 })
+	waitFor(t, 30*time.Second, "the first token's grant and its agent's two pooled grants", func(c assert.TestingT) {
+		assert.Equal(c, 3, secrets(), "Secrets in %s", spokeNS)
+	})
 
 	resp, err = exchangeTarget(t, client, callers[1], name, spokeNS)
 	require.NoError(t, err, "the second consumer's mint was refused for the other agent's pooled grants")

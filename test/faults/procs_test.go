@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -65,14 +66,23 @@ func startProcFleet(t *testing.T) *procFleet {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	f.client = client
-	waitFor(t, time.Minute, "the broker process to be ready", func() bool { return ready(f.brokerOpts.MetricsAddress) })
-	waitFor(t, time.Minute, "the agent process to connect", func() bool { return f.brokerMetric(t, "credbroker_connected_clusters") == 1 })
+	waitFor(t, time.Minute, "the broker process to be ready", func(c assert.TestingT) { assertReady(c, f.brokerOpts.MetricsAddress) }, f.broker)
+	waitFor(t, time.Minute, "the agent process to connect", func(c assert.TestingT) {
+		assert.Equal(c, 1.0, f.brokerMetric(t, "credbroker_connected_clusters"), "the broker process's credbroker_connected_clusters (-1: no scrape)")
+	}, f.broker, f.agent)
 	return f
 }
 
 func ready(addr string) bool {
 	code, _, err := get("http://" + addr + "/readyz")
 	return err == nil && code == http.StatusOK
+}
+
+// assertReady states what ready does: addr's /readyz answers 200.
+func assertReady(c assert.TestingT, addr string) bool {
+	code, body, err := get("http://" + addr + "/readyz")
+	return assert.NoError(c, err, "GET %s/readyz", addr) &&
+		assert.Equal(c, http.StatusOK, code, "GET %s/readyz: %s", addr, body)
 }
 
 func (f *procFleet) brokerMetric(t *testing.T, name string) float64 {

@@ -49,7 +49,7 @@ func TestReadinessWaitsForTheAgents(t *testing.T) {
 		p, err := deployment.StartBrokerProcess(opts)
 		require.NoError(t, err)
 		t.Cleanup(p.Stop)
-		waitFor(t, time.Minute, "the broker process to answer", func() bool { return alive(opts.MetricsAddress) })
+		waitFor(t, time.Minute, "the broker process to answer", func(c assert.TestingT) { assertAlive(c, opts.MetricsAddress) }, p)
 		return opts
 	}
 	opts := start("5m")
@@ -62,21 +62,22 @@ func TestReadinessWaitsForTheAgents(t *testing.T) {
 	})
 	require.NoError(t, err)
 	t.Cleanup(agent.Stop)
-	took := waitFor(t, time.Minute, "the broker to be ready once the agent has found it", func() bool { return ready(opts.MetricsAddress) })
+	took := waitFor(t, time.Minute, "the broker to be ready once the agent has found it", func(c assert.TestingT) { assertReady(c, opts.MetricsAddress) }, agent)
 	t.Logf("ready %s after the agent started, without waiting the 5m window", took.Round(10*time.Millisecond))
 
 	// Without that agent, the window ends the wait.
 	agent.Stop()
 	begun := time.Now()
 	opts = start("3s")
-	waitFor(t, time.Minute, "the broker to be ready once the window is over", func() bool { return ready(opts.MetricsAddress) })
+	waitFor(t, time.Minute, "the broker to be ready once the window is over", func(c assert.TestingT) { assertReady(c, opts.MetricsAddress) })
 	assert.GreaterOrEqual(t, time.Since(begun), 3*time.Second, "not before the window is over")
 }
 
-// alive reports whether addr answers /healthz.
-func alive(addr string) bool {
-	code, _, err := get("http://" + addr + "/healthz")
-	return err == nil && code == http.StatusOK
+// assertAlive states that addr answers /healthz with 200.
+func assertAlive(c assert.TestingT, addr string) bool {
+	code, body, err := get("http://" + addr + "/healthz")
+	return assert.NoError(c, err, "GET %s/healthz", addr) &&
+		assert.Equal(c, http.StatusOK, code, "GET %s/healthz: %s", addr, body)
 }
 
 func readyz(t *testing.T, addr string) (int, string) {

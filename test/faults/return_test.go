@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -34,7 +35,7 @@ func proxiedAgent(t *testing.T, prefix string) (name string, proxy *faultproxy.P
 	require.NoError(t, err)
 	t.Cleanup(agent.Stop)
 	connected = func() int { return deployment.Broker.Connected(framework.FleetNamespace, name) }
-	waitFor(t, time.Minute, "the agent's stream", func() bool { return connected() == 1 })
+	waitFor(t, time.Minute, "the agent's stream", func(c assert.TestingT) { assert.Equal(c, 1, connected(), "agent streams of %s on the broker", name) }, agent)
 	client, conn, err := deployment.ExchangeClient(deployment.Broker.ExchangeAddr())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
@@ -66,7 +67,9 @@ func TestExchangesWaitForAnAgentThatReturns(t *testing.T) {
 
 	for round, c := range consumers[1:] {
 		proxy.Down()
-		waitFor(t, 10*time.Second, "the broker to see the stream end", func() bool { return connected() == 0 })
+		waitFor(t, 10*time.Second, "the broker to see the stream end", func(c assert.TestingT) {
+			assert.Zero(c, connected(), "agent streams of %s on the broker", name)
+		})
 		proxy.Heal()
 		began := time.Now()
 		cctx, cancel := context.WithTimeout(c.Context(ctx), mintTimeout)
@@ -101,14 +104,16 @@ func TestRemovalWhileTheStreamWasDownIsLearnt(t *testing.T) {
 	// The claim of a pooled grant lands after the answer: the grant is
 	// deleted once it has, so that its removal is the grant's own.
 	jti, _ := strings.CutPrefix(dead.GetCredentialId(), "JTI=")
-	waitFor(t, 10*time.Second, "the grant's claim", func() bool {
+	waitFor(t, 10*time.Second, "the grant's claim", func(c assert.TestingT) {
 		list, err := spoke1.Client.CoreV1().Secrets(spokeNS).List(ctx, metav1.ListOptions{LabelSelector: spoke.GrantJTILabel + "=" + jti})
 		require.NoError(t, err)
-		return len(list.Items) == 1
+		assert.Len(c, list.Items, 1, "grants of JTI=%s in %s", jti, spokeNS)
 	})
 
 	proxy.Down()
-	waitFor(t, 10*time.Second, "the broker to see the stream end", func() bool { return connected() == 0 })
+	waitFor(t, 10*time.Second, "the broker to see the stream end", func(c assert.TestingT) {
+		assert.Zero(c, connected(), "agent streams of %s on the broker", name)
+	})
 	grant, err := framework.BoundSecret(dead.GetToken())
 	require.NoError(t, err)
 	require.NoError(t, spoke1.Client.CoreV1().Secrets(spokeNS).Delete(ctx, grant, metav1.DeleteOptions{}))
@@ -118,13 +123,15 @@ func TestRemovalWhileTheStreamWasDownIsLearnt(t *testing.T) {
 	// not fail.
 	time.Sleep(2 * time.Second)
 	proxy.Heal()
-	waitFor(t, time.Minute, "the agent's stream back", func() bool { return connected() == 1 })
+	waitFor(t, time.Minute, "the agent's stream back", func(c assert.TestingT) {
+		assert.Equal(c, 1, connected(), "agent streams of %s on the broker", name)
+	})
 
 	var fresh *pb.ExchangeResponse
-	took := waitFor(t, 10*time.Second, "an exchange that does not answer with the token whose grant is gone", func() bool {
+	took := waitFor(t, 10*time.Second, "an exchange that does not answer with the token whose grant is gone", func(ct assert.TestingT) {
 		fresh, err = exchangeTarget(t, client, c, name, spokeNS)
 		require.NoError(t, err)
-		return fresh.GetCredentialId() != dead.GetCredentialId()
+		assert.NotEqual(ct, dead.GetCredentialId(), fresh.GetCredentialId(), "the credential of the exchange's answer")
 	})
 	review, err := spoke1.ReviewToken(ctx, fresh.GetToken(), nil)
 	require.NoError(t, err)

@@ -224,7 +224,7 @@ func testRollingRestart(t *testing.T, svidTTL time.Duration) {
 	require.NoError(t, err)
 	t.Cleanup(agent.Stop)
 	for _, r := range replicas {
-		waitFor(t, 2*time.Minute, "both replicas to be ready", func() bool { return ready(r.MetricsAddress) })
+		waitFor(t, 2*time.Minute, "both replicas to be ready", func(c assert.TestingT) { assertReady(c, r.MetricsAddress) }, procs...)
 	}
 	svc := newService(t, replicas)
 
@@ -317,7 +317,7 @@ func testRollingRestart(t *testing.T, svidTTL time.Duration) {
 		time.AfterFunc(5*time.Second, paths[i].Heal)
 		procs[i], err = deployment.StartBrokerProcess(r)
 		require.NoError(t, err)
-		took := waitFor(t, 2*time.Minute, "the restarted replica to be ready", func() bool { return ready(r.MetricsAddress) })
+		took := waitFor(t, 2*time.Minute, "the restarted replica to be ready", func(c assert.TestingT) { assertReady(c, r.MetricsAddress) }, procs[i])
 		t.Logf("replica %d ready %s after its restart", i, took.Round(10*time.Millisecond))
 		time.Sleep(2 * time.Second) // calls reach it
 	}

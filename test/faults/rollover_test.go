@@ -56,7 +56,9 @@ func TestDecisionsRollOverWithoutRefusals(t *testing.T) {
 		}
 		return m.Sum(name, labels...)
 	}
-	waitFor(t, time.Minute, "the agent process to connect", func() bool { return metric("credbroker_connected_clusters") == 1 })
+	waitFor(t, time.Minute, "the agent process to connect", func(c assert.TestingT) {
+		assert.Equal(c, 1.0, metric("credbroker_connected_clusters"), "the broker process's credbroker_connected_clusters (-1: no scrape)")
+	}, broker, agent)
 
 	// The consumers, each its own hub ServiceAccount, in four namespaces
 	// (whose review limits are of their own too), may all get tokens for

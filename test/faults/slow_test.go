@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 )
@@ -17,7 +18,7 @@ func TestSlowSpokeBlocksNoOtherCluster(t *testing.T) {
 	const slowCalls, fastCalls = 8, 40
 	slow := newCaller(t, slowCalls+1, spoke2)
 	fast := newCaller(t, fastCalls*2, spoke1)
-	waitFor(t, 30*time.Second, "the agents of both spokes", func() bool { return connected(spoke1) == 2 && connected(spoke2) == 1 })
+	waitFor(t, 30*time.Second, "the agents of both spokes", func(c assert.TestingT) { assertConnected(c, spoke1, 2); assertConnected(c, spoke2, 1) })
 
 	// The baseline: cold exchanges for spoke-1, one after another.
 	var before []time.Duration
@@ -36,8 +37,8 @@ func TestSlowSpokeBlocksNoOtherCluster(t *testing.T) {
 		wg.Go(func() { slowCodes[i], slowTook[i], _ = slow.exchange(spoke2, i, 3*mintTimeout) })
 	}
 	// The same exchanges while spoke-2's mints hang.
-	waitFor(t, mintTimeout, "the slow mints to reach the agent", func() bool {
-		return deployment.Broker.PendingAgentRequests() == slowCalls
+	waitFor(t, mintTimeout, "the slow mints to reach the agent", func(c assert.TestingT) {
+		assert.Equal(c, slowCalls, deployment.Broker.PendingAgentRequests(), "the broker's pending agent requests")
 	})
 	var during []time.Duration
 	for i := fastCalls; i < 2*fastCalls; i++ {
@@ -61,9 +62,8 @@ func TestSlowSpokeBlocksNoOtherCluster(t *testing.T) {
 
 	slowSpoke.Store(0)
 	// The agent's own mint timeout frees its slots; then spoke-2 serves again.
-	recovered := waitFor(t, time.Minute, "spoke-2 to serve again", func() bool {
-		_, _, err := slow.exchange(spoke2, slowCalls, mintTimeout)
-		return err == nil
+	recovered := waitFor(t, time.Minute, "spoke-2 to serve again", func(c assert.TestingT) {
+		slow.assertServes(c, spoke2, slowCalls, mintTimeout)
 	})
 	t.Logf("slow spoke: served again %s after it turned fast", recovered.Round(10*time.Millisecond))
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 
@@ -49,7 +50,7 @@ func TestSoak(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, deployment.WaitForServiceAccount(ctx, spoke1, sa))
-	waitFor(t, time.Minute, "the fleet to serve", func() bool { _, _, err := c.exchange(spoke1, 0, mintTimeout); return err == nil })
+	waitFor(t, time.Minute, "the fleet to serve", func(ct assert.TestingT) { c.assertServes(ct, spoke1, 0, mintTimeout) }, f.broker, f.agent)
 
 	exchange := func(consumer framework.Consumer, sa string, audiences func(i int) []string) func(ctx context.Context, i int) error {
 		return func(ctx context.Context, i int) error {
@@ -89,26 +90,26 @@ func TestSoak(t *testing.T) {
 	time.Sleep(time.Until(start.Add(total / 3)))
 	restart := time.Now()
 	f.restartBroker(t, syscall.SIGTERM)
-	back := waitFor(t, time.Minute, "the agent to reconnect to the restarted broker", func() bool {
-		return f.brokerMetric(t, "credbroker_connected_clusters") == 1
-	})
+	back := waitFor(t, time.Minute, "the agent to reconnect to the restarted broker", func(c assert.TestingT) {
+		assert.Equal(c, 1.0, f.brokerMetric(t, "credbroker_connected_clusters"), "the broker process's credbroker_connected_clusters (-1: no scrape)")
+	}, f.broker, f.agent)
 	t.Logf("soak: broker restarted; ready and serving spoke-1 again %s after the SIGTERM", (time.Since(restart)).Round(10*time.Millisecond))
 	_ = back
 
 	time.Sleep(time.Until(start.Add(2 * total / 3)))
 	restart = time.Now()
 	f.restartAgent(t, syscall.SIGTERM)
-	waitFor(t, time.Minute, "the restarted agent to connect", func() bool {
-		return f.brokerMetric(t, "credbroker_connected_clusters") == 1
-	})
-	waitFor(t, time.Minute, "the restarted agent to serve", func() bool { _, _, err := c.exchange(spoke1, 0, mintTimeout); return err == nil })
+	waitFor(t, time.Minute, "the restarted agent to connect", func(c assert.TestingT) {
+		assert.Equal(c, 1.0, f.brokerMetric(t, "credbroker_connected_clusters"), "the broker process's credbroker_connected_clusters (-1: no scrape)")
+	}, f.broker, f.agent)
+	waitFor(t, time.Minute, "the restarted agent to serve", func(ct assert.TestingT) { c.assertServes(ct, spoke1, 0, mintTimeout) }, f.broker, f.agent)
 	t.Logf("soak: agent restarted; serving again %s after the SIGTERM", (time.Since(restart)).Round(10*time.Millisecond))
 
 	time.Sleep(time.Until(start.Add(total)))
 	load.pause()
-	waitFor(t, mintTimeout+5*time.Second, "no pending agent requests on the broker process", func() bool {
-		return f.brokerMetric(t, "credbroker_agent_requests_pending") == 0
-	})
+	waitFor(t, mintTimeout+5*time.Second, "no pending agent requests on the broker process", func(c assert.TestingT) {
+		assert.Zero(c, f.brokerMetric(t, "credbroker_agent_requests_pending"), "the broker process's credbroker_agent_requests_pending (-1: no scrape)")
+	}, f.broker, f.agent)
 	endBroker, endAgent := settledUsage(t, f.brokerOpts.MetricsAddress), settledUsage(t, f.agentMetrics)
 	m, err := framework.ScrapeMetrics(t.Context(), f.brokerOpts.MetricsAddress)
 	require.NoError(t, err)
@@ -142,7 +143,7 @@ func (f *procFleet) restartBroker(t *testing.T, sig syscall.Signal) {
 	var err error
 	f.broker, err = deployment.StartBrokerProcess(f.brokerOpts)
 	require.NoError(t, err)
-	waitFor(t, time.Minute, "the restarted broker process to be ready", func() bool { return ready(f.brokerOpts.MetricsAddress) })
+	waitFor(t, time.Minute, "the restarted broker process to be ready", func(c assert.TestingT) { assertReady(c, f.brokerOpts.MetricsAddress) }, f.broker)
 }
 
 // restartAgent stops the agent process with sig and starts it again.

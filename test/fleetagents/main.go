@@ -6,7 +6,6 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -120,14 +119,14 @@ func run() error {
 		})
 	}
 	deadline := time.After(timeout)
-	for range certs {
+	for n := range certs {
 		select {
 		case err := <-admitted:
 			if err != nil {
-				return fmt.Errorf("an agent was not admitted: %w", err)
+				return fmt.Errorf("an agent was not admitted (%d of %d were): %w", n, len(certs), err)
 			}
 		case <-deadline:
-			return errors.New("the agents were not admitted in time")
+			return fmt.Errorf("the agents were not admitted within %s: %d of %d were", timeout, n, len(certs))
 		}
 	}
 	fmt.Printf("admitted %d\n", len(certs))

@@ -518,11 +518,21 @@ func (c *Cluster) installInventory(ctx context.Context, dir string) error {
 	if c.Inventory, err = inventory.NewForConfig(c.Config); err != nil {
 		return fmt.Errorf("framework: inventory client: %w", err)
 	}
+	last := "nothing yet"
 	err = wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
 		for _, crd := range crds {
 			got, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, crd.Name, metav1.GetOptions{})
-			if err != nil || !established(got) {
+			if err != nil {
+				last = err.Error()
 				return false, nil //nolint:nilerr // keep polling
+			}
+			if !established(got) {
+				var conds []string
+				for _, cond := range got.Status.Conditions {
+					conds = append(conds, fmt.Sprintf("%s=%s (%s)", cond.Type, cond.Status, cond.Message))
+				}
+				last = fmt.Sprintf("CRD %s is not established: %s", crd.Name, strings.Join(conds, ", "))
+				return false, nil
 			}
 		}
 		// A dry-run create proves the resource is served and warms up its
@@ -534,10 +544,13 @@ func (c *Cluster) installInventory(ctx context.Context, dir string) error {
 				Spec:       v1alpha1.ClusterProfileSpec{ClusterManager: v1alpha1.ClusterManager{Name: ClusterManagerName}},
 			},
 			metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		if err != nil {
+			last = "dry-run create of a ClusterProfile: " + err.Error()
+		}
 		return err == nil, nil
 	})
 	if err != nil {
-		return fmt.Errorf("framework: %s: wait for the ClusterProfile CRD to be served: %w", c.Name, err)
+		return fmt.Errorf("framework: %s: wait for the ClusterProfile CRD to be served (last seen: %s): %w", c.Name, last, err)
 	}
 	return nil
 }

@@ -102,10 +102,15 @@ type Deployment struct {
 	brokerDone  []chan struct{}
 	// agents lists the running agents by spoke name; guarded by mu.
 	agents map[string][]*agent.Agent
-	stop   context.CancelFunc
-	wg     sync.WaitGroup
-	mu     sync.Mutex
-	errs   []error
+	// agentSVIDs lists, by spoke name and SPIFFE ID, the folders of the
+	// SVID files of every agent started with that ID, one per agent;
+	// svidDirs counts them. Guarded by mu.
+	agentSVIDs map[string][]string
+	svidDirs   int
+	stop       context.CancelFunc
+	wg         sync.WaitGroup
+	mu         sync.Mutex
+	errs       []error
 
 	// tlsCert and tlsKey are the brokers' exchange port certificate files.
 	tlsCert, tlsKey string
@@ -127,7 +132,7 @@ func StartDeployment(ctx context.Context, env *Env, opts DeploymentOptions) (*De
 	if err != nil {
 		return nil, err
 	}
-	d := &Deployment{Env: env, CA: ca, dir: opts.Dir, opts: opts, agents: map[string][]*agent.Agent{}}
+	d := &Deployment{Env: env, CA: ca, dir: opts.Dir, opts: opts, agents: map[string][]*agent.Agent{}, agentSVIDs: map[string][]string{}}
 	if d.CAFile, err = ca.WriteBundle(opts.Dir); err != nil {
 		return nil, err
 	}
@@ -385,8 +390,15 @@ func (d *Deployment) Agents(spoke string) []*agent.Agent {
 }
 
 // BrokerConfig returns the config the deployment's brokers run with, for a
-// test that starts a broker of its own.
-func (d *Deployment) BrokerConfig() broker.Config { return d.brokerCfg }
+// test that starts a broker of its own, but for the triggers' Lease: that
+// broker campaigns for one of its own, as StartBrokerProcess's do. Sharing
+// the replicas' Lease, it could lead their triggers while it runs (when a
+// replica restarts, say), knowing only the grants of its own agents.
+func (d *Deployment) BrokerConfig() broker.Config {
+	cfg := d.brokerCfg
+	cfg.TriggerLeaseName = ownTriggerLease()
+	return cfg
+}
 
 // AgentID is the SPIFFE ID of the agent of the ClusterProfile fleet/<name>.
 func AgentID(name string) string {
@@ -402,14 +414,44 @@ func (d *Deployment) StartAgent(ctx context.Context, spoke *Cluster, id string) 
 }
 
 // WriteAgentSVID issues an SVID for id from ca, valid for ttl, and writes it
-// where the agents of spoke with that ID read theirs, replacing what they
+// where each agent of spoke with that ID reads its own, replacing what they
 // hold: they load it at their next file check.
-func (d *Deployment) WriteAgentSVID(spoke *Cluster, id string, ca *testpki.CA, ttl time.Duration) (certFile, keyFile string, err error) {
-	dir := filepath.Join(d.dir, "agent-"+spoke.Name+"-"+strings.NewReplacer(":", "_", "/", "_").Replace(id))
+func (d *Deployment) WriteAgentSVID(spoke *Cluster, id string, ca *testpki.CA, ttl time.Duration) error {
+	d.mu.Lock()
+	dirs := slices.Clone(d.agentSVIDs[agentSVIDKey(spoke, id)])
+	d.mu.Unlock()
+	if len(dirs) == 0 {
+		return fmt.Errorf("framework: no agent of spoke %s was started as %s", spoke.Name, id)
+	}
+	for _, dir := range dirs {
+		if _, _, err := ca.WriteSVIDFor(dir, id, ttl); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// newAgentSVID issues an SVID for id from ca, valid for ttl, into a folder
+// of its own for one agent of spoke, which WriteAgentSVID rotates from then
+// on. Each agent reads files of its own: two processes that shared them
+// once read the certificate of one write and the key of the next.
+func (d *Deployment) newAgentSVID(spoke *Cluster, id string, ca *testpki.CA, ttl time.Duration) (certFile, keyFile string, err error) {
+	key := agentSVIDKey(spoke, id)
+	d.mu.Lock()
+	d.svidDirs++
+	dir := filepath.Join(d.dir, fmt.Sprintf("agent-%s-%d", key, d.svidDirs))
+	d.agentSVIDs[key] = append(d.agentSVIDs[key], dir)
+	d.mu.Unlock()
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", "", err
 	}
 	return ca.WriteSVIDFor(dir, id, ttl)
+}
+
+// agentSVIDKey names the agents of spoke with the SPIFFE ID id, as a file
+// name.
+func agentSVIDKey(spoke *Cluster, id string) string {
+	return spoke.Name + "-" + strings.NewReplacer(":", "_", "/", "_").Replace(id)
 }
 
 // BrokerID is the SPIFFE ID of the brokers.
@@ -459,17 +501,27 @@ func (d *Deployment) WaitForBrokerCertificates(ctx context.Context, validFor tim
 		}
 		return certs[0].NotAfter, nil
 	}
-	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+	last := "nothing yet"
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
 		for _, b := range d.Brokers {
 			for _, addr := range []string{b.ExchangeAddr(), b.AgentAddr()} {
 				notAfter, err := served(addr)
-				if err != nil || time.Until(notAfter) < validFor {
+				if err != nil {
+					last = fmt.Sprintf("%s: %v", addr, err)
+					return false, nil
+				}
+				if time.Until(notAfter) < validFor {
+					last = fmt.Sprintf("%s serves a certificate valid until %s", addr, notAfter.Format(time.RFC3339))
 					return false, nil
 				}
 			}
 		}
 		return true, nil
 	})
+	if err != nil {
+		return fmt.Errorf("framework: waiting for the brokers to serve certificates valid for %s (last seen: %s): %w", validFor, last, err)
+	}
+	return nil
 }
 
 // AgentOptions configure StartAgentWith.
@@ -543,7 +595,7 @@ func (d *Deployment) StartAgentWith(ctx context.Context, spoke *Cluster, opts Ag
 			return nil, err
 		}
 	} else {
-		cert, key, err := d.WriteAgentSVID(spoke, id, ca, ttl)
+		cert, key, err := d.newAgentSVID(spoke, id, ca, ttl)
 		if err != nil {
 			return nil, err
 		}
@@ -722,17 +774,28 @@ func profileOfAgent(id string) (namespace, name string, ok bool) {
 // it is now, so a test that has just created or annotated it does not race
 // the agents' informers.
 func (d *Deployment) WaitForServiceAccount(ctx context.Context, spoke *Cluster, sa *corev1.ServiceAccount) error {
-	return wait.PollUntilContextTimeout(ctx, 5*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+	last := "nothing yet"
+	err := wait.PollUntilContextTimeout(ctx, 5*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
 		d.mu.Lock()
 		defer d.mu.Unlock()
-		for _, a := range d.agents[spoke.Name] {
+		for i, a := range d.agents[spoke.Name] {
 			got, err := a.ServiceAccounts().ServiceAccounts(sa.Namespace).Get(sa.Name)
-			if err != nil || got.ResourceVersion != sa.ResourceVersion {
+			if err != nil {
+				last = fmt.Sprintf("agent %d of %d: %v", i+1, len(d.agents[spoke.Name]), err)
+				return false, nil
+			}
+			if got.ResourceVersion != sa.ResourceVersion {
+				last = fmt.Sprintf("agent %d of %d sees resourceVersion %s", i+1, len(d.agents[spoke.Name]), got.ResourceVersion)
 				return false, nil
 			}
 		}
 		return true, nil
 	})
+	if err != nil {
+		return fmt.Errorf("framework: waiting for the agents of %s to see ServiceAccount %s/%s at resourceVersion %s (last seen: %s): %w",
+			spoke.Name, sa.Namespace, sa.Name, sa.ResourceVersion, last, err)
+	}
+	return nil
 }
 
 // AgentRules are the spoke permissions an agent needs, as

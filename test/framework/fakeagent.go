@@ -3,6 +3,7 @@ package framework
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"google.golang.org/grpc"
@@ -33,10 +34,12 @@ func AdmitFakeAgentHello(ctx context.Context, client pb.AgentTunnelClient, hello
 	// A broker that never answers the hello ends the stream, not the caller.
 	unanswered := time.AfterFunc(30*time.Second, cancel)
 	md, err := stream.Header()
-	unanswered.Stop()
+	if !unanswered.Stop() {
+		err = fmt.Errorf("framework: no answer to the hello within 30s: %w", err)
+	}
 	if err != nil || len(md.Get("credbroker-cluster")) == 0 {
 		cancel()
-		return nil, errors.Join(err, errors.New("not admitted"))
+		return nil, errors.Join(err, fmt.Errorf("not admitted (headers: %v)", md))
 	}
 	context.AfterFunc(ctx, cancel)
 	return stream, nil

@@ -383,13 +383,14 @@ func (c *Cluster) connect(ctx context.Context) error {
 	if c.Client, err = kubernetes.NewForConfig(c.Config); err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)
 	}
+	var last error
 	err = wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 10*time.Second, true,
 		func(ctx context.Context) (bool, error) {
-			_, err := c.Client.CoreV1().Namespaces().Get(ctx, corev1.NamespaceDefault, metav1.GetOptions{})
-			return err == nil, nil
+			_, last = c.Client.CoreV1().Namespaces().Get(ctx, corev1.NamespaceDefault, metav1.GetOptions{})
+			return last == nil, nil
 		})
 	if err != nil {
-		return fmt.Errorf("wait for the default namespace: %w", err)
+		return fmt.Errorf("wait for the default namespace (last error: %v): %w", last, err)
 	}
 	return nil
 }

@@ -496,13 +496,13 @@ func TestAuditLogNamesTheCredential(t *testing.T) {
 	id := token.ID(tok)
 	require.True(t, strings.HasPrefix(id, "JTI="), id)
 	var events []framework.AuditEvent
-	require.Eventually(t, func() bool {
+	framework.Eventually(t, 10*time.Second, 50*time.Millisecond, "an audit event that carries "+id, func(c assert.TestingT) {
 		events, err = spoke.AuditEvents(func(ev framework.AuditEvent) bool {
 			return slices.Contains(ev.User.Extra[framework.CredentialIDExtra], id)
 		})
 		require.NoError(t, err)
-		return len(events) > 0
-	}, 10*time.Second, 50*time.Millisecond, "no audit event carries %s", id)
+		assert.NotEmpty(c, events, "events in %s with credential id %s", spoke.AuditLog, id)
+	})
 	assert.Equal(t, "system:serviceaccount:"+ns+":user", events[0].User.Username)
 	assert.Equal(t, "create", events[0].Verb)
 	assert.Contains(t, events[0].RequestURI, "selfsubjectreviews")
