@@ -16,7 +16,13 @@ SPIRE     := hack/spire.sh
 # CREDBROKER_SPIRE.
 ASSETS     = KUBEBUILDER_ASSETS="$$($(TESTBIN))"
 SPIRE_BIN  = CREDBROKER_SPIRE="$$($(SPIRE))"
-TEST_FLAGS ?= -race -shuffle=on -timeout 40m
+# Every run shuffles the order of tests with a seed of its own, printed
+# first, so that a failure that depends on the order can be run again with
+# SHUFFLE=<seed>.
+ifndef SHUFFLE
+SHUFFLE := $(shell echo $$RANDOM$$RANDOM)
+endif
+TEST_FLAGS ?= -race -shuffle=$(SHUFFLE) -timeout 40m
 BENCH_FLAGS ?= -benchtime 200x -count 1
 
 BINARIES := broker spoke-agent credbroker-plugin credbroker
@@ -68,7 +74,8 @@ spire: ## Build spire-server and spire-agent for the tests into the version-keye
 	@$(SPIRE) >/dev/null
 
 .PHONY: test
-test: testbin spire ## Run every test, integration and e2e included, with -race, on real API servers.
+test: testbin spire ## Run every test, integration and e2e included, with -race, on real API servers (SHUFFLE=<seed> repeats an order).
+	@echo "make test: shuffle seed $(SHUFFLE) (SHUFFLE=$(SHUFFLE) runs this order again)"
 	$(ASSETS) $(SPIRE_BIN) $(GO) test $(TEST_FLAGS) ./...
 	cd test/monitoring && $(GO) test $(TEST_FLAGS) -count=1 ./...
 	cd hack/images && $(GO) test $(TEST_FLAGS) ./...
