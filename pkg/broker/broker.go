@@ -54,7 +54,9 @@ type Broker struct {
 	// triggers check: hub RBAC, and hub ServiceAccounts' metadata.
 	rbacInformers    informers.SharedInformerFactory
 	accountInformers metadatainformer.SharedInformerFactory
-	grants           *grants.Registry
+	// accounts reads the hub ServiceAccounts that accountInformers lists.
+	accounts grants.Accounts
+	grants   *grants.Registry
 	// pending records the revokes no agent confirmed, in a ConfigMap of
 	// the hub that pendingInformers watches.
 	pending          *grants.PendingStore
@@ -113,6 +115,7 @@ func New(cfg Config) (b *Broker, err error) {
 		b.newGrants,
 		b.newTunnel,
 		b.newPublishing,
+		b.newHubInformers,
 		b.newExchange,
 		b.newGrantsAPI,
 		b.newServing,

@@ -14,7 +14,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/metadata/metadatainformer"
-	"k8s.io/client-go/rest"
 
 	"github.com/credbroker/credbroker/pkg/grants"
 	"github.com/credbroker/credbroker/pkg/hubkeys"
@@ -51,17 +50,16 @@ func newIssuerKeys(cfg Config, hub kubernetes.Interface, reg prometheus.Register
 	return keys, nil
 }
 
-// newTriggers builds the revocation triggers over b's Registry and
-// ClusterProfile index, with informers of hub RBAC and of hub
-// ServiceAccounts' metadata (not the whole objects, to keep memory small).
-func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, reviews grants.AccessReviewer, b *Broker) (*grants.Triggers, error) {
-	b.rbacInformers = informers.NewSharedInformerFactory(hubClient, cfg.InformerResync)
-	rbac := b.rbacInformers.Rbac().V1()
-	metaClient, err := metadata.NewForConfig(hub)
+// newHubInformers builds the informers of what the exchange and the
+// revocation triggers check: hub RBAC, and hub ServiceAccounts' metadata
+// (not the whole objects, to keep memory small).
+func (b *Broker) newHubInformers(h *hubClients) error {
+	b.rbacInformers = informers.NewSharedInformerFactory(h.client, b.cfg.InformerResync)
+	metaClient, err := metadata.NewForConfig(h.config)
 	if err != nil {
-		return nil, fmt.Errorf("hub metadata client: %w", err)
+		return fmt.Errorf("hub metadata client: %w", err)
 	}
-	b.accountInformers = metadatainformer.NewSharedInformerFactory(metaClient, cfg.InformerResync)
+	b.accountInformers = metadatainformer.NewSharedInformerFactory(metaClient, b.cfg.InformerResync)
 	accounts := b.accountInformers.ForResource(corev1.SchemeGroupVersion.WithResource("serviceaccounts")).Informer()
 	// Only the name and UID matter.
 	if err := accounts.SetTransform(func(obj any) (any, error) {
@@ -72,8 +70,16 @@ func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, r
 		}
 		return obj, nil
 	}); err != nil {
-		return nil, fmt.Errorf("hub ServiceAccount informer: %w", err)
+		return fmt.Errorf("hub ServiceAccount informer: %w", err)
 	}
+	b.accounts = grants.Accounts{Informer: accounts}
+	return nil
+}
+
+// newTriggers builds the revocation triggers over b's Registry and
+// ClusterProfile index, with the informers of newHubInformers.
+func newTriggers(cfg Config, reviews grants.AccessReviewer, b *Broker) (*grants.Triggers, error) {
+	rbac := b.rbacInformers.Rbac().V1()
 	return grants.NewTriggers(grants.TriggersConfig{
 		Grants:          b.grants,
 		AccessReviews:   reviews,
@@ -82,7 +88,8 @@ func newTriggers(cfg Config, hub *rest.Config, hubClient kubernetes.Interface, r
 			rbac.Roles().Informer(), rbac.RoleBindings().Informer(),
 			rbac.ClusterRoles().Informer(), rbac.ClusterRoleBindings().Informer(),
 		},
-		ServiceAccounts: accounts,
+		ServiceAccounts: b.accounts.Informer,
+		Decisions:       b.exchange,
 		Debounce:        cfg.RBACDebounce,
 		MaxDelay:        cfg.RBACDebounceMax,
 		Interval:        cfg.GrantRecheckInterval,

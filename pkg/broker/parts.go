@@ -178,6 +178,7 @@ func (b *Broker) newExchange(h *hubClients) (err error) {
 		Clusters:        clusterprofile.Lookup{Index: b.profiles, Provider: cfg.AccessProviderName},
 		Minter:          b.tunnel,
 		Grants:          b.grants,
+		Accounts:        b.accounts,
 		Audience:        cfg.Audience,
 		MaxExpiration:   cfg.MaxExpiration,
 		AuthnTTL:        cfg.AuthnTTL,
@@ -212,7 +213,7 @@ func (b *Broker) newGrantsAPI(h *hubClients) (err error) {
 	}); err != nil {
 		return err
 	}
-	b.triggers, err = newTriggers(b.cfg, h.config, h.client, h.accessReviews, b)
+	b.triggers, err = newTriggers(b.cfg, h.accessReviews, b)
 	return err
 }
 

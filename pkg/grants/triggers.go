@@ -36,6 +36,21 @@ type ClusterProfiles interface {
 	Get(namespace, name string) (*v1alpha1.ClusterProfile, error)
 }
 
+// Decisions are the hub decisions a replica has cached, which a change of
+// hub RBAC or of a hub ServiceAccount makes stale; *tokenexchange.Service
+// satisfies it. Decisions and revocation are one system: a trigger that
+// revokes a subject's grants for a change must not leave a decision cached
+// anywhere that would mint them again, so every replica, leading or not,
+// tells its own Decisions of every change its informers see.
+type Decisions interface {
+	// RBACChanged: hub RBAC changed, and any authorization decision may
+	// be stale.
+	RBACChanged()
+	// SubjectChanged: the hub ServiceAccount of username was deleted or
+	// created again.
+	SubjectChanged(username string)
+}
+
 // TriggersConfig configures Triggers.
 type TriggersConfig struct {
 	// Grants is the broker's Registry; required.
@@ -52,12 +67,17 @@ type TriggersConfig struct {
 	// metadata-only one (k8s.io/client-go/metadata/metadatainformer);
 	// required. NewTriggers adds an event handler to it.
 	ServiceAccounts Informer
+	// Decisions is told of every change of hub RBAC and of hub
+	// ServiceAccounts, as the informers see it, whether or not this
+	// replica leads. Default: none.
+	Decisions Decisions
 
 	// Clock times the debounce and the sweep. Default: the real clock.
 	Clock clock.WithTicker
 	// Debounce is the quiet time after an RBAC change before the live
-	// grants are checked again; MaxDelay bounds the wait from the first
-	// change of a burst. Defaults 2s and 5s.
+	// grants are checked again, and the time between the two checks of a
+	// changed ServiceAccount's grants; MaxDelay bounds the wait from the
+	// first RBAC change of a burst. Defaults 2s and 5s.
 	Debounce, MaxDelay time.Duration
 	// Interval is the period of the sweep that checks every live grant
 	// whatever changed. Default 5m.
@@ -90,6 +110,13 @@ type Triggers struct {
 	// accounts are the keys (namespace/name) of the hub ServiceAccounts
 	// that changed and are not checked yet.
 	accounts map[string]struct{}
+	// accountsAgain are the keys of hub ServiceAccounts checked once
+	// already, to be checked again at accountsAgainAt, Debounce after the
+	// first check: another replica, whose informer saw the change later
+	// than this one's, may have minted a grant in between from a decision
+	// it had not forgotten yet.
+	accountsAgain   map[string]struct{}
+	accountsAgainAt time.Time
 }
 
 // Defaults of TriggersConfig.
@@ -125,6 +152,8 @@ func NewTriggers(cfg TriggersConfig) (*Triggers, error) {
 		limiter:  rate.NewLimiter(cfg.ReviewRate, cfg.ReviewBurst),
 		kick:     make(chan struct{}, 1),
 		accounts: map[string]struct{}{},
+
+		accountsAgain: map[string]struct{}{},
 	}
 	for _, inf := range cfg.RBAC {
 		if _, err := inf.AddEventHandler(cache.ResourceEventHandlerDetailedFuncs{
@@ -181,6 +210,9 @@ func (t *Triggers) wake() {
 }
 
 func (t *Triggers) rbacChanged() {
+	if t.cfg.Decisions != nil {
+		t.cfg.Decisions.RBACChanged()
+	}
 	now := t.cfg.Clock.Now()
 	t.mu.Lock()
 	if t.rbacFirst.IsZero() {
@@ -196,25 +228,53 @@ func (t *Triggers) accountChanged(obj any) {
 	if err != nil {
 		return
 	}
+	if ns, name, err := cache.SplitMetaNamespaceKey(key); err == nil && t.cfg.Decisions != nil {
+		t.cfg.Decisions.SubjectChanged(serviceAccountPrefix + ns + ":" + name)
+	}
 	t.mu.Lock()
 	t.accounts[key] = struct{}{}
 	t.mu.Unlock()
 	t.wake()
 }
 
-// rbacDue returns when the pending RBAC changes are to be checked, and
-// whether there are any.
-func (t *Triggers) rbacDue() (time.Time, bool) {
+// due returns when the next check is due: that of the pending RBAC changes
+// (debounced), or the second check of changed ServiceAccounts; and
+// whether there is one.
+func (t *Triggers) due() (time.Time, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.rbacFirst.IsZero() {
-		return time.Time{}, false
+	var due time.Time
+	if !t.rbacFirst.IsZero() {
+		due = t.rbacLast.Add(t.cfg.Debounce)
+		if limit := t.rbacFirst.Add(t.cfg.MaxDelay); limit.Before(due) {
+			due = limit
+		}
 	}
-	due := t.rbacLast.Add(t.cfg.Debounce)
-	if limit := t.rbacFirst.Add(t.cfg.MaxDelay); limit.Before(due) {
-		due = limit
+	if !t.accountsAgainAt.IsZero() && (due.IsZero() || t.accountsAgainAt.Before(due)) {
+		due = t.accountsAgainAt
 	}
-	return due, true
+	return due, !due.IsZero()
+}
+
+// checkDue runs the checks that are due: the RBAC check, once the changes
+// have been quiet for Debounce (or MaxDelay has passed since the first),
+// and the second check of changed ServiceAccounts.
+func (t *Triggers) checkDue(ctx context.Context) {
+	now := t.cfg.Clock.Now()
+	t.mu.Lock()
+	rbac := !t.rbacFirst.IsZero() && (!now.Before(t.rbacLast.Add(t.cfg.Debounce)) || !now.Before(t.rbacFirst.Add(t.cfg.MaxDelay)))
+	if rbac {
+		t.rbacFirst, t.rbacLast = time.Time{}, time.Time{}
+	}
+	var again map[string]struct{}
+	if !t.accountsAgainAt.IsZero() && !now.Before(t.accountsAgainAt) {
+		again, t.accountsAgain, t.accountsAgainAt = t.accountsAgain, map[string]struct{}{}, time.Time{}
+	}
+	t.mu.Unlock()
+	t.checkAccounts(ctx, again)
+	if rbac {
+		t.checkRBAC(ctx)
+	}
 }
 
 // Run checks the grants again on every change and every Interval until ctx
@@ -223,16 +283,16 @@ func (t *Triggers) Run(ctx context.Context) error {
 	ticker := t.cfg.Clock.NewTicker(t.cfg.Interval)
 	defer ticker.Stop()
 	for {
-		t.checkAccounts(ctx, t.takeAccounts())
+		if keys := t.takeAccounts(); len(keys) > 0 {
+			t.checkAccounts(ctx, keys)
+			t.checkAgainLater(keys)
+		}
 		var timer clock.Timer
 		var fire <-chan time.Time
-		if due, ok := t.rbacDue(); ok {
+		if due, ok := t.due(); ok {
 			wait := due.Sub(t.cfg.Clock.Now())
 			if wait <= 0 {
-				t.mu.Lock()
-				t.rbacFirst, t.rbacLast = time.Time{}, time.Time{}
-				t.mu.Unlock()
-				t.checkRBAC(ctx)
+				t.checkDue(ctx)
 				continue
 			}
 			timer = t.cfg.Clock.NewTimer(wait)
@@ -254,6 +314,19 @@ func (t *Triggers) Run(ctx context.Context) error {
 	}
 }
 
+// checkAgainLater queues keys for their second check, Debounce after the
+// first check of the earliest of them that waits.
+func (t *Triggers) checkAgainLater(keys map[string]struct{}) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for k := range keys {
+		t.accountsAgain[k] = struct{}{}
+	}
+	if t.accountsAgainAt.IsZero() {
+		t.accountsAgainAt = t.cfg.Clock.Now().Add(t.cfg.Debounce)
+	}
+}
+
 // Lead is Run for the replica that takes the triggers over, from another
 // replica or at its start: it forgets the changes it saw while it did not
 // lead, waits for its informers to sync, and checks every live grant once
@@ -264,7 +337,7 @@ func (t *Triggers) Run(ctx context.Context) error {
 func (t *Triggers) Lead(ctx context.Context) error {
 	t.mu.Lock()
 	t.rbacFirst, t.rbacLast = time.Time{}, time.Time{}
-	t.accounts = map[string]struct{}{}
+	t.accounts, t.accountsAgain, t.accountsAgainAt = map[string]struct{}{}, map[string]struct{}{}, time.Time{}
 	t.mu.Unlock()
 	synced := []cache.InformerSynced{t.cfg.ServiceAccounts.HasSynced}
 	for _, inf := range t.cfg.RBAC {
@@ -385,7 +458,7 @@ func (t *Triggers) checkAccounts(ctx context.Context, keys map[string]struct{}) 
 		// Checked again at the next sweep.
 		return
 	}
-	store := t.cfg.ServiceAccounts.GetStore()
+	accounts := Accounts{Informer: t.cfg.ServiceAccounts}
 	for key := range keys {
 		ns, name, err := cache.SplitMetaNamespaceKey(key)
 		if err != nil {
@@ -395,12 +468,7 @@ func (t *Triggers) checkAccounts(ctx context.Context, keys map[string]struct{}) 
 		if len(grants) == 0 {
 			continue
 		}
-		var uid types.UID
-		if obj, exists, err := store.GetByKey(key); err == nil && exists {
-			if m, err := meta.Accessor(obj); err == nil {
-				uid = m.GetUID()
-			}
-		}
+		uid, _, _ := accounts.ServiceAccountUID(ns, name)
 		var stale []*pb.Grant
 		for _, g := range grants {
 			// A grant that recorded no UID is of whatever ServiceAccount
@@ -415,4 +483,29 @@ func (t *Triggers) checkAccounts(ctx context.Context, keys map[string]struct{}) 
 		}
 		t.revoke(ctx, "serviceaccount", stale, reason)
 	}
+}
+
+// Accounts reads hub ServiceAccounts from an informer of them, such as the
+// triggers' metadata-only one. The exchange checks with it that the hub
+// ServiceAccount of an authenticated token still exists, since the hub's
+// TokenReview may go on authenticating a deleted account's token for its
+// own token cache's TTL (10 s on kube-apiserver).
+type Accounts struct{ Informer Informer }
+
+// ServiceAccountUID returns the UID of the hub ServiceAccount
+// namespace/name, whether it exists, and whether the informer can tell
+// (it has listed the ServiceAccounts).
+func (a Accounts) ServiceAccountUID(namespace, name string) (uid types.UID, exists, known bool) {
+	if a.Informer == nil || !a.Informer.HasSynced() {
+		return "", false, false
+	}
+	obj, exists, err := a.Informer.GetStore().GetByKey(namespace + "/" + name)
+	if err != nil || !exists {
+		return "", false, err == nil
+	}
+	m, err := meta.Accessor(obj)
+	if err != nil {
+		return "", false, false
+	}
+	return m.GetUID(), true, true
 }

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/peer"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/credbroker/credbroker/pkg/errdefs"
@@ -29,6 +30,8 @@ import (
 type authnResult struct {
 	user   hubauth.User
 	reason string
+	// seq is the number of the review (forgets.next).
+	seq uint64
 }
 
 // bearerToken reads the "authorization: Bearer <token>" metadata and checks
@@ -65,6 +68,7 @@ func (s *Service) authenticate(ctx context.Context, bearer string) (hubauth.User
 func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (hubauth.User, bool, error) {
 	key := s.bearerKey(bearer)
 	res, hit := s.authn.Fresh(key)
+	hit = hit && !s.authnStale(res)
 	var (
 		reviewed bool
 		err      error
@@ -79,7 +83,33 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (huba
 	if res.reason != "" {
 		return hubauth.User{}, false, fmt.Errorf("the hub rejected the token for audience %q: %s: %w", s.cfg.Audience, res.reason, errdefs.ErrUnauthenticated)
 	}
+	if err := s.checkAccount(res.user); err != nil {
+		return hubauth.User{}, false, err
+	}
 	return res.user, reviewed, nil
+}
+
+// checkAccount refuses a hub ServiceAccount's token when Accounts knows
+// that the account is gone, or was created again under the same name.
+func (s *Service) checkAccount(user hubauth.User) error {
+	if s.cfg.Accounts == nil {
+		return nil
+	}
+	rest, ok := strings.CutPrefix(user.Username, serviceAccountPrefix)
+	ns, name, ok2 := strings.Cut(rest, ":")
+	if !ok || !ok2 {
+		return nil // not a ServiceAccount
+	}
+	uid, exists, known := s.cfg.Accounts.ServiceAccountUID(ns, name)
+	switch {
+	case !known:
+		return nil // the TokenReview decides alone until the informer has listed
+	case !exists:
+		return fmt.Errorf("the hub ServiceAccount %s/%s of the token no longer exists: %w", ns, name, errdefs.ErrUnauthenticated)
+	case user.UID != "" && types.UID(user.UID) != uid:
+		return fmt.Errorf("the hub ServiceAccount %s/%s was deleted and created again; the token is of the old one: %w", ns, name, errdefs.ErrUnauthenticated)
+	}
+	return nil
 }
 
 // reviewOrWait is the authentication cache's Do for bearer, under key:
@@ -87,10 +117,16 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (huba
 // reviewed reports that it sent the review.
 func (s *Service) reviewOrWait(ctx context.Context, key cacheKey, bearer string) (res authnResult, hit, reviewed bool, err error) {
 	var sent atomic.Bool
-	res, hit, err = s.authn.Do(ctx, key, func(ctx context.Context) (authnResult, time.Time, error) {
+	res, hit, err = freshDecision(ctx, s.authn, key, s.authnStale, func(ctx context.Context) (authnResult, time.Time, error) {
 		return s.tokenReview(ctx, bearer, &sent)
 	})
 	return res, hit, sent.Load(), err
+}
+
+// authnStale reports whether res authenticated a hub user whose
+// ServiceAccount changed after its review started.
+func (s *Service) authnStale(res authnResult) bool {
+	return res.reason == "" && s.forgets.subjectStale(res.user.Username, res.seq)
 }
 
 // bearerKey is the authentication cache key of bearer: its HMAC with the
@@ -126,6 +162,7 @@ func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atom
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()
+	seq := s.forgets.next()
 	reviewed.Store(true)
 	review, err := s.cfg.TokenReviews.Create(ctx, &authenticationv1.TokenReview{
 		Spec: authenticationv1.TokenReviewSpec{Token: bearer, Audiences: []string{s.cfg.Audience}},
@@ -149,7 +186,7 @@ func (s *Service) tokenReview(ctx context.Context, bearer string, reviewed *atom
 	if exp.Before(until) {
 		until = exp
 	}
-	return authnResult{user: hubauth.User{
+	return authnResult{seq: seq, user: hubauth.User{
 		Username: st.User.Username,
 		UID:      st.User.UID,
 		Groups:   st.User.Groups,

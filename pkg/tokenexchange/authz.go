@@ -15,53 +15,58 @@ import (
 	"github.com/credbroker/credbroker/pkg/hubauth"
 )
 
+// authzDecision is a cached SubjectAccessReview outcome.
+type authzDecision struct {
+	allowed bool
+	// seq is the number of the review (forgets.next).
+	seq uint64
+}
+
 // authorize asks the hub whether user may create clusterprofiles/token for
-// cluster. Allowed decisions are cached for AllowTTL, denials for DenyTTL.
+// cluster. Allowed decisions are cached for AllowTTL, denials for DenyTTL,
+// and neither outlives a change of hub RBAC or of the user's hub
+// ServiceAccount (RBACChanged, SubjectChanged).
 func (s *Service) authorize(ctx context.Context, user hubauth.User, cluster types.NamespacedName) error {
 	k := newKey()
 	k.user(user)
 	k.add(cluster.Namespace, cluster.Name)
 	key := k.sum()
-	allowed, hit := s.authz.Fresh(key)
+	stale := func(d authzDecision) bool { return s.forgets.authorizationStale(user.Username, d.seq) }
+	d, hit := s.authz.Fresh(key)
+	hit = hit && !stale(d)
 	var err error
 	if !hit {
-		allowed, hit, err = s.reviewAccessOrWait(ctx, key, user, cluster)
+		d, hit, err = freshDecision(ctx, s.authz, key, stale, func(ctx context.Context) (authzDecision, time.Time, error) {
+			if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
+				return authzDecision{}, time.Time{}, err
+			}
+			return s.accessReview(ctx, user, cluster)
+		})
 	}
 	s.metrics.lookedUp(authzCache, hit)
 	if err != nil {
 		return err
 	}
-	if !allowed {
+	if !d.allowed {
 		return fmt.Errorf("hub RBAC does not allow %q to %s %s.%s/%s %q in namespace %q: %w",
 			user.Username, hubauth.VerbCreate, hubauth.Resource, hubauth.Group, hubauth.Subresource, cluster.Name, cluster.Namespace, errdefs.ErrPermissionDenied)
 	}
 	return nil
 }
 
-// reviewAccessOrWait is the authorization cache's Do for user and
-// cluster, under key: the cached decision, or a SubjectAccessReview of its
-// own or of a concurrent call.
-func (s *Service) reviewAccessOrWait(ctx context.Context, key cacheKey, user hubauth.User, cluster types.NamespacedName) (allowed, hit bool, err error) {
-	return s.authz.Do(ctx, key, func(ctx context.Context) (bool, time.Time, error) {
-		if err := s.allow(ctx, user, "hub reviews and mints"); err != nil {
-			return false, time.Time{}, err
-		}
-		return s.accessReview(ctx, user, cluster)
-	})
-}
-
-func (s *Service) accessReview(ctx context.Context, user hubauth.User, cluster types.NamespacedName) (bool, time.Time, error) {
+func (s *Service) accessReview(ctx context.Context, user hubauth.User, cluster types.NamespacedName) (authzDecision, time.Time, error) {
 	now := s.cfg.Clock.Now()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReviewTimeout)
 	defer cancel()
+	seq := s.forgets.next()
 	review, err := s.cfg.AccessReviews.Create(ctx, hubauth.AccessReview(user, hubauth.VerbCreate, cluster), metav1.CreateOptions{})
 	if err != nil {
-		return false, time.Time{}, s.hubFailure("SubjectAccessReview", err)
+		return authzDecision{}, time.Time{}, s.hubFailure("SubjectAccessReview", err)
 	}
 	if hubauth.Allowed(review) {
-		return true, now.Add(s.cfg.AllowTTL), nil
+		return authzDecision{allowed: true, seq: seq}, now.Add(s.cfg.AllowTTL), nil
 	}
-	return false, now.Add(s.cfg.DenyTTL), nil
+	return authzDecision{seq: seq}, now.Add(s.cfg.DenyTTL), nil
 }
 
 // hubFailure describes a failed hub review for the caller: the API status

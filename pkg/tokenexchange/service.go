@@ -17,6 +17,7 @@ import (
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/timestamppb"
+	"k8s.io/apimachinery/pkg/types"
 	authenticationv1client "k8s.io/client-go/kubernetes/typed/authentication/v1"
 	authorizationv1client "k8s.io/client-go/kubernetes/typed/authorization/v1"
 	"k8s.io/utils/clock"
@@ -63,6 +64,16 @@ type Verifier interface {
 	Verify(ctx context.Context, token string) (expiry time.Time, err error)
 }
 
+// Accounts tells whether a hub ServiceAccount exists, and its UID, from an
+// informer; grants.Accounts satisfies it. The hub's TokenReview may go on
+// authenticating a deleted ServiceAccount's token for its own token cache's
+// TTL (10 s on kube-apiserver), so the exchange asks this too.
+type Accounts interface {
+	// ServiceAccountUID returns the UID of the ServiceAccount
+	// namespace/name, whether it exists, and whether that is known yet.
+	ServiceAccountUID(namespace, name string) (uid types.UID, exists, known bool)
+}
+
 // Config configures the service. Durations left zero take their defaults.
 type Config struct {
 	// TokenReviews and AccessReviews are the hub's review APIs; required.
@@ -77,6 +88,12 @@ type Config struct {
 	// Grants learns of every minted token, and keeps a revoked token from
 	// being served from the token cache. Default: none.
 	Grants Grants
+	// Accounts, when set, is asked whether the hub ServiceAccount of every
+	// authenticated token still exists with the UID its TokenReview gave:
+	// a token of a deleted or re-created account is Unauthenticated, even
+	// while the hub's review or the broker's cache still accepts it.
+	// Default: none; the broker passes its ServiceAccount informer.
+	Accounts Accounts
 
 	// Audience a consumer's hub token must carry. Default "credbroker"
 	// (DefaultAudience; every default below has a Default constant).
@@ -157,7 +174,8 @@ type Service struct {
 
 	cfg      Config
 	authn    *store.Cache[cacheKey, authnResult]
-	authz    *store.Cache[cacheKey, bool]
+	authz    *store.Cache[cacheKey, authzDecision]
+	forgets  *forgets
 	tokens   *store.Cache[cacheKey, minted]
 	limiters *store.Cache[cacheKey, *rate.Limiter]
 	reviews  *rate.Limiter
@@ -209,7 +227,8 @@ func New(cfg Config) (*Service, error) {
 			return nil, fmt.Errorf("tokenexchange: hmac key: %w", err)
 		}
 	}
-	s := &Service{cfg: cfg, reviews: rate.NewLimiter(cfg.ReviewRateLimit, cfg.ReviewBurst)}
+	s := &Service{cfg: cfg, reviews: rate.NewLimiter(cfg.ReviewRateLimit, cfg.ReviewBurst),
+		forgets: newForgets(cfg.Clock, max(cfg.AuthnTTL, cfg.AllowTTL)+2*cfg.ReviewTimeout)}
 	s.macs.New = func() any { return hmac.New(sha256.New, cfg.HMACKey) }
 	var err error
 	if s.metrics, err = newMetrics(cfg.Registerer); err != nil {
@@ -221,11 +240,11 @@ func New(cfg Config) (*Service, error) {
 	decisions := store.Config{Size: cfg.CacheSize, MaxTTL: max(cfg.AuthnTTL, cfg.AllowTTL), Clock: cfg.Clock}
 	authn, authz := decisions, decisions
 	authn.RefreshWithin, authn.Refreshable = cfg.AuthnTTL/refreshShare, func(v any) bool { return v.(authnResult).reason == "" }
-	authz.RefreshWithin, authz.Refreshable = cfg.AllowTTL/refreshShare, func(v any) bool { return v.(bool) }
+	authz.RefreshWithin, authz.Refreshable = cfg.AllowTTL/refreshShare, func(v any) bool { return v.(authzDecision).allowed }
 	if s.authn, err = store.New[cacheKey, authnResult](authn); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
-	if s.authz, err = store.New[cacheKey, bool](authz); err != nil {
+	if s.authz, err = store.New[cacheKey, authzDecision](authz); err != nil {
 		return nil, fmt.Errorf("tokenexchange: %w", err)
 	}
 	if s.tokens, err = store.New[cacheKey, minted](store.Config{Size: cfg.CacheSize, MaxTTL: cfg.MaxExpiration, Clock: cfg.Clock}); err != nil {
