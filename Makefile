@@ -41,9 +41,9 @@ help: ## List the targets.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z0-9-]+:.*## / {printf "  %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: build
-build: ## Build broker, spoke-agent, credbroker-plugin and credbroker into ./bin.
+build: ## Build broker, spoke-agent, credbroker-plugin and credbroker into ./bin, static as the images hold them.
 	@mkdir -p $(BIN)
-	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(BINARIES))
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(BINARIES))
 
 .PHONY: images
 images: ## Write OCI image tarballs of broker, spoke-agent and credbroker-plugin to ./bin/images (no Docker daemon, no registry).

@@ -32,7 +32,8 @@ func Version() (string, error) {
 }
 
 // Build builds the named programs into dir the way `make build` does:
-// -trimpath, and Version and TestRevision linked into internal/version.
+// static (CGO_ENABLED=0), -trimpath, and Version and TestRevision linked
+// into internal/version.
 // A name without a slash is a command of the repository (cmd/<name>);
 // anything else is an import path. The binary of each is
 // filepath.Join(dir, path.Base(name)).
@@ -54,6 +55,9 @@ func Build(ctx context.Context, dir string, names ...string) error {
 		"-o", dir + string(os.PathSeparator)}, pkgs...)
 	cmd := exec.CommandContext(ctx, "go", args...)
 	cmd.Dir = moduleRoot()
+	// Static, as the images hold them (hack/images), which also lets the
+	// images' test reuse these builds' compiled packages.
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("framework: go build %s: %w\n%s", strings.Join(names, " "), err, out)
 	}
