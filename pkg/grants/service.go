@@ -294,15 +294,18 @@ func scopeOf(sel Selector, foreign []*pb.Grant) scope {
 
 // describe names the scope for a caller who sent sel: the ClusterProfile
 // when sel named it, else only the kind of scope, so that the answer does
-// not tell where a grant that is not the caller's lives.
+// not tell where a grant that is not the caller's lives. For a credential
+// id, it is the same words whether the id's grant exists (the review asks
+// about its ClusterProfile) or not (every namespace): the answer must not
+// tell a caller without rights which ids are live.
 func (c scope) describe(sel Selector) string {
 	switch {
-	case c == scope{}:
-		return "in every namespace"
 	case sel.Cluster.Name != "":
 		return fmt.Sprintf("%q in namespace %q", c.Name, c.Namespace)
+	case sel.CredentialID != "":
+		return "on the ClusterProfile of the grant it names"
 	default:
-		return "of the grant's ClusterProfile"
+		return "in every namespace"
 	}
 }
 
