@@ -74,6 +74,9 @@ type Broker struct {
 	publisher     *publish.Publisher
 	hubClient     kubernetes.Interface
 	leadsTriggers atomic.Bool
+	// triggersLease records whether the hub answers this replica's reads
+	// and writes of the triggers' Lease (triggersLeaseReached).
+	triggersLease leaseReach
 	identityOnce  sync.Once
 	leaseIdentity string
 	health        *health.Server

@@ -37,6 +37,44 @@ type lease struct {
 	// it runs.
 	lead    func(ctx context.Context)
 	leading *atomic.Bool
+	// reach, when set, records whether the hub answers this replica's
+	// reads and writes of the Lease.
+	reach *leaseReach
+}
+
+// leaseReach records since when, and why, the hub has failed every read
+// or write of a Lease that a replica made: a namespace that does not
+// exist, say. A follower reads the Lease that another replica holds, so
+// reaching it is what every replica of a healthy broker does, leading or
+// not; a replica that cannot is one that no replica may be leading for.
+type leaseReach struct {
+	mu      sync.Mutex
+	since   time.Time // zero while the last read or write succeeded
+	lastErr error
+}
+
+func (r *leaseReach) record(now time.Time, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch {
+	case err == nil:
+		r.since, r.lastErr = time.Time{}, nil
+	case r.since.IsZero():
+		r.since, r.lastErr = now, err
+	default:
+		r.lastErr = err
+	}
+}
+
+// failing returns the last error when every read and write has failed for
+// at least d.
+func (r *leaseReach) failing(now time.Time, d time.Duration) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.since.IsZero() || now.Sub(r.since) < d {
+		return nil
+	}
+	return r.lastErr
 }
 
 // identity is this replica's name in its Leases: PublishIdentity, or a
@@ -67,6 +105,9 @@ func (b *Broker) campaign(ctx context.Context, l lease) error {
 		Client:     b.hubClient.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: id},
 	}, cancel: cancel}
+	if l.reach != nil {
+		lock.reached = func(err error) { l.reach.record(b.cfg.Clock.Now(), err) }
+	}
 	// One term's lead at a time: client-go starts a term's in a goroutine
 	// of its own and does not wait for it to return.
 	var term sync.Mutex
@@ -111,21 +152,30 @@ var errLeaseForbidden = errors.New("forbidden")
 
 // forbiddenLock is a Lease lock that cancels, with errLeaseForbidden, when
 // the hub answers 403: client-go's elector only logs its errors, and
-// campaigns forever.
+// campaigns forever. It tells reached, when set, of each read and write.
 type forbiddenLock struct {
 	resourcelock.Interface
-	cancel context.CancelCauseFunc
+	cancel  context.CancelCauseFunc
+	reached func(error)
 }
 
 func (l *forbiddenLock) check(err error) error {
 	if apierrors.IsForbidden(err) {
 		l.cancel(fmt.Errorf("%w: %w", errLeaseForbidden, err))
 	}
+	if l.reached != nil {
+		l.reached(err)
+	}
 	return err
 }
 
 func (l *forbiddenLock) Get(ctx context.Context) (*resourcelock.LeaderElectionRecord, []byte, error) {
 	r, raw, err := l.Interface.Get(ctx)
+	if apierrors.IsNotFound(err) {
+		// No Lease yet: Create, which comes next, tells whether the hub
+		// lets this replica reach it.
+		return r, raw, err
+	}
 	return r, raw, l.check(err)
 }
 
@@ -149,8 +199,23 @@ func (b *Broker) runTriggers(ctx context.Context) error {
 	return b.campaign(ctx, lease{
 		namespace: b.cfg.PendingRevokesNamespace, name: b.cfg.TriggerLeaseName,
 		what: "revocation triggers", grant: "deploy/hub/rbac.yaml, or run one replica with --trigger-lease-name=\"\"",
-		lead: lead, leading: &b.leadsTriggers,
+		lead: lead, leading: &b.leadsTriggers, reach: &b.triggersLease,
 	})
+}
+
+// triggersLeaseReached is a readiness check: it fails once every read and
+// write of the triggers' Lease has failed for a Lease's duration, so that
+// a broker whose revocation triggers cannot run on any replica (its
+// namespace is missing, say) stops taking exchanges, which would mint
+// tokens that nothing revokes when hub RBAC changes, and says why.
+func (b *Broker) triggersLeaseReached() error {
+	err := b.triggersLease.failing(b.cfg.Clock.Now(), leaseDuration)
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("the revocation triggers cannot run: no replica can read or write their Lease %s/%s for %s: %w; "+
+		"create the namespace %q (--pending-revokes-namespace), or run one replica with --trigger-lease-name=\"\"",
+		b.cfg.PendingRevokesNamespace, b.cfg.TriggerLeaseName, leaseDuration, err, b.cfg.PendingRevokesNamespace)
 }
 
 // triggersLeader is the gauge of whether this replica runs the revocation

@@ -75,13 +75,16 @@ func (b *Broker) startedNow() {
 // ClusterProfile informer has synced, the hub issuer's keys are loaded, its
 // SVID is valid for more than probe.MinSVIDLifetime (a quarter of its
 // lifetime, if that is less), the agents have had their chance to find it
-// (agentsArrived), and it is not draining. /readyz answers it.
+// (agentsArrived), the hub answers its reads and writes of the revocation
+// triggers' Lease (triggersLeaseReached), and it is not draining. /readyz
+// answers it.
 func (b *Broker) Ready() error {
 	return probe.All(
 		probe.Synced("the ClusterProfile informer has not synced", b.profiles.HasSynced),
 		probe.Synced("the hub issuer's keys are not loaded", b.keys.Loaded),
 		probe.SVIDValid(b.svid, b.cfg.Clock, probe.MinSVIDLifetime),
 		b.agentsArrived,
+		b.triggersLeaseReached,
 		probe.NotDraining(&b.draining),
 	)()
 }
