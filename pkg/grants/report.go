@@ -42,16 +42,16 @@ func (r *Registry) Hello(ctx context.Context, cluster fleet.ClusterRef, grants [
 	return nil
 }
 
-// Report applies a GrantUpdate of an agent of cluster. It refuses, with an
-// error, a report that breaks a bound of RegistryConfig: one that holds a
-// grant larger than MaxGrantBytes, a credential id longer than
-// MaxCredentialIDBytes or an expiry past MaxGrantLifetime (wrapping
-// errdefs.ErrInvalidArgument: no honest agent sends it), and one whose
-// grants would make its ClusterProfile's share pass MaxGrantsPerCluster or
-// MaxGrantBytesPerCluster (wrapping errdefs.ErrResourceExhausted). A
-// refused report adds nothing, though the removals of one that breaks only
-// the ClusterProfile's share are applied, and it is logged; the tunnel
-// then closes the agent's stream.
+// Report applies a GrantUpdate of an agent of cluster. A grant that breaks
+// a bound of RegistryConfig (larger than MaxGrantBytes, a credential id
+// longer than MaxCredentialIDBytes, an expiry past MaxGrantLifetime) is
+// dropped and logged, and the rest of the report applies: drop the item,
+// not the stream, so that one grant that someone else wrote on the spoke
+// costs its ClusterProfile nothing else. Report refuses, with an error
+// wrapping errdefs.ErrResourceExhausted, a report whose grants would make
+// its ClusterProfile's share pass MaxGrantsPerCluster or
+// MaxGrantBytesPerCluster: it adds nothing, though its removals are
+// applied, and it is logged; the tunnel then closes the agent's stream.
 func (r *Registry) Report(ctx context.Context, cluster fleet.ClusterRef, u *pb.GrantUpdate) error {
 	return r.report(ctx, cluster, "grant update", u)
 }
@@ -76,16 +76,14 @@ func (r *Registry) Update(ctx context.Context, cluster fleet.ClusterRef, u *pb.G
 // new one's.
 func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame string, u *pb.GrantUpdate) error {
 	now := r.cfg.Clock.Now()
-	adds, stale, err := r.readAdded(cluster, frame, u.GetAdded(), now)
-	if err != nil {
-		return err
-	}
+	adds, stale := r.readAdded(cluster, frame, u.GetAdded(), now)
 	r.mu.Lock()
 	r.expire(now)
 	retry := r.removeReported(cluster.NamespacedName, u.GetRemoved())
 	a := r.admit(cluster.NamespacedName, adds)
 	retry = append(retry, a.retry...)
-	if err = r.checkShare(cluster, frame, a.use); err == nil {
+	err := r.checkShare(cluster, frame, a.use)
+	if err == nil {
 		for _, rec := range a.take {
 			r.drop(rec.id)
 			r.put(rec)
@@ -108,14 +106,24 @@ func (r *Registry) report(ctx context.Context, cluster fleet.ClusterRef, frame s
 // readAdded reads what each grant of added, of an agent of cluster,
 // reported in frame, is, off the lock: the records of the live ones of
 // cluster, the last report of an id winning, and the ids of those minted
-// through another incarnation of cluster (stale). It refuses the report,
-// with an error, when a grant breaks a bound of RegistryConfig.
-func (r *Registry) readAdded(cluster fleet.ClusterRef, frame string, added []*pb.Grant, now time.Time) (adds []*record, stale []string, _ error) {
+// through another incarnation of cluster (stale). A grant that breaks a
+// bound of RegistryConfig is dropped; one line logs the first and how
+// many, so that an agent cannot fill the log.
+func (r *Registry) readAdded(cluster fleet.ClusterRef, frame string, added []*pb.Grant, now time.Time) (adds []*record, stale []string) {
 	at := map[string]int{} // the last report of an id wins
+	var (
+		dropped             int
+		firstID, firstBound string
+		firstErr            error
+	)
 	for _, g := range added {
 		size := proto.Size(g)
-		if err := r.checkGrant(cluster, frame, g, size, now); err != nil {
-			return nil, nil, err
+		if bound, err := r.checkGrant(g, size, now); err != nil {
+			if dropped == 0 {
+				firstID, firstBound, firstErr = clip(g.GetCredentialId(), MaxCredentialIDBytes), bound, err
+			}
+			dropped++
+			continue
 		}
 		g, old := own(cluster, g)
 		if g == nil || !g.GetExpirationTime().AsTime().After(now) {
@@ -134,28 +142,37 @@ func (r *Registry) readAdded(cluster fleet.ClusterRef, frame string, added []*pb
 		at[rec.id] = len(adds)
 		adds = append(adds, rec)
 	}
-	return adds, stale, nil
+	if dropped > 0 {
+		r.cfg.Log.Info("agent reported grants past a bound; dropped them and kept the rest of the report",
+			fleet.LogCluster, cluster.String(), "frame", frame, "bound", firstBound, fleet.LogCredentialID, firstID,
+			fleet.LogReason, firstErr.Error(), "dropped", dropped)
+	}
+	return adds, stale
 }
 
-// checkGrant refuses g, of size bytes, reported by an agent of cluster in
-// frame, when it is larger than MaxGrantBytes, its credential id longer
-// than MaxCredentialIDBytes or its expiry past MaxGrantLifetime.
-func (r *Registry) checkGrant(cluster fleet.ClusterRef, frame string, g *pb.Grant, size int, now time.Time) error {
+// clip returns s cut to at most n bytes, marked when cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
+}
+
+// checkGrant returns the bound, and why, when g, of size bytes, is larger
+// than MaxGrantBytes, its credential id longer than MaxCredentialIDBytes
+// or its expiry past MaxGrantLifetime.
+func (r *Registry) checkGrant(g *pb.Grant, size int, now time.Time) (bound string, _ error) {
 	latest := now.Add(r.cfg.MaxGrantLifetime + fleet.MaxClockSkew)
 	switch {
 	case size > r.cfg.MaxGrantBytes:
-		return r.refuse(cluster, frame, "grantBytes", size, r.cfg.MaxGrantBytes,
-			fmt.Errorf("a grant of %d bytes, more than the %d bytes a grant may have: %w", size, r.cfg.MaxGrantBytes, errdefs.ErrInvalidArgument))
+		return "grantBytes", fmt.Errorf("a grant of %d bytes, more than the %d bytes a grant may have", size, r.cfg.MaxGrantBytes)
 	case len(g.GetCredentialId()) > MaxCredentialIDBytes:
-		return r.refuse(cluster, frame, "credentialIDBytes", len(g.GetCredentialId()), MaxCredentialIDBytes,
-			fmt.Errorf("a credential id of %d bytes, more than %d: %w", len(g.GetCredentialId()), MaxCredentialIDBytes, errdefs.ErrInvalidArgument))
+		return "credentialIDBytes", fmt.Errorf("a credential id of %d bytes, more than %d", len(g.GetCredentialId()), MaxCredentialIDBytes)
 	case g.GetExpirationTime() != nil && g.GetExpirationTime().AsTime().After(latest):
-		return r.refuse(cluster, frame, "grantLifetime", int(g.GetExpirationTime().AsTime().Sub(now)/time.Second), int(latest.Sub(now)/time.Second),
-			fmt.Errorf("a grant that expires at %s, later than %s, the broker's maximum token lifetime (%s) and %s of clock skew from now: %w",
-				g.GetExpirationTime().AsTime().UTC().Format(time.RFC3339), latest.UTC().Format(time.RFC3339), r.cfg.MaxGrantLifetime,
-				fleet.MaxClockSkew, errdefs.ErrInvalidArgument))
+		return "grantLifetime", fmt.Errorf("a grant that expires at %s, later than %s, the broker's maximum token lifetime (%s) and %s of clock skew from now",
+			g.GetExpirationTime().AsTime().UTC().Format(time.RFC3339), latest.UTC().Format(time.RFC3339), r.cfg.MaxGrantLifetime, fleet.MaxClockSkew)
 	}
-	return nil
+	return "", nil
 }
 
 // removeReported applies the removals of ids that an agent of cluster
