@@ -44,7 +44,7 @@ func TestMintWaitsForAnAgentThatReturns(t *testing.T) {
 			_, stop := h.agent(t, agentA, &fakeMinter{})
 			waitConnected(t, h, clusterA, 1)
 			stop()
-			waitConnected(t, h, clusterA, 0)
+			waitEnded(t, h, clusterA)
 		},
 		during: func(t *testing.T, h *harness, _ *testingclock.FakeClock) { h.agent(t, agentA, &fakeMinter{}) },
 		waits:  true,
@@ -55,7 +55,7 @@ func TestMintWaitsForAnAgentThatReturns(t *testing.T) {
 			_, stop := h.agent(t, agentA, &fakeMinter{})
 			waitConnected(t, h, clusterA, 1)
 			stop()
-			waitConnected(t, h, clusterA, 0)
+			waitEnded(t, h, clusterA)
 		},
 		during: func(_ *testing.T, _ *harness, clk *testingclock.FakeClock) { clk.Step(wait) },
 		waits:  true,
@@ -65,7 +65,7 @@ func TestMintWaitsForAnAgentThatReturns(t *testing.T) {
 			_, stop := h.agent(t, agentA, &fakeMinter{})
 			waitConnected(t, h, clusterA, 1)
 			stop()
-			waitConnected(t, h, clusterA, 0)
+			waitEnded(t, h, clusterA)
 		},
 		during: func(_ *testing.T, h *harness, _ *testingclock.FakeClock) { h.srv.Drain() },
 		waits:  true,
@@ -75,7 +75,7 @@ func TestMintWaitsForAnAgentThatReturns(t *testing.T) {
 			h.agent(t, agentA, &fakeMinter{})
 			waitConnected(t, h, clusterA, 1)
 			h.srv.Close()
-			waitConnected(t, h, clusterA, 0)
+			waitEnded(t, h, clusterA)
 		},
 	}, {
 		name:   "it never had a stream",
@@ -86,7 +86,7 @@ func TestMintWaitsForAnAgentThatReturns(t *testing.T) {
 			_, stop := h.agent(t, agentA, &fakeMinter{})
 			waitConnected(t, h, clusterA, 1)
 			stop()
-			waitConnected(t, h, clusterA, 0)
+			waitEnded(t, h, clusterA)
 			clk.Step(wait)
 		},
 	}}
@@ -135,7 +135,7 @@ func TestGoneClustersAreForgotten(t *testing.T) {
 		_, stop := h.agent(t, id, &fakeMinter{})
 		waitConnected(t, h, c, 1)
 		stop()
-		waitConnected(t, h, c, 0)
+		waitEnded(t, h, c)
 	}
 	kept := func() (gone, arrived int) {
 		h.srv.mu.RLock()
@@ -216,7 +216,7 @@ func TestStreamServesOnlyOnceItsChecksPass(t *testing.T) {
 	_, stop := h.agent(t, agentA, &fakeMinter{})
 	waitConnected(t, h, clusterA, 1)
 	stop()
-	waitConnected(t, h, clusterA, 0)
+	waitEnded(t, h, clusterA)
 	done := make(chan error, 1)
 	go func() {
 		_, err := h.srv.Mint(context.Background(), clusterA, &pb.MintRequest{})
@@ -292,7 +292,7 @@ func TestRefusedStreamIsNoAgentToWaitFor(t *testing.T) {
 	_, stop := h.agent(t, agentA, &fakeMinter{})
 	waitConnected(t, h, clusterA, 1)
 	stop()
-	waitConnected(t, h, clusterA, 0)
+	waitEnded(t, h, clusterA)
 	clk.Step(wait)
 
 	_, err := refusedAfterHello(t, h, gate, func() {})

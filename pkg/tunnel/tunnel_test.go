@@ -239,6 +239,21 @@ func waitConnected(t *testing.T, h *harness, c fleet.ClusterRef, n int) {
 	require.Eventually(t, func() bool { return h.srv.Connected(c) == n }, 10*time.Second, 5*time.Millisecond)
 }
 
+// waitEnded waits until the server has removed every stream of c and, with
+// ReturnWait, recorded when the last one ended. Connected drops to 0 as a
+// stream's context ends, a moment before that: a test that moved a fake
+// clock, or started a mint, once Connected was 0 raced the record, and
+// failed one run of the flake hunt (docs/testing.md).
+func waitEnded(t *testing.T, h *harness, c fleet.ClusterRef) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		h.srv.mu.RLock()
+		defer h.srv.mu.RUnlock()
+		_, ok := h.srv.sessions[c.NamespacedName]
+		return !ok
+	}, 10*time.Second, 5*time.Millisecond, "the server still holds a stream of %s", c)
+}
+
 func TestMintRoundTrip(t *testing.T) {
 	h := newHarness(t, 5*time.Second)
 	var got *pb.MintRequest
