@@ -96,7 +96,7 @@ func (m *Minter) Run(ctx context.Context) error {
 // deletion every grant someone other than the agent changed.
 func (m *Minter) sweep(ctx context.Context) {
 	now := m.clock.Now()
-	maxLifetime := time.Duration(m.maxSeconds) * time.Second
+	maxLifetime := m.maxLifetime()
 	for _, obj := range m.grantCache.List() {
 		g, ok := obj.(*corev1.Secret)
 		// The informer selects by type; check again, so a cache that does

@@ -307,6 +307,9 @@ func grantTokenSHA256(grant *corev1.Secret) []byte {
 	return b
 }
 
+// maxLifetime is the longest lifetime of a token m mints.
+func (m *Minter) maxLifetime() time.Duration { return time.Duration(m.maxSeconds) * time.Second }
+
 // grantExpiration returns when grant's token expires: its
 // GrantExpirationAnnotation or, when that is missing or garbled, its
 // creation time plus maxLifetime, the longest a token of it can live.

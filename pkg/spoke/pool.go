@@ -130,7 +130,7 @@ func (m *Minter) pooledAsCached(grant *corev1.Secret) (cached *corev1.Secret, se
 	if !ok || g.UID != grant.UID || g.DeletionTimestamp != nil || !isGrant(g) || !unclaimed(g) {
 		return nil, true
 	}
-	if _, changed := m.changedRecord(g.UID); changed || foreignChange(g) != "" {
+	if _, changed := m.changedRecord(g.UID); changed || foreignChange(g, m.maxLifetime()) != "" {
 		return nil, true
 	}
 	return g, true

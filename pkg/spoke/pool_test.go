@@ -175,7 +175,7 @@ func TestPooledMintClaimsItsGrantAfterTheAnswer(t *testing.T) {
 	require.Eventually(t, func() bool { return !unclaimed(grants.Get(key)) }, 5*time.Second, time.Millisecond, "the grant was never claimed")
 	g := grants.Get(key)
 	assert.Equal(t, uid, g.UID)
-	assert.Empty(t, foreignChange(g), "a claimed grant is what the agent writes")
+	assert.Empty(t, foreignChange(g, m.maxLifetime()), "a claimed grant is what the agent writes")
 	assert.Equal(t, map[string]string{
 		GrantServiceAccountAnnotation:    "deployer",
 		GrantHubUserAnnotation:           argocd,
@@ -558,4 +558,39 @@ func TestPlantedPooledGrantIsNotUsed(t *testing.T) {
 		key, _ := boundTo(t, tokens, i)
 		assert.NotContains(t, key, "planted", "mint %d bound its token to a planted grant", i)
 	}
+}
+
+// Trust round 3, case 3. Attack: the agent's own spoke identity, stolen,
+// writes a grant exactly as the agent would, claimed and complete, but
+// with an expiry ten years ahead. The brokers dropped only that grant from
+// the agent's reports once their half was fixed; the agent reported it at
+// every hello and kept it on the spoke.
+// Defence: an expiry further past the grant's creation than any token the
+// agent mints (after a pooled grant's wait, and a clock skew) is a change
+// by someone else: the grant is deleted at first sight and never reported.
+// One that expires at the bound's edge is kept.
+func TestGrantExpiringPastAnyTokenIsDeleted(t *testing.T) {
+	sa := serviceAccount("apps", "deployer", argocd)
+	grantExpiring := func(name string, exp time.Time) *corev1.Secret {
+		info := grantInfo{serviceAccount: sa, hubUser: argocd, hubUID: "hub-uid", hubGroups: []string{"system:serviceaccounts"},
+			clusterProfile: "fleet/prod", clusterUID: "prod-uid"}
+		s := claimedGrant(newGrantOf(types.NamespacedName{Namespace: "apps", Name: "deployer"}, exp), info,
+			mintedToken{token: "token-of-" + name, exp: exp, id: "JTI=" + name})
+		s.Name, s.UID, s.CreationTimestamp = "credbroker-grant-"+name, types.UID(name), metav1.NewTime(issuedAt)
+		return s
+	}
+	edge := issuedAt.Add(poolGrantTTL + time.Hour + poolClockSkew) // the default maximum lifetime is an hour
+	tokens, grants := &fakeTokens{}, newFakeGrants(
+		grantExpiring("decade", issuedAt.AddDate(10, 0, 0)),
+		grantExpiring("edge", edge),
+	)
+	m := poolMinter(t, tokens, grants, nil, lister(t, sa))
+	require.Eventually(t, func() bool { return grants.Get("apps/credbroker-grant-decade") == nil }, 5*time.Second, time.Millisecond,
+		"a grant that expires past any token the agent mints was kept")
+	assert.NotNil(t, grants.Get("apps/credbroker-grant-edge"), "a grant at the edge of the bound was deleted")
+	var reported []string
+	for _, g := range m.Snapshot() {
+		reported = append(reported, g.GetCredentialId())
+	}
+	assert.Equal(t, []string{"JTI=edge"}, reported)
 }

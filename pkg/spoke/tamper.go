@@ -136,8 +136,11 @@ func agentKeys(m map[string]string) []string {
 // or "" when nothing. Only the agent's own labels and annotations (under
 // credbroker.io/) are judged, with finalizers, data, owners and
 // immutability. Of a grant being deleted the data, owners and immutability
-// are not judged: they cannot change once the grant was judged alive.
-func foreignChange(grant *corev1.Secret) string {
+// are not judged: they cannot change once the grant was judged alive. An
+// expiry that lies further past the grant's creation than the agent ever
+// writes is a change too: maxLifetime, the longest token the agent mints,
+// after the longest a pooled grant waits for its mint, and a clock skew.
+func foreignChange(grant *corev1.Secret, maxLifetime time.Duration) string {
 	if foreignFinalizers(grant) {
 		return "finalizers added"
 	}
@@ -184,6 +187,11 @@ func foreignChange(grant *corev1.Secret) string {
 		exp.After(grant.CreationTimestamp.Add(poolGrantTTL+poolClockSkew)) {
 		// A pooled grant lives poolGrantTTL; a later expiry would keep a
 		// token whose claim never landed from being collected.
+		return "annotation " + GrantExpirationAnnotation + " changed"
+	}
+	if !grant.CreationTimestamp.IsZero() && exp.After(grant.CreationTimestamp.Add(poolGrantTTL+maxLifetime+poolClockSkew)) {
+		// No token the agent mints outlives this; a later expiry is
+		// someone else's, and the brokers would drop it (trust round 3).
 		return "annotation " + GrantExpirationAnnotation + " changed"
 	}
 	for _, k := range agentKeys(grant.Annotations) {
@@ -343,7 +351,7 @@ func (m *Minter) checkSeen(grant *corev1.Secret) bool {
 	if _, ok := m.changedRecord(grant.UID); ok {
 		return true
 	}
-	why := foreignChange(grant)
+	why := foreignChange(grant, m.maxLifetime())
 	if why == "" {
 		return false
 	}
@@ -376,7 +384,7 @@ func (m *Minter) checkUpdate(old, now *corev1.Secret) bool {
 	ownClaim := m.claims.ownClaim(now) || unclaimed(old) && !m.pooledHere(now.UID)
 	why := changedFrom(old, now, ownClaim)
 	if why == "" {
-		why = foreignChange(now)
+		why = foreignChange(now, m.maxLifetime())
 	}
 	if why == "" {
 		return false

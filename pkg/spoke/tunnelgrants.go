@@ -170,7 +170,7 @@ func (m *Minter) Snapshot() []*credbrokerv1alpha1.Grant {
 		if !ok || !isGrant(g) || g.Annotations[GrantCredentialIDAnnotation] == "" || g.DeletionTimestamp != nil {
 			continue
 		}
-		if _, changed := m.changedRecord(g.UID); changed || foreignChange(g) != "" {
+		if _, changed := m.changedRecord(g.UID); changed || foreignChange(g, m.maxLifetime()) != "" {
 			continue
 		}
 		out = append(out, m.toGrant(g))
