@@ -243,26 +243,30 @@ func (t *Triggers) accountChanged(obj any) {
 func (t *Triggers) due() (time.Time, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	var due time.Time
-	if !t.rbacFirst.IsZero() {
-		due = t.rbacLast.Add(t.cfg.Debounce)
-		if limit := t.rbacFirst.Add(t.cfg.MaxDelay); limit.Before(due) {
-			due = limit
-		}
-	}
+	due := t.rbacDueAt()
 	if !t.accountsAgainAt.IsZero() && (due.IsZero() || t.accountsAgainAt.Before(due)) {
 		due = t.accountsAgainAt
 	}
 	return due, !due.IsZero()
 }
 
-// checkDue runs the checks that are due: the RBAC check, once the changes
-// have been quiet for Debounce (or MaxDelay has passed since the first),
-// and the second check of changed ServiceAccounts.
+// rbacDueAt returns when the pending RBAC changes are to be checked: once
+// they have been quiet for Debounce, or MaxDelay after the first; zero
+// when there are none. t.mu is held.
+func (t *Triggers) rbacDueAt() time.Time {
+	if t.rbacFirst.IsZero() {
+		return time.Time{}
+	}
+	return minTime(t.rbacLast.Add(t.cfg.Debounce), t.rbacFirst.Add(t.cfg.MaxDelay))
+}
+
+// checkDue runs the checks that are due: the RBAC check (rbacDueAt) and
+// the second check of changed ServiceAccounts.
 func (t *Triggers) checkDue(ctx context.Context) {
 	now := t.cfg.Clock.Now()
 	t.mu.Lock()
-	rbac := !t.rbacFirst.IsZero() && (!now.Before(t.rbacLast.Add(t.cfg.Debounce)) || !now.Before(t.rbacFirst.Add(t.cfg.MaxDelay)))
+	rbacAt := t.rbacDueAt()
+	rbac := !rbacAt.IsZero() && !now.Before(rbacAt)
 	if rbac {
 		t.rbacFirst, t.rbacLast = time.Time{}, time.Time{}
 	}
