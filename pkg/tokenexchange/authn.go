@@ -90,7 +90,11 @@ func (s *Service) authenticateReviewed(ctx context.Context, bearer string) (huba
 }
 
 // checkAccount refuses a hub ServiceAccount's token when Accounts knows
-// that the account is gone, or was created again under the same name.
+// that the account was created again under the same name, or that it is
+// gone and the informer saw it go (SubjectChanged) lately, while the hub's
+// own token cache may still authenticate its tokens. An account that the
+// informer does not hold and never saw go is one created a moment ago,
+// which the informer has not listed yet: the TokenReview decides.
 func (s *Service) checkAccount(user hubauth.User) error {
 	if s.cfg.Accounts == nil {
 		return nil
@@ -104,9 +108,9 @@ func (s *Service) checkAccount(user hubauth.User) error {
 	switch {
 	case !known:
 		return nil // the TokenReview decides alone until the informer has listed
-	case !exists:
+	case !exists && s.forgets.subjectChangedRecently(user.Username):
 		return fmt.Errorf("the hub ServiceAccount %s/%s of the token no longer exists: %w", ns, name, errdefs.ErrUnauthenticated)
-	case user.UID != "" && types.UID(user.UID) != uid:
+	case exists && user.UID != "" && types.UID(user.UID) != uid:
 		return fmt.Errorf("the hub ServiceAccount %s/%s was deleted and created again; the token is of the old one: %w", ns, name, errdefs.ErrUnauthenticated)
 	}
 	return nil

@@ -37,6 +37,7 @@ type forgets struct {
 
 	mu       sync.RWMutex
 	all      uint64                      // the number of the last forget of every subject
+	allAt    time.Time                   // and when it was
 	subjects map[string]forgottenSubject // by username
 }
 
@@ -68,7 +69,7 @@ func (f *forgets) subjectChanged(username string) {
 		}
 	}
 	if len(f.subjects) >= maxForgottenSubjects {
-		f.all, f.subjects = seq, map[string]forgottenSubject{}
+		f.all, f.allAt, f.subjects = seq, now, map[string]forgottenSubject{}
 		return
 	}
 	f.subjects[username] = forgottenSubject{seq: seq, at: now}
@@ -80,6 +81,19 @@ func (f *forgets) subjectStale(username string, seq uint64) bool {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	return seq < f.all || seq < f.subjects[username].seq
+}
+
+// subjectChangedRecently reports whether username's hub ServiceAccount
+// changed within keep: long enough for the hub's own token cache to have
+// let go of a deleted account's tokens.
+func (f *forgets) subjectChangedRecently(username string) bool {
+	now := f.clock.Now()
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if s, ok := f.subjects[username]; ok && now.Sub(s.at) <= f.keep {
+		return true
+	}
+	return f.all != 0 && now.Sub(f.allAt) <= f.keep
 }
 
 // authorizationStale reports whether an authorization decision about

@@ -189,8 +189,11 @@ func TestForgetsAreBounded(t *testing.T) {
 	assert.True(t, fg.subjectStale("a", before))
 	assert.False(t, fg.subjectStale("b", before))
 	assert.False(t, fg.subjectStale("a", fg.next()))
+	assert.True(t, fg.subjectChangedRecently("a"))
+	assert.False(t, fg.subjectChangedRecently("b"))
 
 	f.clock.Step(fg.keep + time.Second)
+	assert.False(t, fg.subjectChangedRecently("a"), "past keep, the hub's own review decides again")
 	fg.subjectChanged("b")
 	assert.NotContains(t, fg.subjects, "a", "a forget older than keep is dropped")
 
@@ -199,6 +202,7 @@ func TestForgetsAreBounded(t *testing.T) {
 	}
 	assert.LessOrEqual(t, len(fg.subjects), maxForgottenSubjects)
 	assert.True(t, fg.subjectStale("never-named", before), "past the bound, every subject is forgotten")
+	assert.True(t, fg.subjectChangedRecently("never-named"))
 }
 
 // fakeAccounts is an informer's view of the hub's ServiceAccounts.
@@ -240,7 +244,14 @@ func TestTokenOfAGoneServiceAccountIsRefused(t *testing.T) {
 	_, err := f.svc.Exchange(withBearer(consumerToken), fleetA())
 	require.NoError(t, err)
 
+	// Not listed, and never seen to go: created a moment ago, and not
+	// listed yet by the informer; the TokenReview decides.
 	accounts.set("hub/consumer", "")
+	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
+	require.NoError(t, err, "an account the informer has not listed yet is refused")
+
+	// Seen to go.
+	f.svc.SubjectChanged(consumerUsername)
 	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
 	require.Equal(t, codes.Unauthenticated, status.Code(err), "%v", err)
 	assert.Contains(t, err.Error(), "the hub ServiceAccount hub/consumer of the token no longer exists")
@@ -255,5 +266,5 @@ func TestTokenOfAGoneServiceAccountIsRefused(t *testing.T) {
 	accounts.mu.Unlock()
 	_, err = f.svc.Exchange(withBearer(consumerToken), fleetA())
 	require.NoError(t, err, "an informer that has not listed decides nothing")
-	assert.Equal(t, int32(1), f.reviews.tokenReviews.Load(), "the check costs no review")
+	assert.Equal(t, int32(2), f.reviews.tokenReviews.Load(), "the check costs no review (the second is SubjectChanged's)")
 }
