@@ -9,7 +9,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -33,16 +32,7 @@ func TestRemovedConsumerKeepsNoTokenFromCachedDecisions(t *testing.T) {
 		name   string
 		remove func(t *testing.T, c consumer)
 	}{
-		{"hub RBAC withdrawn", func(t *testing.T, c consumer) {
-			ctx := t.Context()
-			bindings, err := env.Hub.Client.RbacV1().RoleBindings(framework.FleetNamespace).List(ctx, metav1.ListOptions{})
-			require.NoError(t, err)
-			i := slices.IndexFunc(bindings.Items, func(b rbacv1.RoleBinding) bool {
-				return slices.Contains(b.Subjects, framework.ServiceAccountSubject(c.namespace, c.name))
-			})
-			require.GreaterOrEqual(t, i, 0, "no RoleBinding lets %s use the ClusterProfile", c.username())
-			require.NoError(t, env.Hub.Client.RbacV1().RoleBindings(framework.FleetNamespace).Delete(ctx, bindings.Items[i].Name, metav1.DeleteOptions{}))
-		}},
+		{"hub RBAC withdrawn", withdrawRoleBinding},
 		{"hub ServiceAccount deleted", func(t *testing.T, c consumer) {
 			require.NoError(t, env.Hub.Client.CoreV1().ServiceAccounts(c.namespace).Delete(t.Context(), c.name, metav1.DeleteOptions{}))
 		}},

@@ -54,25 +54,32 @@ func refusedAfter(t *testing.T, spoke *framework.Cluster, tok string, since time
 	assert.LessOrEqual(t, lag, 20*time.Second)
 }
 
+// withdrawRoleBinding deletes the hub RoleBinding that lets c use a
+// ClusterProfile of the fleet namespace.
+func withdrawRoleBinding(t *testing.T, c consumer) {
+	t.Helper()
+	ctx := t.Context()
+	bindings, err := env.Hub.Client.RbacV1().RoleBindings(framework.FleetNamespace).List(ctx, metav1.ListOptions{})
+	require.NoError(t, err)
+	i := slices.IndexFunc(bindings.Items, func(b rbacv1.RoleBinding) bool {
+		return slices.Contains(b.Subjects, framework.ServiceAccountSubject(c.namespace, c.name))
+	})
+	require.GreaterOrEqual(t, i, 0, "no RoleBinding lets %s use a ClusterProfile", c.username())
+	require.NoError(t, env.Hub.Client.RbacV1().RoleBindings(framework.FleetNamespace).Delete(ctx, bindings.Items[i].Name, metav1.DeleteOptions{}))
+}
+
 // Trigger 1. The attack: hub RBAC no longer lets a consumer create
 // clusterprofiles/token on a ClusterProfile, and the consumer goes on using
 // the spoke tokens it already holds, for up to their lifetime. The spoke
 // must refuse them, and only them.
 func TestWithdrawnHubRBACRevokesIssuedTokens(t *testing.T) {
-	ctx := context.Background()
 	spoke := env.Spokes[0]
 	gone, stays := newConsumer(t, "credbroker", spoke.Name), newConsumer(t, "credbroker", spoke.Name)
 	ns := optIn(t, spoke, "rbac-withdrawn", gone.username(), stays.username())
 	goneTok := mintOn(t, spoke, spoke.Name, gone, ns, "rbac-withdrawn").GetToken()
 	staysTok := mintOn(t, spoke, spoke.Name, stays, ns, "rbac-withdrawn").GetToken()
 
-	bindings, err := env.Hub.Client.RbacV1().RoleBindings(framework.FleetNamespace).List(ctx, metav1.ListOptions{})
-	require.NoError(t, err)
-	i := slices.IndexFunc(bindings.Items, func(b rbacv1.RoleBinding) bool {
-		return slices.Contains(b.Subjects, framework.ServiceAccountSubject(gone.namespace, gone.name))
-	})
-	require.GreaterOrEqual(t, i, 0, "no RoleBinding lets %s use %s", gone.username(), spoke.Name)
-	require.NoError(t, env.Hub.Client.RbacV1().RoleBindings(framework.FleetNamespace).Delete(ctx, bindings.Items[i].Name, metav1.DeleteOptions{}))
+	withdrawRoleBinding(t, gone)
 	withdrawn := time.Now()
 
 	refusedAfter(t, spoke, goneTok, withdrawn, "hub RBAC withdrew the consumer's access")
